@@ -1,0 +1,81 @@
+"""``fp4_mm``: the one call. Its whole path — validate, decide, run — is ``run_fp4_mm`` below."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .validate import check_fp4_mm_args
+
+__all__ = ["fp4_mm", "get_dispatcher", "set_dispatcher", "run_fp4_mm"]
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    # 1. validate: every contract error is raised here, naming argument, expected, got and the fix
+    problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
+    if problem.m == 0:
+        return ops.out
+    # 2. decide: one dict lookup once this (device, M bucket, N, K, out_dtype) is decided; the first call of a key
+    #    probes the device (once) and tunes the key, both remembered on disk
+    choice = dispatcher.choose(problem, backend)
+    # 3. run: a backend that raises is blacklisted for this key and the call is redone on the next best
+    return dispatcher.execute(choice, problem, ops)
+
+
+def fp4_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor | float | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    scale_layout: str = "swizzled",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``alpha * dequant(a) @ dequant(b).T`` for NVFP4 operands, on the fastest backend proven correct here.
+
+    Args:
+        a: packed activations, uint8 (or float4_e2m1fn_x2) [M, K/2], low nibble = even k, contiguous.
+        b: packed weight, uint8 [N, K/2] (nn.Linear layout; FlashInfer users: pass ``b`` where they passed ``b.T``).
+        a_scale, b_scale: float8_e4m3fn (or uint8) block scales, one per 16 K-elements; swizzled 128x4 and
+            zero-padded to (round_up(rows,128), round_up(K/16,4)) (2-D or flattened), or linear [rows, K/16] with
+            ``scale_layout="linear"``.
+        alpha: float32 1-element tensor (``1/(gs_a*gs_b)``), a Python float, or None (1.0).
+        out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
+        out: optional preallocated contiguous [M, N] tensor of ``out_dtype``.
+        scale_layout: "swizzled" (default) or "linear".
+        backend: force one backend by name (see ``get_dispatcher().report()``).
+
+    Returns:
+        [M, N] tensor of ``out_dtype`` (``out`` itself when given).
+
+    Raises:
+        InvalidInputError: the call breaks the contract (the message says which argument and how to fix it).
+        NoUsableBackendError: no backend can compute this problem (every backend's reason is listed).
+    """
+    d = _default if _default is not None else get_dispatcher()
+    return run_fp4_mm(d, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
+
+
+def get_dispatcher():
+    """The process-wide default :class:`~fp4dispatch.dispatcher.Dispatcher` (created on first use)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                from .dispatcher import Dispatcher
+
+                _default = Dispatcher()
+    return _default
+
+
+def set_dispatcher(dispatcher) -> None:
+    """Replace the process-wide default dispatcher (None: a fresh one is made on next use)."""
+    global _default
+    with _default_lock:
+        _default = dispatcher

@@ -1,0 +1,75 @@
+"""Every ``FP4DISPATCH_*`` environment knob, read in one place, lazily (at dispatcher creation).
+
+| variable                 | meaning                                                                  | default |
+|--------------------------|--------------------------------------------------------------------------|---------|
+| FP4DISPATCH_BACKEND      | force one backend by name (error naming why if it is unhealthy)          | unset   |
+| FP4DISPATCH_DISABLE      | comma list of backend names never to use                                 | unset   |
+| FP4DISPATCH_CACHE_DIR    | directory of the decision cache (else platformdirs' user cache dir)      | unset   |
+| FP4DISPATCH_TUNE         | 0: healthy backends in priority order, verified but not timed            | 1       |
+| FP4DISPATCH_LOG          | log level of the ``fp4dispatch`` logger (DEBUG, INFO, WARNING, ...)      | unset   |
+| FP4DISPATCH_ISOLATE      | 1: probe risky (native) backends in worker processes                     | 0       |
+| FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
+| FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.guard)      | 0       |
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV"]
+
+# Env variables of other libraries that can change which kernel runs or what it computes: part of the fingerprint.
+RELEVANT_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "FLASHINFER_CUDA_ARCH_LIST",
+    "FLASHINFER_DISABLE_JIT",
+    "TORCH_CUDA_ARCH_LIST",
+    "TRITON_INTERPRET",
+    "FP4DISPATCH_DISABLE",
+)
+
+
+def _flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    forced_backend: str | None = None
+    disabled: frozenset[str] = field(default_factory=frozenset)
+    cache_dir: Path | None = None
+    tune: bool = True
+    isolate: bool = False
+    probe_timeout_s: float = 30.0
+    guard: bool = False
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("FP4DISPATCH_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fp4dispatch"))
+
+
+def read_settings() -> Settings:
+    """Read the environment now."""
+    level = os.environ.get("FP4DISPATCH_LOG")
+    if level:
+        logging.getLogger("fp4dispatch").setLevel(level.upper())
+    disabled = frozenset(x.strip() for x in os.environ.get("FP4DISPATCH_DISABLE", "").split(",") if x.strip())
+    return Settings(
+        forced_backend=os.environ.get("FP4DISPATCH_BACKEND") or None,
+        disabled=disabled,
+        cache_dir=Path(os.environ["FP4DISPATCH_CACHE_DIR"]) if os.environ.get("FP4DISPATCH_CACHE_DIR") else None,
+        tune=_flag("FP4DISPATCH_TUNE", True),
+        isolate=_flag("FP4DISPATCH_ISOLATE", False),
+        probe_timeout_s=float(os.environ.get("FP4DISPATCH_PROBE_TIMEOUT", "30")),
+        guard=_flag("FP4DISPATCH_GUARD", False),
+    )

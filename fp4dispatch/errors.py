@@ -1,0 +1,31 @@
+"""Exception tree of fp4dispatch.
+
+Every user-input problem is an :class:`InvalidInputError` (also a ``ValueError``), raised before any backend runs.
+All classes pickle (they cross process boundaries when probes run in worker processes).
+"""
+from __future__ import annotations
+
+__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError"]
+
+
+class FP4DispatchError(Exception):
+    """Base class of every error raised by fp4dispatch."""
+
+
+class InvalidInputError(FP4DispatchError, ValueError):
+    """An argument of ``fp4_mm`` (or of a format helper) breaks the NVFP4 contract."""
+
+
+class BackendError(FP4DispatchError):
+    """A backend was asked for by name but cannot serve the call (unknown, unhealthy, or unsupported)."""
+
+
+class NoUsableBackendError(FP4DispatchError):
+    """No backend can compute this problem; the message lists every backend's reason."""
+
+    def __init__(self, message: str, reasons: dict[str, str] | None = None):
+        super().__init__(message)
+        self.reasons = dict(reasons or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.reasons))

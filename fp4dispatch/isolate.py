@@ -1,0 +1,64 @@
+"""Run a probe in a spawned worker process with a timeout, so that a crash or a sticky CUDA error (illegal
+instruction, vLLM #38423) cannot ruin the caller's process. A dead or hung worker is a ``failed`` verdict."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+
+import torch
+
+from .backends.base import Backend
+from .probe import Verdict, describe_exception
+
+__all__ = ["probe_isolated"]
+
+
+def _worker(conn, backend: Backend, device_str: str) -> None:
+    from .probe import probe_backend
+
+    try:
+        v = probe_backend(backend, torch.device(device_str))
+        conn.send(v.to_json())
+    except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
+        conn.send({"status": "failed", "reason": describe_exception(e)})
+    finally:
+        conn.close()
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f"signal {-code}, {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0) -> Verdict:
+    """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_worker, args=(child, backend, str(device)), daemon=True)
+    try:
+        proc.start()
+    except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle
+        return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
+    child.close()
+    try:
+        if parent.poll(timeout_s):
+            try:
+                return Verdict.from_json(parent.recv())
+            except EOFError:
+                pass  # the worker died before it could answer
+        else:
+            proc.kill()
+            proc.join(5)
+            return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s)
+        proc.join(timeout_s)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            return Verdict("failed", f"worker died ({_signal_name(code)})")
+        return Verdict("failed", f"worker died (exit code {code})")
+    finally:
+        parent.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)

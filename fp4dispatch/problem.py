@@ -1,0 +1,54 @@
+"""The canonical form of one ``fp4_mm`` call, as every backend receives it."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Problem", "Operands", "OUT_DTYPES", "m_bucket", "M_BUCKETS"]
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# M buckets: powers of two up to 8192 (chosen from a measurement; see docs/tuning.md). A bucket is named by its
+# upper edge; M is rounded up to the next edge, and anything above the last edge shares the last bucket.
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def m_bucket(m: int) -> int:
+    """The bucket (upper edge) that M belongs to."""
+    if m <= 1:
+        return 1
+    b = 1 << (m - 1).bit_length()
+    return b if b <= M_BUCKETS[-1] else M_BUCKETS[-1]
+
+
+class Problem(NamedTuple):
+    """Shape and type of one GEMM: out[M, N] = alpha * A[M, K] @ B[N, K].T (K in elements)."""
+
+    m: int
+    n: int
+    k: int
+    out_dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bucket(self) -> int:
+        return m_bucket(self.m)
+
+    def with_m(self, m: int) -> "Problem":
+        return Problem(m, self.n, self.k, self.out_dtype, self.device)
+
+    def __str__(self) -> str:
+        return f"M={self.m} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
+
+
+class Operands(NamedTuple):
+    """Canonical operands: a uint8 [M, K/2], b uint8 [N, K/2] (both contiguous), 2-D 128x4-swizzled zero-padded
+    float8_e4m3fn scales, alpha float32 [1] on the device, and a preallocated contiguous out [M, N]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_scale: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+    out: torch.Tensor

@@ -1,0 +1,148 @@
+"""Input contract of ``fp4_mm``: every user-input error is raised here, with argument, expected, got and a fix.
+
+The common case (everything right) costs a handful of attribute reads; messages are only built on failure.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidInputError
+from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, swizzle_scales, swizzled_scale_shape
+from .problem import OUT_DTYPES, Operands, Problem
+
+__all__ = ["check_fp4_mm_args"]
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fail(msg: str) -> InvalidInputError:
+    return InvalidInputError("fp4_mm: " + msg)
+
+
+def _check_packed(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(f"{name} must be a torch.Tensor of packed NVFP4 data; got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        try:
+            t = as_packed_uint8(t, name)
+        except InvalidInputError as e:
+            raise _fail(str(e)) from None
+    if t.dim() != 2:
+        rows = "M" if name == "a" else "N"
+        raise _fail(f"{name} must be 2-D [{rows}, K/2] packed NVFP4; got {name}.shape={tuple(t.shape)}")
+    return t
+
+
+def _check_b_layout(a: torch.Tensor, b: torch.Tensor) -> None:
+    k2 = a.shape[1]
+    if b.shape[1] == k2:
+        return
+    if b.shape[0] == k2:
+        raise _fail(
+            f"b must be [N, K/2] (the nn.Linear weight layout); got b.shape={tuple(b.shape)}, which looks like "
+            f"[K/2, N] = FlashInfer's transposed b.T. fp4_mm takes the weight untransposed: pass `b.T` "
+            f"(or the original [N, K/2] weight), and its scale likewise"
+        )
+    raise _fail(f"b.shape[1] (K/2) must equal a.shape[1]={k2}; got b.shape={tuple(b.shape)}")
+
+
+def _check_scale(s: object, name: str, rows: int, k: int, rows_name: str, layout: str, device) -> torch.Tensor:
+    if not isinstance(s, torch.Tensor):
+        raise _fail(f"{name} must be a float8_e4m3fn tensor of block scales; got {type(s).__name__}")
+    if s.dtype != torch.float8_e4m3fn:
+        try:
+            s = as_e4m3(s, name)
+        except InvalidInputError as e:
+            raise _fail(str(e)) from None
+    sw = swizzled_scale_shape(rows, k)
+    lin = (rows, k // BLOCK)
+    shape = tuple(s.shape)
+    if layout == "swizzled":
+        if shape == sw:
+            pass
+        elif s.dim() == 1 and s.numel() == sw[0] * sw[1]:
+            s = s.view(sw)
+        else:
+            hint = " It has the linear layout's shape: pass scale_layout='linear'." if shape == lin else ""
+            raise _fail(
+                f"{name} with scale_layout='swizzled' must have shape {sw} = (round_up({rows_name}={rows},128), "
+                f"round_up(K/16={k // BLOCK},4)) or that many elements flattened; got {name}.shape={shape}.{hint}"
+            )
+    elif shape != lin:
+        hint = (
+            " It has the swizzled layout's shape: pass scale_layout='swizzled'."
+            if shape == sw or (s.dim() == 1 and s.numel() == sw[0] * sw[1])
+            else ""
+        )
+        raise _fail(f"{name} with scale_layout='linear' must have shape {lin} = ({rows_name}, K/16); "
+                    f"got {name}.shape={shape}.{hint}")
+    if s.device != device:
+        raise _fail(f"{name} must be on {device} like a; got {name}.device={s.device}. Move it with .to({str(device)!r})")
+    if not s.is_contiguous():
+        raise _fail(f"{name} must be contiguous; got strides {s.stride()} for shape {shape}. Call .contiguous()")
+    if layout == "linear":
+        s = swizzle_scales(s)
+    return s
+
+
+def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
+    if alpha is None:
+        one = _ONES.get(device)
+        if one is None:
+            one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return one
+    if isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
+        return torch.full((1,), float(alpha), dtype=torch.float32, device=device)
+    if not isinstance(alpha, torch.Tensor):
+        raise _fail(f"alpha must be a float32 1-element tensor, a Python float, or None; got {type(alpha).__name__}")
+    if alpha.dtype != torch.float32:
+        raise _fail(
+            f"alpha must be float32; got dtype={alpha.dtype}. Compute 1/(gs_a*gs_b) in float32 (a bf16 global scale "
+            f"gave silently wrong outputs in FlashInfer #3398); fp4_mm never converts it for you"
+        )
+    if alpha.numel() != 1:
+        raise _fail(f"alpha must have exactly one element (a per-tensor scale); got alpha.shape={tuple(alpha.shape)}")
+    if alpha.device != device:
+        raise _fail(f"alpha must be on {device} like a; got alpha.device={alpha.device}")
+    return alpha.reshape(1)
+
+
+def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
+    """Validate an ``fp4_mm`` call and return its canonical (Problem, Operands); raise InvalidInputError."""
+    if scale_layout not in SCALE_LAYOUTS:
+        raise _fail(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise _fail(f"out_dtype must be one of torch.bfloat16, torch.float16, torch.float32; got {out_dtype!r}")
+    a = _check_packed(a, "a")
+    b = _check_packed(b, "b")
+    device = a.device
+    if b.device != device:
+        raise _fail(f"a and b must be on the same device; got a.device={device}, b.device={b.device}")
+    _check_b_layout(a, b)
+    m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+    if k % BLOCK or k == 0:
+        raise _fail(
+            f"K=2*a.shape[1]={k} must be a positive multiple of {BLOCK} (one e4m3 scale per 16 values); "
+            f"pad K with zeros to a multiple of 16 before quantizing"
+        )
+    if not a.is_contiguous():
+        raise _fail(f"a must be contiguous [M, K/2]; got strides {a.stride()} for shape {tuple(a.shape)}. "
+                    f"Call a.contiguous()")
+    if not b.is_contiguous():
+        hint = " It is a transposed view: pass the contiguous [N, K/2] weight itself" if b.T.is_contiguous() else (
+            " Call b.contiguous()")
+        raise _fail(f"b must be contiguous [N, K/2]; got strides {b.stride()} for shape {tuple(b.shape)}.{hint}")
+    sa = _check_scale(a_scale, "a_scale", m, k, "M", scale_layout, device)
+    sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
+    al = _check_alpha(alpha, device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+    elif not isinstance(out, torch.Tensor):
+        raise _fail(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.device != device or not out.is_contiguous():
+        raise _fail(
+            f"out must be a contiguous [M, N]=({m}, {n}) tensor of dtype {out_dtype} on {device}; got "
+            f"shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, contiguous={out.is_contiguous()}. "
+            f"Allocate it with torch.empty(({m}, {n}), dtype={out_dtype}, device={str(device)!r}) or pass out_dtype"
+        )
+    return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)
