@@ -67,10 +67,12 @@ class Dispatcher:
         backends: ordered backends (priority order); default: every built-in backend.
         cache_dir: decision cache directory; default ``FP4DISPATCH_CACHE_DIR`` or platformdirs' user cache dir.
         do_bench: ``fn -> milliseconds``; default ``triton.testing.do_bench`` median on CUDA, a timer loop on CPU.
+        settings: environment knobs (default: read from ``FP4DISPATCH_*`` now).
+        guard: guard mode (default ``FP4DISPATCH_GUARD``).
     """
 
     def __init__(self, backends: list[Backend] | None = None, *, cache_dir: str | Path | None = None,
-                 do_bench: DoBench | None = None, settings: Settings | None = None):
+                 do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None):
         self.settings = settings or read_settings()
         self.backends: list[Backend] = list(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}
@@ -81,6 +83,12 @@ class Dispatcher:
         self._states: dict[torch.device, _DeviceState] = {}
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        # guard mode (fp4dispatch.guard): checks outputs for non-finite values without a host sync per call
+        self.guard = None
+        if guard if guard is not None else self.settings.guard:
+            from .guard import Guard
+
+            self.guard = Guard()
 
     # -- the call ------------------------------------------------------------------------------------------------
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
@@ -105,6 +113,8 @@ class Dispatcher:
                 raise BackendError(f"fp4_mm: backend {choice.backend.name!r} failed on {problem}: "
                                    f"{describe_exception(e)}") from e
             return self.execute(self._runtime_fault(choice, problem, e), problem, ops)
+        if self.guard is not None and choice.key is not None:
+            return self.guard.after_run(self, choice, problem, ops)
         return ops.out
 
     # -- decisions -----------------------------------------------------------------------------------------------
@@ -313,6 +323,25 @@ class Dispatcher:
                     rec.losses[ks] = banned[b.name]
             recs.append(rec)
         return recs
+
+    def entry_for(self, problem: Problem) -> dict | None:
+        """The cached decision record (winner, time, ranking) of ``problem``'s key, deciding it if needed."""
+        self.choose(problem)
+        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+        return self.cache_for(problem.device).decisions.get(key_str(key))
+
+    def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
+        """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also
+        writes them to the disk cache. In-memory choices of those keys are re-derived on next use."""
+        dev = _resolve_device(device)
+        with self._lock:
+            st = self._state(dev)
+            if persist:
+                st.cache.update("decisions", entries)
+            else:
+                st.cache.decisions.update(entries)
+            for key in [k for k in self._choices if k[0] == dev and key_str(k) in entries]:
+                del self._choices[key]
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
