@@ -1,0 +1,26 @@
+"""Every test gets its own cache dir and a fresh process-wide dispatcher; env knobs are cleared."""
+from __future__ import annotations
+
+import pytest
+
+import fp4dispatch
+
+_KNOBS = ("FP4DISPATCH_BACKEND", "FP4DISPATCH_DISABLE", "FP4DISPATCH_TUNE", "FP4DISPATCH_ISOLATE",
+          "FP4DISPATCH_GUARD", "FP4DISPATCH_LOG", "FP4DISPATCH_PROBE_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    for k in _KNOBS:
+        monkeypatch.delenv(k, raising=False)
+    cache = tmp_path / "fp4cache"
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(cache))
+    fp4dispatch.set_dispatcher(None)
+    yield cache
+    fp4dispatch.set_dispatcher(None)
+
+
+@pytest.fixture
+def cache_dir(_fresh_cache):
+    """The per-test cache directory (also in FP4DISPATCH_CACHE_DIR)."""
+    return _fresh_cache
