@@ -1,0 +1,149 @@
+"""NVFP4 format: quantize/dequantize vs an independent per-element implementation, grid round trip, swizzle."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp4dispatch import InvalidInputError, dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales
+from fp4dispatch.format import E2M1_VALUES
+
+GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _slow_e2m1_code(v: float) -> int:
+    """Round-to-nearest-even onto the e2m1 grid with saturation, one value at a time, by search."""
+    sign = 8 if math.copysign(1.0, v) < 0 else 0
+    a = min(abs(v), 6.0)
+    best = min(range(8), key=lambda i: (abs(GRID[i] - a), i % 2))  # tie -> even code (mantissa bit 0)
+    return best | sign
+
+
+def _slow_quantize(x: torch.Tensor, gs: float):
+    """Per-element reference of quantize_nvfp4 (linear scales), written independently of the library."""
+    m, k = x.shape
+    codes = torch.zeros(m, k, dtype=torch.uint8)
+    scales = torch.zeros(m, k // 16, dtype=torch.float8_e4m3fn)
+    g = torch.tensor(gs, dtype=torch.float32)
+    for r in range(m):
+        for blk in range(k // 16):
+            vals = x[r, blk * 16:(blk + 1) * 16].float()
+            amax = vals.abs().max()
+            s = torch.clamp(amax * g / torch.tensor(6.0), max=448.0).to(torch.float8_e4m3fn)
+            scales[r, blk] = s
+            sd = s.float()
+            inv = g / sd if sd > 0 else torch.tensor(0.0)
+            for j in range(16):
+                codes[r, blk * 16 + j] = _slow_e2m1_code(float(vals[j] * inv))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_matches_slow_per_element(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(5, 64) * torch.logspace(-3, 3, 5).unsqueeze(1)).to(dtype)
+    packed, scale, gs = quantize_nvfp4(x, scale_layout="linear")
+    ref_packed, ref_scale = _slow_quantize(x, float(gs))
+    assert torch.equal(packed, ref_packed)
+    assert torch.equal(scale.view(torch.uint8), ref_scale.view(torch.uint8))
+
+
+def test_rounding_ties_and_saturation():
+    # With gs=1 and block amax 6 the block scale is exactly 1, so values map straight onto the grid.
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 6.0, 0.1, 5.5]
+    x = torch.tensor([ties + [6.0, 0.0, 0.0, 0.0]], dtype=torch.float32)
+    packed, scale, _ = quantize_nvfp4(x, 1.0, scale_layout="linear")
+    assert scale.float().item() == 1.0
+    codes = torch.stack((packed & 0xF, packed >> 4), -1).flatten().tolist()
+    got = [E2M1_VALUES[c] for c in codes[: len(ties)]]
+    assert got == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -4.0, 6.0, 0.0, 6.0]
+    # saturation: a value beyond the block scale's range clamps to +-6 (x gs / scale > 6 cannot happen by
+    # construction, so force it with a scale that saturates at 448)
+    big = torch.full((1, 16), 1e6)
+    p, s, _ = quantize_nvfp4(big, 1.0, scale_layout="linear")
+    assert s.float().item() == 448.0 and int(p[0, 0]) == 0x77
+
+
+def test_exact_round_trip_on_grid():
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (7, 32))
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0])[torch.randint(0, 4, (7, 2))]
+    x = torch.tensor(E2M1_VALUES)[codes] * scales.repeat_interleave(16, dim=1)
+    x[:, 0] = 6.0 * scales[:, 0]  # make every block's amax a grid maximum so its scale is exact
+    x[:, 16] = 6.0 * scales[:, 1]
+    for layout in ("linear", "swizzled"):
+        packed, scale, gs = quantize_nvfp4(x, 1.0, scale_layout=layout)
+        back = dequantize_nvfp4(packed, scale, gs, scale_layout=layout)
+        assert torch.equal(back, x)
+
+
+def test_dequantize_with_default_global_scale_close_to_input():
+    torch.manual_seed(2)
+    x = torch.randn(64, 256)
+    packed, scale, gs = quantize_nvfp4(x)
+    back = dequantize_nvfp4(packed, scale, gs)
+    rel = (back - x).norm() / x.norm()
+    assert rel < 0.15  # NVFP4 quantization error of Gaussian data is ~0.1
+    assert packed.shape == (64, 128) and scale.shape == (128, 16) and gs.dtype == torch.float32
+
+
+def test_float4_dtype_and_uint8_scale_views_accepted():
+    x = torch.randn(4, 32)
+    packed, scale, gs = quantize_nvfp4(x)
+    a = dequantize_nvfp4(packed, scale, gs)
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    if fp4 is not None:
+        b = dequantize_nvfp4(packed.view(fp4), scale.view(torch.uint8), gs)
+        assert torch.equal(a, b)
+
+
+def test_nan_scale_propagates():
+    x = torch.randn(2, 32)
+    packed, scale, gs = quantize_nvfp4(x, scale_layout="linear")
+    scale.view(torch.uint8)[1, 0] = 0x7F  # e4m3 NaN
+    out = dequantize_nvfp4(packed, scale, gs, scale_layout="linear")
+    assert torch.isnan(out[1, :16]).all() and torch.isfinite(out[1, 16:]).all() and torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (5, 3), (128, 4), (130, 9), (300, 11)])
+def test_swizzle_closed_form_and_inverse(rows, cols):
+    lin = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    sw = swizzle_scales(lin)
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    assert sw.shape == (rp, cp)
+    flat = sw.flatten()
+    nct = cp // 4
+    for r in range(rows):
+        for c in range(cols):
+            off = ((r // 128) * nct + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+            assert flat[off] == lin[r, c]
+    assert int(flat.sum()) == int(lin.sum())  # everything else is zero padding
+    assert torch.equal(unswizzle_scales(sw, rows, cols), lin)
+    assert torch.equal(unswizzle_scales(flat, rows, cols), lin)  # flattened input
+
+
+def test_swizzle_keeps_e4m3_dtype():
+    lin = torch.rand(3, 2).to(torch.float8_e4m3fn)
+    sw = swizzle_scales(lin)
+    assert sw.dtype == torch.float8_e4m3fn
+    assert torch.equal(unswizzle_scales(sw, 3, 2).view(torch.uint8), lin.view(torch.uint8))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: quantize_nvfp4(torch.randn(2, 24)), r"K=x.shape\[1\] must be a multiple of 16.*Pad K with zeros to 32"),
+    (lambda: quantize_nvfp4(torch.randn(32)), r"x must be a 2-D \[M, K\] tensor"),
+    (lambda: quantize_nvfp4(torch.randint(0, 3, (2, 16))), r"x must be float32, bfloat16 or float16; got dtype=torch.int64"),
+    (lambda: quantize_nvfp4(torch.randn(2, 16), torch.tensor([1.0], dtype=torch.bfloat16)),
+     r"global_scale must be a float32 tensor with one element; got dtype=torch.bfloat16"),
+    (lambda: quantize_nvfp4(torch.randn(2, 16), scale_layout="tiled"), r"scale_layout must be one of .*got 'tiled'"),
+    (lambda: dequantize_nvfp4(torch.randn(2, 8), torch.zeros(128, 4, dtype=torch.float8_e4m3fn)),
+     r"packed must be packed NVFP4 data .*quantize first with quantize_nvfp4"),
+    (lambda: unswizzle_scales(torch.zeros(10, dtype=torch.uint8), 3, 2), r"has 128\*4=512 elements"),
+    (lambda: swizzle_scales(torch.zeros(4, dtype=torch.uint8)), r"expected a 2-D \[rows, K/16\] tensor"),
+], ids=["k-not-16", "rank", "int-input", "bf16-global-scale", "layout", "dequant-float", "unswizzle-size",
+        "swizzle-rank"])
+def test_format_errors(call, match):
+    with pytest.raises(InvalidInputError, match=match):
+        call()
