@@ -1,0 +1,101 @@
+"""Disk cache: corrupt files never crash, concurrent writers never lose entries, JSON only."""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from fp4dispatch.cache import SCHEMA_VERSION, DecisionCache
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.fingerprint import device_fingerprint
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+FP = {"device_type": "cpu", "libs": {"torch": "x"}}
+
+
+def _file(tmp_path):
+    return DecisionCache(tmp_path, FP).path
+
+
+CORRUPT = {
+    "garbage": "not json at all {{{",
+    "truncated": '{"schema_version": 1, "fingerprint": {"device_type": "cp',
+    "list": "[1, 2, 3]",
+    "future-schema": json.dumps({"schema_version": SCHEMA_VERSION + 1, "fingerprint": FP, "health": {},
+                                 "decisions": {}, "shape_blacklist": {}}),
+    "foreign": json.dumps({"schema_version": SCHEMA_VERSION, "fingerprint": {"device_type": "cuda", "gpu": "B200"},
+                           "health": {}, "decisions": {"k": {}}, "shape_blacklist": {}}),
+    "bad-section": json.dumps({"schema_version": SCHEMA_VERSION, "fingerprint": FP, "health": [],
+                               "decisions": {}, "shape_blacklist": {}}),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT))
+def test_corrupt_cache_warns_once_and_is_rebuilt(tmp_path, kind, caplog):
+    path = _file(tmp_path)
+    path.write_text(CORRUPT[kind])
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        c = DecisionCache(tmp_path, FP)
+        assert c.decisions == {} and c.health == {}
+        c.update("decisions", {"m1-n2-k16-bfloat16": {"backend": "x"}})
+        c.update("decisions", {"m2-n2-k16-bfloat16": {"backend": "y"}})
+    warnings = [r for r in caplog.records if "ignoring cache file" in r.getMessage()]
+    assert len(warnings) == 1
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION and data["fingerprint"] == FP
+    assert set(data["decisions"]) == {"m1-n2-k16-bfloat16", "m2-n2-k16-bfloat16"}
+
+
+def test_dispatcher_survives_corrupt_file(tmp_path):
+    cdir = tmp_path / "c"
+    cdir.mkdir()
+    path = DecisionCache(cdir, device_fingerprint(torch.device("cpu"))).path
+    path.write_text('{"schema_version": 1, "decis')
+    d = Dispatcher([FakeBackend("x")], cache_dir=cdir, do_bench=fake_do_bench)
+    a, b, sa, sb, alpha = make_nvfp4_inputs(2, 32, 64)
+    d.fp4_mm(a, b, sa, sb, alpha)
+    assert "m2-n32-k64-bfloat16" in json.loads(path.read_text())["decisions"]
+
+
+def test_no_temp_files_left_and_nested_merge(tmp_path):
+    c = DecisionCache(tmp_path, FP)
+    c.update("shape_blacklist", {"k": {"a": "incorrect"}}, merge_nested=True)
+    c.update("shape_blacklist", {"k": {"b": "failed"}}, merge_nested=True)
+    assert c.shape_blacklist == {"k": {"a": "incorrect", "b": "failed"}}
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [c.path.name]
+
+
+def test_unwritable_dir_keeps_decisions_in_memory(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    c = DecisionCache(blocker / "sub", FP)  # a directory below a regular file cannot be made
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        c.update("decisions", {"k": {"backend": "x"}})
+    assert c.decisions == {"k": {"backend": "x"}}
+    assert any("could not write the cache" in r.getMessage() for r in caplog.records)
+
+
+def _tune_one(cache_dir: str, n: int) -> None:
+    d = Dispatcher([FakeBackend("p", cost=1e-5), FakeBackend("q", cost=2e-5)], cache_dir=cache_dir,
+                   do_bench=fake_do_bench)
+    d.warmup([(1, n, 64), (64, n, 64)], out_dtype=torch.float32, device="cpu")
+
+
+def test_many_processes_write_one_cache(tmp_path):
+    ctx = mp.get_context("spawn")
+    ns = [32 * (i + 1) for i in range(6)]
+    procs = [ctx.Process(target=_tune_one, args=(str(tmp_path), n)) for n in ns]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 6
+    files = list(tmp_path.glob("decisions-*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    expected = {f"m{m}-n{n}-k64-float32" for n in ns for m in (1, 64)}
+    assert set(data["decisions"]) == expected
+    assert set(data["health"]) == {"p", "q"}

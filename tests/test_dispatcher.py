@@ -1,0 +1,249 @@
+"""The dispatcher with fake backends and a fake timer: probing, blacklisting, tuning, caching, faults, env knobs."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+import torch
+
+from fp4dispatch import BackendError, InvalidInputError, NoUsableBackendError
+from fp4dispatch.backends.reference import ReferenceBackend
+from fp4dispatch.config import Settings, read_settings
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+
+def _call(d: Dispatcher, m: int, n: int = 64, k: int = 128, seed: int = 0, **kw):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(m, n, k, seed=seed)
+    out = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, **kw)
+    ref = d_ref(a, b, sa, sb, alpha)
+    return out, ref
+
+
+def d_ref(a, b, sa, sb, alpha):
+    from fp4dispatch import dequantize_nvfp4
+
+    return (dequantize_nvfp4(a, sa).double() @ dequantize_nvfp4(b, sb).double().T * float(alpha)).float()
+
+
+def _close(out, ref):
+    return float((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
+
+
+def _disp(backends, tmp_path, **kw):
+    return Dispatcher(backends, cache_dir=tmp_path / "c", do_bench=fake_do_bench, **kw)
+
+
+def _status(d, dev="cpu"):
+    return {r.name: (r.status, r.reason) for r in d.report(dev)}
+
+
+FAILURE_MODES = [
+    (dict(result="zeros"), "incorrect", "all zeros"),
+    (dict(result="nan"), "incorrect", "NaN/Inf or unwritten"),
+    (dict(result="transposed"), "incorrect", "relative error"),
+    (dict(result="scaled"), "incorrect", "relative error"),
+    (dict(raises=RuntimeError("CUTLASS error: Error Internal")), "failed",
+     "RuntimeError: CUTLASS error: Error Internal"),
+    (dict(unavailable="needs SM100"), "unavailable", "needs SM100"),
+    (dict(unsupported="K must be a multiple of 4096"), "unsupported", "K must be a multiple of 4096"),
+]
+
+
+@pytest.mark.parametrize("kw,status,reason", FAILURE_MODES, ids=[f[1] + ":" + f[2][:12] for f in FAILURE_MODES])
+def test_every_failure_mode_is_detected_and_never_chosen(tmp_path, kw, status, reason):
+    bad = FakeBackend("bad", cost=1e-6, **kw)  # faster than the good one: only correctness keeps it out
+    good = FakeBackend("good", cost=1e-3)
+    d = _disp([bad, good], tmp_path)
+    for m in (1, 5, 300):
+        out, ref = _call(d, m, seed=m)
+        assert _close(out, ref)
+    st = _status(d)
+    assert st["bad"][0] == status and reason in st["bad"][1]
+    assert st["good"] == ("ok", "")
+    before = bad.calls
+    _call(d, 7, seed=9)
+    assert bad.calls == before  # never run once blacklisted
+
+
+def test_different_winners_at_different_m(tmp_path):
+    small = FakeBackend("small-m", cost=lambda m, n, k: 1e-6 * (1 + m))
+    large = FakeBackend("large-m", cost=lambda m, n, k: 1e-4 + 1e-8 * m)
+    d = _disp([small, large], tmp_path)
+    assert d.warmup([(1, 64, 128), (16, 64, 128), (1024, 64, 128), (4096, 64, 128)], out_dtype=torch.float32)
+    wins = {r.name: sorted(r.wins) for r in d.report("cpu")}
+    assert wins["small-m"] == ["m1-n64-k128-float32", "m16-n64-k128-float32"]
+    assert wins["large-m"] == ["m1024-n64-k128-float32", "m4096-n64-k128-float32"]
+    losses = {r.name: r.losses for r in d.report("cpu")}
+    assert "slower" in losses["large-m"]["m1-n64-k128-float32"]
+
+
+def test_backend_wrong_at_one_m_used_elsewhere(tmp_path):
+    flaky = FakeBackend("flaky", cost=1e-6, wrong_for_m=(300,))  # like FlashInfer #3398 at M=3072
+    safe = FakeBackend("safe", cost=1e-3)
+    d = _disp([flaky, safe], tmp_path)
+    out, ref = _call(d, 300)
+    assert _close(out, ref)
+    out, ref = _call(d, 64)
+    assert _close(out, ref)
+    st = _status(d)
+    assert st["flaky"][0] == "ok" and "all zeros at M=300" in st["flaky"][1]
+    rec = {r.name: r for r in d.report("cpu")}
+    assert rec["flaky"].wins == ["m64-n64-k128-float32"]
+    assert "incorrect: all zeros at M=300" in rec["flaky"].losses["m512-n64-k128-float32"]
+    assert rec["safe"].wins == ["m512-n64-k128-float32"]
+
+
+def test_warm_cache_runs_no_probe_and_no_tuning(tmp_path):
+    d1 = _disp([FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)], tmp_path)
+    _call(d1, 16)
+    fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
+    d2 = _disp([fast, slow], tmp_path)  # a new process, in effect: same cache dir, fresh objects
+    for i in range(3):
+        out, ref = _call(d2, 9 + i, seed=i)  # same bucket (16)
+        assert _close(out, ref)
+    assert fast.calls == 3 and slow.calls == 0
+
+
+def test_fingerprint_change_reprobes(tmp_path, monkeypatch):
+    _call(_disp([FakeBackend("x")], tmp_path), 4)
+    again = FakeBackend("x")
+    _call(_disp([again], tmp_path), 4)
+    assert again.calls == 1
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "12.0f")  # part of the fingerprint
+    fresh = FakeBackend("x")
+    _call(_disp([fresh], tmp_path), 4)
+    assert fresh.calls > 1  # probed and tuned again
+    assert len(list((tmp_path / "c").glob("decisions-*.json"))) == 2
+
+
+def test_runtime_fault_falls_back_and_blacklists(tmp_path, caplog):
+    flaky = FakeBackend("flaky", cost=1e-6, fail_after=6)
+    safe = FakeBackend("safe", cost=1e-3)
+    d = _disp([flaky, safe], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        for i in range(6):
+            out, ref = _call(d, 8, seed=i)
+            assert _close(out, ref)
+    warnings = [r for r in caplog.records if "flaky raised" in r.getMessage()]
+    assert len(warnings) == 1
+    rec = {r.name: r for r in d.report("cpu")}
+    assert "failed at runtime: RuntimeError" in rec["flaky"].losses["m8-n64-k128-float32"]
+    # a new process keeps using the fallback for this key
+    flaky2, safe2 = FakeBackend("flaky", cost=1e-6), FakeBackend("safe", cost=1e-3)
+    _call(_disp([flaky2, safe2], tmp_path), 8)
+    assert flaky2.calls == 0 and safe2.calls == 1
+
+
+def test_no_usable_backend_lists_every_reason(tmp_path):
+    d = _disp([FakeBackend("z", result="zeros"), FakeBackend("u", unavailable="library missing"),
+               FakeBackend("s", unsupported="N must be a multiple of 64")], tmp_path)
+    with pytest.raises(NoUsableBackendError, match=r"(?s)z: incorrect: .*u: unavailable: library missing.*"
+                                                   r"s: unsupported: N must be a multiple of 64") as ei:
+        _call(d, 4)
+    assert set(ei.value.reasons) == {"z", "u", "s"}
+
+
+def test_forced_backend_env_and_per_call(tmp_path, monkeypatch):
+    fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "slow")
+    d = _disp([fast, slow], tmp_path)
+    out, ref = _call(d, 4)
+    assert _close(out, ref)
+    calls = fast.calls
+    _call(d, 4)
+    assert fast.calls == calls  # forced: the other backend is never timed or run for calls
+    out, ref = _call(d, 4, backend="fast")  # per-call backend= overrides the env
+    assert _close(out, ref) and fast.calls == calls + 1
+
+
+def test_forced_unhealthy_backend_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "broken")
+    d = _disp([FakeBackend("broken", result="zeros"), FakeBackend("ok")], tmp_path)
+    with pytest.raises(BackendError, match=r"backend 'broken' was requested but is incorrect on cpu: all zeros"):
+        _call(d, 4)
+    d2 = _disp([FakeBackend("picky", unsupported="M must be <= 8")], tmp_path)
+    with pytest.raises(BackendError, match=r"'picky' was requested but is unsupported on cpu: M must be <= 8"):
+        _call(d2, 4, backend="picky")
+    with pytest.raises(InvalidInputError, match=r"backend must be one of \['broken', 'ok'\]; got 'nope'"):
+        _call(d, 4, backend="nope")
+
+
+def test_disable_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "fast, other")
+    fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
+    d = _disp([fast, slow], tmp_path)
+    _call(d, 4)
+    assert fast.calls == 0
+    assert _status(d)["fast"] == ("unavailable", "disabled by FP4DISPATCH_DISABLE")
+
+
+def test_tune_off_uses_priority_order_without_timing(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_TUNE", "0")
+    timed = []
+    first = FakeBackend("first", cost=1e-3, wrong_for_m=(4,))
+    second, third = FakeBackend("second", cost=1e-3), FakeBackend("third", cost=1e-9)
+    d = Dispatcher([first, second, third], cache_dir=tmp_path / "c", do_bench=lambda fn: timed.append(fn) or 1.0)
+    out, ref = _call(d, 4)
+    assert _close(out, ref) and not timed
+    assert [r.wins for r in d.report("cpu")] == [[], ["m4-n64-k128-float32"], []]  # first is wrong at M=4
+
+
+def test_hot_path_runs_only_the_chosen_backend(tmp_path):
+    win, lose = FakeBackend("win", cost=1e-6), FakeBackend("lose", cost=1e-3)
+    d = _disp([win, lose], tmp_path)
+    _call(d, 32)
+    w, l = win.calls, lose.calls
+    for i in range(5):
+        _call(d, 17 + i, seed=i)
+    assert win.calls == w + 5 and lose.calls == l
+
+
+def test_concurrent_threads_decide_once(tmp_path):
+    win, lose = FakeBackend("win", cost=1e-6), FakeBackend("lose", cost=1e-3)
+    d = _disp([win, lose], tmp_path)
+    a, b, sa, sb, alpha = make_nvfp4_inputs(8, 64, 128)
+    ref = d_ref(a, b, sa, sb, alpha)
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 8 and all(_close(r, ref) for r in results)
+    probe_and_tune = lose.calls
+    assert probe_and_tune == 6  # 4 probes + 1 verification + 1 timed run: tuned once, not per thread
+
+
+def test_report_fields(tmp_path):
+    d = _disp([FakeBackend("a"), FakeBackend("b", unavailable="no library")], tmp_path)
+    recs = d.report("cpu")
+    assert [(r.name, r.status) for r in recs] == [("a", "ok"), ("b", "unavailable")]
+    assert all(r.reason for r in recs if r.status != "ok")
+
+
+def test_settings_read_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP4DISPATCH_TUNE", "off")
+    monkeypatch.setenv("FP4DISPATCH_ISOLATE", "1")
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "a,b")
+    s = read_settings()
+    assert s == Settings(forced_backend=None, disabled=frozenset({"a", "b"}), cache_dir=s.cache_dir, tune=False,
+                         isolate=True, probe_timeout_s=30.0, guard=False)
+
+
+def test_reference_is_the_default_fallback_on_cpu(tmp_path):
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    out, ref = _call(d, 3)
+    assert _close(out, ref)
+    data = json.loads(next((tmp_path / "c").glob("decisions-*.json")).read_text())
+    assert data["decisions"]["m4-n64-k128-float32"]["backend"] == "reference"
+    assert data["health"]["reference"]["status"] == "ok"
