@@ -78,6 +78,7 @@ class Dispatcher:
         self._by_name = {b.name: b for b in self.backends}
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
         self._do_bench = do_bench
+        self._forced = self.settings.forced_backend
         self._choices: dict[tuple, Choice] = {}
         self._named: dict[tuple, Choice] = {}
         self._states: dict[torch.device, _DeviceState] = {}
@@ -98,10 +99,10 @@ class Dispatcher:
 
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
         """The backend and config for ``problem``: one dict lookup once the key is decided."""
-        name = backend or self.settings.forced_backend
-        if name is not None:
-            return self._named_choice(name, problem)
-        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+        if backend is not None or self._forced is not None:
+            return self._named_choice(backend or self._forced, problem)
+        m, n, k, dt, dev = problem
+        key = (dev, m_bucket(m), n, k, dt)
         c = self._choices.get(key)
         return c if c is not None else self._decide(key, problem)
 

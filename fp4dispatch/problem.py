@@ -16,10 +16,9 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def m_bucket(m: int) -> int:
     """The bucket (upper edge) that M belongs to."""
-    if m <= 1:
-        return 1
-    b = 1 << (m - 1).bit_length()
-    return b if b <= M_BUCKETS[-1] else M_BUCKETS[-1]
+    if m > 8192:
+        return 8192
+    return 1 << (m - 1).bit_length() if m > 1 else 1
 
 
 class Problem(NamedTuple):

@@ -104,11 +104,39 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
         raise _fail(f"alpha must have exactly one element (a per-tensor scale); got alpha.shape={tuple(alpha.shape)}")
     if alpha.device != device:
         raise _fail(f"alpha must be on {device} like a; got alpha.device={alpha.device}")
-    return alpha.reshape(1)
+    return alpha
+
+
+_U8, _E4M3, _F32 = torch.uint8, torch.float8_e4m3fn, torch.float32
 
 
 def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
     """Validate an ``fp4_mm`` call and return its canonical (Problem, Operands); raise InvalidInputError."""
+    # Fast path for the common, fully canonical call (swizzled 2-D scales, tensor alpha, out given): every
+    # attribute is read once and nothing is built; anything unusual takes the explaining path below.
+    try:
+        m, k2 = a.shape
+        n, bk2 = b.shape
+        dev = a.device
+        if (scale_layout == "swizzled" and a.dtype is _U8 and b.dtype is _U8 and bk2 == k2 and k2 > 0
+                and not k2 % 8 and a_scale.dtype is _E4M3 and b_scale.dtype is _E4M3 and alpha.dtype is _F32
+                and out_dtype in OUT_DTYPES
+                and a_scale.shape == ((m + 127) // 128 * 128, (k2 // 8 + 3) // 4 * 4)
+                and b_scale.shape == ((n + 127) // 128 * 128, (k2 // 8 + 3) // 4 * 4)
+                and alpha.numel() == 1
+                and b.device == dev and a_scale.device == dev and b_scale.device == dev and alpha.device == dev
+                and a.is_contiguous() and b.is_contiguous() and a_scale.is_contiguous() and b_scale.is_contiguous()):
+            if out is None:
+                out = torch.empty((m, n), dtype=out_dtype, device=dev)
+            elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()):
+                raise ValueError  # explained by the slow path
+            return Problem(m, n, 2 * k2, out_dtype, dev), Operands(a, b, a_scale, b_scale, alpha, out)
+    except (AttributeError, ValueError, TypeError):
+        pass
+    return _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
+
+
+def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
     if scale_layout not in SCALE_LAYOUTS:
         raise _fail(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
     if out_dtype not in OUT_DTYPES:
