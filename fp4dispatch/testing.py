@@ -22,19 +22,20 @@ def make_nvfp4_inputs(m: int, n: int, k: int, *, device="cpu", seed: int = 0):
     scales in [2^-3, 2^3] (swizzled, zero-padded), alpha a float32 [1] tensor. Never zeros."""
     if k % 16:
         raise ValueError(f"make_nvfp4_inputs: K must be a multiple of 16; got {k}")
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
-    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    dev = torch.device(device)
+    # generate where the data will live: large weights made on the CPU and copied cost seconds when tuning
+    g = torch.Generator(device=dev).manual_seed(seed)
+    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g, device=dev)
+    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g, device=dev)
 
     def scales(rows: int) -> torch.Tensor:
-        exps = torch.randint(-3, 4, (rows, k // 16), generator=g).float()
-        mant = 1 + torch.randint(0, 8, (rows, k // 16), generator=g).float() / 8
+        exps = torch.randint(-3, 4, (rows, k // 16), generator=g, device=dev).float()
+        mant = 1 + torch.randint(0, 8, (rows, k // 16), generator=g, device=dev).float() / 8
         return swizzle_scales((mant * torch.exp2(exps)).to(torch.float8_e4m3fn))
 
     sa, sb = scales(m), scales(n)
-    alpha = torch.tensor([0.5 + torch.rand(1, generator=g).item()], dtype=torch.float32)
-    dev = torch.device(device)
-    return a.to(dev), b.to(dev), sa.to(dev), sb.to(dev), alpha.to(dev)
+    alpha = 0.5 + torch.rand(1, generator=g, device=dev, dtype=torch.float32)
+    return a, b, sa, sb, alpha
 
 
 def make_operands(problem: Problem, seed: int = 0) -> Operands:
