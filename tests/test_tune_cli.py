@@ -1,0 +1,353 @@
+"""``python -m fp4dispatch.tune`` on the CPU: shape sources, presets vs the models' published configs, --json,
+--self-test, profiles, exit codes, --devices processes, and a torchrun (gloo) run with two ranks."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4dispatch import distributed, presets
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.problem import Problem
+from fp4dispatch.testing import FakeBackend, fake_do_bench
+from fp4dispatch.tune import TuneOptions, main
+
+REPO = Path(__file__).resolve().parents[1]
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (no CUDA device)")
+
+# Published config.json values. GLM-5: GLM-5 technical report table (https://glennklockwood.com/garden/GLM-5 quotes
+# it) and NVIDIA NeMo AutoModel's GlmMoeDsaConfig (docs.nvidia.com/nemo/automodel, glm_moe_dsa/config).
+GLM_5 = {"hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_attention_heads": 64,
+         "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+         "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3}
+# Qwen3.5-397B-A17B text_config: NVIDIA Megatron-LM's MIMO config for it ("All values match the HuggingFace
+# text_config").
+QWEN35_397B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+               "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024, "num_experts": 512,
+               "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+               "linear_value_head_dim": 128, "attn_output_gate": True}
+# meta-llama/Llama-3.1-70B config.json (huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json).
+LLAMA_31_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8}
+
+
+def _run(capsys, argv, **kw):
+    code = main(argv, **kw)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(capsys, argv, **kw):
+    code, out, err = _run(capsys, argv, **kw)
+    return code, json.loads(out), err
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One fake-backend tuning run (M 1 and 16, N 256, K 512) shared by the tests that read its cache or output."""
+    cdir = tmp_path_factory.mktemp("tuned") / "cache"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["--shape", "1,16,256,512", "--json", "--cache-dir", str(cdir)], backends=_fakes(),
+                    do_bench=fake_do_bench)
+    return code, json.loads(buf.getvalue()), cdir
+
+
+def _copy(cdir: Path, tmp_path: Path) -> str:
+    return str(shutil.copytree(cdir, tmp_path / "copy"))
+
+
+def _fakes():
+    """fast wins everywhere; flaky is second but wrong at M=16 (so dropped there); slow is last."""
+    return [FakeBackend("fast", cost=1e-5), FakeBackend("slow", cost=4e-5),
+            FakeBackend("flaky", cost=2e-5, wrong_for_m=(16,))]
+
+
+# -- shape sources ----------------------------------------------------------------------------------------------
+def test_shape_list_and_range_expand_to_m_buckets(capsys):
+    code, data, _ = _json(capsys, ["--shape", "1,3,256,512", "--shape", "60-200,512,256", "--list", "--json"])
+    assert code == 0
+    got = [(s["m"], s["m_bucket"], s["n"], s["k"]) for s in data["shapes"]]
+    # 60-200 touches buckets 64, 128 and 256; the last is tuned at the range end, 200
+    assert got == [(1, 1, 256, 512), (3, 4, 256, 512), (64, 64, 512, 256), (128, 128, 512, 256),
+                   (200, 256, 512, 256)]
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("1,2", r"--shape '1,2': expected M,N,K .* got 2 comma-separated"),
+    ("1,256,100", r"K=100 must be a multiple of 16 .* pad K to 112"),
+    ("x,256,512", r"M must be a positive integer; got 'x'"),
+    ("200-60,256,512", r"M range '200-60' must go up"),
+    ("1,0,512", r"N must be a positive integer; got 0"),
+])
+def test_bad_shape_exits_2_naming_value_and_form(capsys, spec, match):
+    code, out, err = _run(capsys, ["--shape", spec])
+    assert code == 2 and out == ""
+    assert re.search(match, err), err
+
+
+def test_argument_misuse_exits_2(capsys):
+    for argv, text in [(["--tp", "8"], "--tp and --m apply to --preset"),
+                       (["export"], "export needs a FILE"),
+                       (["--preset", "nope"], "invalid choice: 'nope'"),
+                       (["--preset", "llama-3.1-70b-nvfp4", "--tp", "3"], "--tp 3 does not divide num_attention_heads=64"),
+                       (["show", "--shape", "1,256,512"], "show takes no shape options")]:
+        code, _, err = _run(capsys, argv)
+        assert code == 2 and text in err, (argv, err)
+
+
+@cpu_only
+def test_devices_without_cuda_exits_2(capsys):
+    code, _, err = _run(capsys, ["--devices", "0"])
+    assert code == 2 and "no CUDA device is visible" in err and "--devices needs GPUs" in err
+
+
+# -- presets and --hf-config --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,published", [("glm-5-nvfp4", GLM_5), ("qwen3.5-397b-a17b-nvfp4", QWEN35_397B),
+                                            ("llama-3.1-70b-nvfp4", LLAMA_31_70B)])
+def test_preset_values_are_the_published_ones(name, published):
+    cfg = presets.PRESETS[name]["config"]
+    assert {k: cfg.get(k) for k in published} == published
+
+
+def _pairs(gemms):
+    return {g.layer: (g.n, g.k) for g in gemms}
+
+
+def test_preset_shapes_at_tp8_follow_the_layer_formulas():
+    tp = 8
+    c = LLAMA_31_70B
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    assert _pairs(presets.preset_gemms("llama-3.1-70b-nvfp4", tp)) == {
+        "attn.qkv": ((c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd // tp, c["hidden_size"]),
+        "attn.o": (c["hidden_size"], c["num_attention_heads"] * hd // tp),
+        "mlp.gate_up": (2 * c["intermediate_size"] // tp, c["hidden_size"]),
+        "mlp.down": (c["hidden_size"], c["intermediate_size"] // tp)}
+    g = GLM_5
+    qk = g["qk_nope_head_dim"] + g["qk_rope_head_dim"]
+    assert _pairs(presets.preset_gemms("glm-5-nvfp4", tp)) == {
+        "attn.q_a+kv_a": (g["q_lora_rank"] + g["kv_lora_rank"] + g["qk_rope_head_dim"], g["hidden_size"]),
+        "attn.q_b": (g["num_attention_heads"] * qk // tp, g["q_lora_rank"]),
+        "attn.kv_b": (g["num_attention_heads"] * (g["qk_nope_head_dim"] + g["v_head_dim"]) // tp, g["kv_lora_rank"]),
+        "attn.o": (g["hidden_size"], g["num_attention_heads"] * g["v_head_dim"] // tp),
+        "mlp.gate_up": (2 * g["intermediate_size"] // tp, g["hidden_size"]),
+        "mlp.down": (g["hidden_size"], g["intermediate_size"] // tp),
+        "expert.gate_up": (2 * g["moe_intermediate_size"], g["hidden_size"]),  # experts are not TP-split (EP)
+        "expert.down": (g["hidden_size"], g["moe_intermediate_size"]),
+        "shared_expert.gate_up": (2 * g["moe_intermediate_size"] // tp, g["hidden_size"]),
+        "shared_expert.down": (g["hidden_size"], g["moe_intermediate_size"] // tp)}
+    q = QWEN35_397B
+    # 32/8 = 4 query heads (x2: output gate) and 2 KV heads < TP 8, so one replicated KV head per rank
+    assert _pairs(presets.preset_gemms("qwen3.5-397b-a17b-nvfp4", tp)) == {
+        "attn.qkv": ((2 * q["num_attention_heads"] // tp + 2 * 1) * q["head_dim"], q["hidden_size"]),
+        "attn.o": (q["hidden_size"], q["num_attention_heads"] * q["head_dim"] // tp),
+        "linear_attn.in_qkvz": ((2 * 16 * 128 + 2 * 64 * 128) // tp, q["hidden_size"]),
+        "linear_attn.out": (q["hidden_size"], 64 * 128 // tp),
+        "expert.gate_up": (2 * q["moe_intermediate_size"], q["hidden_size"]),
+        "expert.down": (q["hidden_size"], q["moe_intermediate_size"]),
+        "shared_expert.gate_up": (2 * q["shared_expert_intermediate_size"] // tp, q["hidden_size"]),
+        "shared_expert.down": (q["hidden_size"], q["shared_expert_intermediate_size"] // tp)}
+
+
+def test_preset_cli_crosses_layers_with_the_default_m_list(capsys):
+    code, data, _ = _json(capsys, ["--preset", "llama-3.1-70b-nvfp4", "--tp", "8", "--list", "--json"])
+    assert code == 0
+    keys = {(s["m"], s["n"], s["k"]) for s in data["shapes"]}
+    assert keys == {(m, n, k) for m in (1, 16, 128, 1024, 4096)
+                    for n, k in ((1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584))}
+
+
+def test_hf_config_matches_the_preset_and_reads_text_config(capsys, tmp_path):
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **LLAMA_31_70B, "num_hidden_layers": 80}))
+    qwen = tmp_path / "qwen.json"
+    qwen.write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": QWEN35_397B}))
+    for path, preset in ((llama, "llama-3.1-70b-nvfp4"), (qwen, "qwen3.5-397b-a17b-nvfp4")):
+        _, from_file, _ = _json(capsys, ["--hf-config", str(path), "--tp", "8", "--m", "1", "--list", "--json"])
+        _, from_preset, _ = _json(capsys, ["--preset", preset, "--tp", "8", "--m", "1", "--list", "--json"])
+        assert from_file["shapes"] == from_preset["shapes"] and from_file["shapes"]
+
+
+def test_hf_config_missing_key_is_named(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({k: v for k, v in LLAMA_31_70B.items() if k != "num_key_value_heads"}))
+    code, _, err = _run(capsys, ["--hf-config", str(cfg), "--list"])
+    assert code == 2 and "key 'num_key_value_heads' is missing" in err
+    cfg.write_text(json.dumps({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}))
+    code, _, err = _run(capsys, ["--hf-config", str(cfg), "--list"])
+    assert code == 2 and "neither 'intermediate_size' nor 'moe_intermediate_size'" in err
+    code, _, err = _run(capsys, ["--hf-config", str(tmp_path / "absent.json"), "--list"])
+    assert code == 2 and "no such file" in err
+
+
+def test_tp_split_giving_k_not_multiple_of_16_is_skipped_and_said(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA_31_70B, "intermediate_size": 1000}))
+    code, data, _ = _json(capsys, ["--hf-config", str(cfg), "--m", "1", "--list", "--json"])
+    assert code == 0
+    assert [s["layer"] for s in data["skipped"]] == ["mlp.down"]
+    assert "K=1000 (at --tp 1) is not a multiple of 16" in data["skipped"][0]["reason"]
+    assert all(s["k"] % 16 == 0 for s in data["shapes"])
+
+
+# -- tuning, tables, json -------------------------------------------------------------------------------------
+@cpu_only
+def test_default_run_on_cpu_says_so_and_prints_both_tables(capsys):
+    code, out, _ = _run(capsys, [])
+    assert code == 0
+    assert "No CUDA device found: tuning on the CPU" in out
+    assert "Per shape" in out and "Per backend" in out
+    shape_rows = [ln for ln in out.splitlines() if "cpu-small" in ln]
+    assert len(shape_rows) == len(presets.default_shapes(on_gpu=False))
+    assert all("reference" in ln for ln in shape_rows)
+    assert any(ln.startswith("| cpu") and "reference" in ln and "| ok" in ln for ln in out.splitlines())
+
+
+def test_json_run_ranks_backends_and_reports_speedup(tuned):
+    code, data, _ = tuned
+    assert code == 0 and data["failed"] == [] and data["exit_code"] == 0 and data["mode"] == "single"
+    m1, m16 = data["shapes"]
+    for row in (m1, m16):
+        assert row["status"] == "ok" and row["winner"] == "fast" and row["time_us"] == pytest.approx(10.0)
+        assert row["tflops"] == pytest.approx(2 * row["m"] * 256 * 512 / 10e-6 / 1e12, rel=1e-3)
+        assert {t["backend"] for t in row["tried"]} == {"fast", "slow", "flaky"}
+    assert m1["runner_up"] == "flaky" and m1["speedup_vs_runner_up"] == pytest.approx(2.0)
+    assert m16["runner_up"] == "slow" and m16["speedup_vs_runner_up"] == pytest.approx(4.0)
+    flaky16 = next(t for t in m16["tried"] if t["backend"] == "flaky")
+    assert flaky16["time_us"] is None and flaky16["reason"].startswith("incorrect: all zeros at M=16")
+    assert [(b["name"], b["status"], b["wins"]) for b in data["backends"]] == [
+        ("fast", "ok", 2), ("slow", "ok", 0), ("flaky", "ok", 0)]
+
+
+def test_second_run_reads_the_cache(capsys, tuned, tmp_path):
+    cdir = _copy(tuned[2], tmp_path)
+    counting = _fakes()
+    code, data, _ = _json(capsys, ["--shape", "1,256,512", "--json", "--cache-dir", cdir], backends=counting,
+                          do_bench=fake_do_bench)
+    assert code == 0 and data["shapes"][0]["source"] == "cache" and data["shapes"][0]["winner"] == "fast"
+    assert all(b.calls == 0 for b in counting)  # neither probed nor tuned again
+
+
+@cpu_only
+def test_no_usable_backend_exits_1_and_lists_the_shape(capsys, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "reference")
+    code, out, _ = _run(capsys, ["--shape", "1,256,512"])
+    assert code == 1
+    assert "No usable backend for 1 shape(s)" in out
+    assert "m1-n256-k512-bfloat16" in out and "reference: unavailable: disabled by FP4DISPATCH_DISABLE" in out
+    code, data, _ = _json(capsys, ["--shape", "1,256,512", "--json"])
+    assert code == 1 and data["failed"] == ["m1-n256-k512-bfloat16"] and data["shapes"][0]["status"] == "no_backend"
+
+
+def test_self_test_prints_one_line_per_backend(capsys):
+    fakes = [FakeBackend("good"), FakeBackend("zeros", result="zeros"), FakeBackend("gone", unavailable="lib missing"),
+             FakeBackend("boom", raises=RuntimeError("kernel exploded"))]
+    code, out, _ = _run(capsys, ["--self-test"], backends=fakes)
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in
+             {"good", "zeros", "gone", "boom"}}
+    assert code == 0 and len(lines) == 4
+    assert lines["good"].split()[1] == "ok" and lines["gone"].split()[1:] == ["unavailable", "lib", "missing"]
+    assert lines["zeros"].split()[1] == "incorrect" and "all zeros" in lines["zeros"]
+    assert lines["boom"].split()[1] == "failed" and "RuntimeError: kernel exploded" in lines["boom"]
+    code, data, _ = _json(capsys, ["--self-test", "--json"], backends=fakes[1:])
+    assert code == 1 and {b["name"]: b["status"] for b in data["backends"]} == {
+        "zeros": "incorrect", "gone": "unavailable", "boom": "failed"}
+
+
+# -- cache commands and profiles ---------------------------------------------------------------------------------
+def test_show_then_clear(capsys, tuned, tmp_path):
+    cdir = _copy(tuned[2], tmp_path)
+    _, shown, _ = _json(capsys, ["show", "--json", "--cache-dir", cdir])
+    assert shown["exists"] and shown["decisions"]["m1-n256-k512-bfloat16"]["backend"] == "fast"
+    code, out, _ = _run(capsys, ["clear", "--cache-dir", cdir])
+    assert code == 0 and out.startswith("removed ") and shown["path"] in out
+    _, shown, _ = _json(capsys, ["show", "--json", "--cache-dir", cdir])
+    assert not shown["exists"] and shown["decisions"] == {}
+
+
+def test_export_import_round_trip_and_refusal_on_mismatch(capsys, tuned, tmp_path):
+    src, dst, other = str(tuned[2]), str(tmp_path / "dst"), str(tmp_path / "other")
+    prof = tmp_path / "h200-profile.json"
+    code, out, _ = _run(capsys, ["export", str(prof), "--cache-dir", src])
+    assert code == 0 and "exported 2 decisions" in out
+    code, out, _ = _run(capsys, ["import", str(prof), "--cache-dir", dst])
+    assert code == 0 and "imported 2 decisions" in out
+    fresh = _fakes()
+    d = Dispatcher(fresh, cache_dir=dst, do_bench=fake_do_bench)
+    assert d.choose(Problem(16, 256, 512, torch.bfloat16, torch.device("cpu"))).backend.name == "fast"
+    assert all(b.calls == 0 for b in fresh)  # the imported verdicts and decisions are used as they are
+
+    data = json.loads(prof.read_text())
+    data["fingerprint"]["libs"]["torch"] = "0.0.0-tampered"
+    bad = tmp_path / "tampered.json"
+    bad.write_text(json.dumps(data))
+    code, out, err = _run(capsys, ["import", str(bad), "--cache-dir", other])
+    assert code == 1 and out == ""
+    assert "refusing" in err and f"libs.torch: {torch.__version__} (here) vs 0.0.0-tampered (file)" in err
+    assert not list(Path(other).glob("decisions-*.json"))  # nothing was written
+
+    cache_file = next(Path(src).glob("decisions-*.json"))
+    code, _, err = _run(capsys, ["import", str(cache_file), "--cache-dir", other])
+    assert code == 1 and "must be an fp4dispatch profile" in err
+
+
+def test_export_of_an_empty_cache_says_what_to_run(capsys, tmp_path):
+    code, _, err = _run(capsys, ["export", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "empty")])
+    assert code == 1 and "holds nothing for this device yet" in err and "python -m fp4dispatch.tune" in err
+
+
+# -- processes ---------------------------------------------------------------------------------------------------
+def _env(cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FP4DISPATCH_")}
+    env.update(FP4DISPATCH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def test_python_dash_m_runs_in_a_subprocess(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fp4dispatch.tune", "--json", "--shape", "1,256,512"], cwd=REPO,
+                       env=_env(tmp_path / "c"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert [r["status"] for r in data["shapes"]] == ["ok"] and data["shapes"][0]["winner"]
+    assert any(b["status"] == "ok" and b["name"] == data["shapes"][0]["winner"] for b in data["backends"])
+
+
+def test_devices_processes_split_shapes_of_equal_devices(tmp_path):
+    shapes = presets.expand_shapes([(m, 256, 512, "x") for m in (1, 16, 128)])
+    opts = TuneOptions(progress=False, cache_dir=str(tmp_path / "c"))
+    results = distributed.run_on_devices(["cpu", "cpu"], shapes, opts)
+    assert [r["error"] for r in results] == [None, None]
+    keys = [[row["key"] for row in r["rows"]] for r in results]
+    assert sorted(keys[0] + keys[1]) == sorted(f"m{m}-n256-k512-bfloat16" for m in (1, 16, 128))
+    assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])
+    (cache,) = Path(opts.cache_dir).glob("decisions-*.json")
+    assert set(json.loads(cache.read_text())["decisions"]) == set(keys[0] + keys[1])
+
+
+def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):
+    cache, logs = tmp_path / "shared-cache", tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(logs), "--redirects", "3", "-m", "fp4dispatch.tune", "--json",
+           "--shape", "1,16,256,512", "--shape", "1,512,256"]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    outs = sorted(logs.glob("*/attempt_0/*/stdout.log"))
+    assert len(outs) == 2
+    runs = [json.loads(o.read_text()) for o in outs]
+    assert {r["rank"] for r in runs} == {0, 1} and all(r["mode"] == "torchrun" for r in runs)
+    assert runs[0]["shapes"] == runs[1]["shapes"]
+    rows = runs[0]["shapes"]
+    assert {r["key"] for r in rows} == {"m1-n256-k512-bfloat16", "m16-n256-k512-bfloat16", "m1-n512-k256-bfloat16"}
+    assert {r["tuned_by"] for r in rows} == {"rank0", "rank1"} and all(r["source"] == "tuned" for r in rows)
+    (cache_file,) = cache.glob("decisions-*.json")
+    decisions = json.loads(cache_file.read_text())["decisions"]
+    assert set(decisions) == {r["key"] for r in rows}
+    assert all(decisions[r["key"]]["backend"] == r["winner"] for r in rows)
