@@ -13,6 +13,10 @@ __all__ = ["Backend", "BaseBackend", "Config", "config_id", "default_backends", 
 
 # (module, factory) per backend, lazily imported so that a missing optional library never breaks anything.
 _REGISTRY: list[tuple[str, str]] = [
+    ("flashinfer", "stable_backends"),
+    ("sgl_kernel", "SglKernelBackend"),
+    ("torch_scaled_mm", "TorchScaledMmBackend"),
+    ("flashinfer", "experimental_backends"),
     ("reference", "ReferenceBackend"),
 ]
 

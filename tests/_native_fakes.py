@@ -1,0 +1,265 @@
+"""Contract emulators: fakes of FlashInfer ``mm_fp4``, sgl-kernel ``cutlass_scaled_fp4_mm`` and ``torch._scaled_mm`` /
+``F.scaled_mm`` that check a call exactly as each library's own tests make it, then compute the result *from the
+arguments they were given*.
+
+The NVFP4 math here is written independently of fp4dispatch (own e2m1 table, own closed-form unswizzle, own
+shuffle map), so an adapter and the code under test cannot share a mistake. Facts are from
+../shared/notes/flashinfer.md and engines.md (FlashInfer 0.7.4 gemm_base.py, tests/gemm/test_mm_fp4.py, sgl-kernel
+tests, PyTorch test_scaled_matmul_cuda.py).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+# mm_fp4's @supported_compute_capability per backend (FlashInfer 0.7.4, notes/flashinfer.md section 2)
+FLASHINFER_CCS = {
+    "cudnn": {100, 103, 107, 110, 120, 121},
+    "cutlass": {100, 103, 107, 110, 120, 121},
+    "trtllm": {100, 103, 107},
+    "cute-dsl": {100, 103, 107, 120, 121},
+    "cutedsl_low_latency": {100, 103, 107},
+    "b12x": {120, 121},
+    "cake": {100, 103},
+}
+# FlashInfer's srcToDstBlk32RowMap (flashinfer/utils.py): trtllm's weight rows are permuted inside 32-row blocks
+_BLK32 = [0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+          4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31]
+
+
+class ContractError(ValueError):
+    """The adapter called the library in a way the library (or its kernel) does not accept."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ContractError(msg)
+
+
+def rup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# independent NVFP4 math
+# ---------------------------------------------------------------------------------------------------------------
+def unpack(packed_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/2] -> float32 [R, K], low nibble = even k."""
+    p = packed_u8.long()
+    return torch.stack((E2M1[p & 0xF], E2M1[p >> 4]), dim=-1).reshape(p.shape[0], -1)
+
+
+def unswizzle_flat(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Closed form of the 128x4 layout: (r, c) at ((r//128)*ceil(C/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4."""
+    r = torch.arange(rows).unsqueeze(1)
+    c = torch.arange(cols).unsqueeze(0)
+    idx = ((r // 128) * (rup(cols, 4) // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    return flat.reshape(-1)[idx.reshape(-1)].reshape(rows, cols)
+
+
+def dequant(packed_u8: torch.Tensor, scales_e4m3_linear: torch.Tensor) -> torch.Tensor:
+    rows, k = packed_u8.shape[0], packed_u8.shape[1] * 2
+    v = unpack(packed_u8).reshape(rows, k // 16, 16)
+    return (v * scales_e4m3_linear.float().unsqueeze(-1)).reshape(rows, k)
+
+
+def shuffle_row_indices(x: torch.Tensor, epilogue_tile_m: int) -> torch.Tensor:
+    """FlashInfer's get_shuffle_matrix_a_row_indices for epilogue_tile_m=128: new row r takes old row idx[r]."""
+    _need(epilogue_tile_m == 128, f"fake supports epilogue_tile_m=128 only; got {epilogue_tile_m}")
+    m = x.shape[0]
+    _need(m % 32 == 0, f"input_tensor.shape[0]={m} must be a multiple of 32")
+    old = torch.arange(m)
+    new = (old // 32) * 32 + torch.tensor(_BLK32)[old % 32]
+    idx = torch.empty(m, dtype=torch.long)
+    idx[new] = old
+    return idx
+
+
+def as_e4m3(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 else t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashInfer
+# ---------------------------------------------------------------------------------------------------------------
+class BackendSupportedError(Exception):
+    pass
+
+
+class FakeMmFp4:
+    """``flashinfer.mm_fp4`` as its tests call it: ``mm_fp4(a, b.T, a_sf, b_sf.T, alpha, out_dtype, out, ...)``."""
+
+    def __init__(self, cc: int, backends=tuple(FLASHINFER_CCS)):
+        self.cc = cc
+        self.backends = set(backends)
+        self.calls: list[dict] = []
+
+    def has_backend(self, backend: str) -> bool:
+        return backend in self.backends
+
+    def is_backend_supported(self, backend: str, cc: int | None = None) -> bool:
+        if backend not in self.backends:
+            return False
+        return True if cc is None else cc in FLASHINFER_CCS[backend]
+
+    def __call__(self, a, b, a_descale, b_descale, alpha=None, out_dtype=torch.bfloat16, out=None, block_size=16,
+                 use_8x4_sf_layout=False, backend="auto", use_nvfp4=True, enable_pdl=True, *, skip_check=False,
+                 batch_invariant=False):
+        self.calls.append(dict(backend=backend, skip_check=skip_check))
+        # -- FlashInfer's own checks (decorator + common check + requirement functions)
+        _need(backend in self.backends, f"Backend '{backend}' is not supported for mm_fp4")
+        if not self.is_backend_supported(backend, self.cc):
+            raise BackendSupportedError(f"mm_fp4 does not support backend '{backend}' with capability {self.cc}")
+        _need(a.ndim == 2 and b.ndim == 2, f"mm_fp4 accepts 2d tensors, got {a.shape} and {b.shape}")
+        _need(a.shape[1] == b.shape[0],
+              f"K dimension mismatch in mm_fp4. got a.shape[1] = {a.shape[1]}, b.shape[0] = {b.shape[0]}")
+        _need(isinstance(alpha, torch.Tensor) and alpha.dtype == torch.float32, f"alpha must be a float tensor, got {alpha!r}")
+        _need(out_dtype in (torch.bfloat16, torch.float16), f"Unsupported output dtype: {out_dtype}")
+        _need(block_size == 16 and use_nvfp4 and not use_8x4_sf_layout and not batch_invariant,
+              "NVFP4 with block_size=16, 128x4 scales, use_nvfp4=True expected")
+        m, k2, n = a.shape[0], a.shape[1], b.shape[1]
+        k = 2 * k2
+        kp, np_, mp = rup(k // 16, 4), rup(n, 128), rup(m, 128)
+        # -- what the kernels need and FlashInfer's tests always give (the quantizer's uint8 outputs)
+        _need(a.dtype == torch.uint8 and b.dtype == torch.uint8, f"a, b must be uint8; got {a.dtype}, {b.dtype}")
+        _need(a.is_contiguous(), f"a must be contiguous [M, K/2]; strides {a.stride()}")
+        _need(b.stride() == (1, k2), f"b must be the column-major [K/2, N] view b_fp4.T; strides {b.stride()}")
+        _need(a_descale.dtype == torch.uint8 and b_descale.dtype == torch.uint8,
+              f"scales must be uint8 (the quantizer's dtype); got {a_descale.dtype}, {b_descale.dtype}")
+        _need(tuple(a_descale.shape) == (mp, kp) and a_descale.is_contiguous(),
+              f"a_descale must be swizzled [pad128(M), pad4(K/16)]={(mp, kp)} contiguous; got {tuple(a_descale.shape)}")
+        want_b = (k // 16, n) if backend == "trtllm" else (kp, np_)
+        _need(tuple(b_descale.shape) == want_b and b_descale.T.is_contiguous(),
+              f"b_descale must be b_sf.T of shape {want_b} (column-major); got {tuple(b_descale.shape)} "
+              f"strides {b_descale.stride()}")
+        want_alpha = m if backend == "cake" else 1
+        _need(alpha.numel() == want_alpha and alpha.is_contiguous() and alpha.device == a.device,
+              f"alpha must hold {want_alpha} float32 on {a.device}; got shape {tuple(alpha.shape)}")
+        _need(isinstance(out, torch.Tensor) and tuple(out.shape) == (m, n) and out.dtype == out_dtype
+              and out.is_contiguous() and out.device == a.device, "out must be a contiguous [M, N] of out_dtype")
+        self._backend_rules(backend, m, n, k, out_dtype)
+        # -- the result, computed from the arguments as given
+        b_rows = b.T
+        sfb = unswizzle_flat(b_descale.T.contiguous(), n, k // 16)
+        if backend == "trtllm":
+            idx = shuffle_row_indices(b_rows, 128)
+            orig = torch.empty_like(b_rows)
+            orig[idx] = b_rows
+            sfo = torch.empty_like(sfb)
+            sfo[idx] = sfb
+            b_rows, sfb = orig, sfo
+        A = dequant(a, as_e4m3(unswizzle_flat(a_descale, m, k // 16)))
+        B = dequant(b_rows, as_e4m3(sfb))
+        res = A @ B.T
+        res = res * (alpha.float().reshape(m, 1) if backend == "cake" else alpha.float())
+        out.copy_(res)
+        return out
+
+    def _backend_rules(self, backend: str, m: int, n: int, k: int, out_dtype) -> None:
+        if backend == "trtllm":
+            _need(out_dtype == torch.bfloat16, "Only torch.bfloat16 is supported for TRTLLM FP4 GEMM operations.")
+        if backend == "cutlass" or backend == "b12x":
+            _need(k % 32 == 0 and (backend == "b12x" or n % 32 == 0), "Expected k/n to be divisible by 32")
+        if backend == "cute-dsl":
+            if self.cc // 10 == 12:
+                _need(n % 64 == 0 and k % 64 == 0 and out_dtype == torch.bfloat16, "SM12x cute-dsl: N%64, K%64, bf16")
+            _need(n % 8 == 0, f"CuTe-DSL FP4 GEMM requires N % 8 == 0, got n={n}")
+        if backend == "cutedsl_low_latency":
+            _need(m <= 8 and k % 64 == 0, "cutedsl_low_latency FP4 GEMM requires M <= 8 and K divisible by 64")
+        if backend == "cake":
+            _need(k % 256 == 0 and n % 8 == 0, f"the cake mm_fp4 backend requires K % 256 == 0, got k={k}")
+
+
+def fake_flashinfer(cc: int, backends=tuple(FLASHINFER_CCS), version: str = "0.7.4") -> types.ModuleType:
+    mod = types.ModuleType("flashinfer")
+    mod.__version__ = version
+    mod.mm_fp4 = FakeMmFp4(cc, backends)
+    mod.BackendSupportedError = BackendSupportedError
+    utils = types.ModuleType("flashinfer.utils")
+    utils.get_shuffle_matrix_a_row_indices = shuffle_row_indices
+    mod.utils = utils
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sgl-kernel
+# ---------------------------------------------------------------------------------------------------------------
+def fake_sgl_kernel(cc: int) -> types.ModuleType:
+    """``sgl_kernel.cutlass_scaled_fp4_mm(a, b, sa, sb, alpha, out_dtype)`` with its C++ checks (CUTLASS family)."""
+    mod = types.ModuleType("sgl_kernel")
+    mod.calls = []
+
+    def cutlass_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
+        mod.calls.append(out_dtype)
+        _need(a.ndim == 2 and b.ndim == 2, "a and b must be 2-D")
+        _need(a.dtype == torch.uint8 and b.dtype == torch.uint8, f"a/b must be uint8; got {a.dtype}, {b.dtype}")
+        _need(a.is_contiguous() and b.is_contiguous(), "a and b must be contiguous")
+        _need(a.shape[1] == b.shape[1], f"b must be [N, K/2] (not transposed); got a {tuple(a.shape)}, b {tuple(b.shape)}")
+        m, n, k = a.shape[0], b.shape[0], a.shape[1] * 2
+        _need(k % 32 == 0 and n % 32 == 0, "Expected k/n to be divisible by 32")
+        for name, s, rows in (("scale_a", block_scale_a, m), ("scale_b", block_scale_b, n)):
+            want = (rup(rows, 128), rup(k // 16, 4))
+            _need(s.dtype == torch.float8_e4m3fn and s.is_contiguous() and tuple(s.shape) == want,
+                  f"{name} must be padded and swizzled to a shape {want}; got {tuple(s.shape)} {s.dtype}")
+        _need(alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.device == a.device, "alpha: fp32, 1 elt")
+        allowed = (torch.bfloat16, torch.float16) + ((torch.float32,) if cc == 100 else ())
+        _need(out_dtype in allowed, f"Unsupported output data type of nvfp4 mm on SM{cc}: {out_dtype}")
+        A = dequant(a, unswizzle_flat(block_scale_a, m, k // 16))
+        B = dequant(b, unswizzle_flat(block_scale_b, n, k // 16))
+        return ((A @ B.T) * alpha.float()).to(out_dtype)
+
+    mod.cutlass_scaled_fp4_mm = cutlass_scaled_fp4_mm
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch._scaled_mm / F.scaled_mm
+# ---------------------------------------------------------------------------------------------------------------
+def _check_fp4_pair(mat_a, mat_b, scale_a, scale_b):
+    fp4 = torch.float4_e2m1fn_x2
+    _need(mat_a.dtype == fp4 and mat_b.dtype == fp4, f"operands must be float4_e2m1fn_x2; got {mat_a.dtype}, {mat_b.dtype}")
+    _need(mat_a.is_contiguous(), "mat_a must be row-major [M, K/2]")
+    m, k2 = mat_a.shape
+    _need(mat_b.shape[0] == k2 and mat_b.stride() == (1, k2),
+          f"mat_b must be B.t(), the column-major [K/2, N] view; got shape {tuple(mat_b.shape)} strides {mat_b.stride()}")
+    n, k = mat_b.shape[1], 2 * k2
+    for name, s, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        _need(s.dtype == torch.float8_e4m3fn and s.is_contiguous()
+              and s.numel() == rup(rows, 128) * rup(k // 16, 4) and s.dim() == 1,
+              f"{name}: Invalid scaling configuration (want flattened to_blocked e4m3 scales); got {tuple(s.shape)}")
+    A = dequant(mat_a.view(torch.uint8), unswizzle_flat(scale_a, m, k // 16))
+    B = dequant(mat_b.view(torch.uint8).T, unswizzle_flat(scale_b, n, k // 16))
+    return A @ B.T
+
+
+def fake_scaled_mm(calls: list):
+    def _scaled_mm(mat_a, mat_b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                   use_fast_accum=False):
+        calls.append("_scaled_mm")
+        _need(bias is None and scale_result is None and not use_fast_accum, "no bias/scale_result/fast accum for fp4")
+        _need(out_dtype in (torch.bfloat16, torch.float16, torch.float32), f"out_dtype {out_dtype}")
+        return _check_fp4_pair(mat_a, mat_b, scale_a, scale_b).to(out_dtype)
+
+    return _scaled_mm
+
+
+def fake_f_scaled_mm(calls: list):
+    F = torch.nn.functional
+
+    def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a=None, swizzle_b=None,
+                  bias=None, output_dtype=torch.bfloat16, contraction_dim=(), use_fast_accum=False):
+        calls.append("scaled_mm_v2")
+        recipe = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+        swz = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+        _need(list(scale_recipe_a) == recipe and list(scale_recipe_b) == recipe, "NVFP4 two-level recipe expected")
+        _need(list(swizzle_a) == swz and list(swizzle_b) == swz, "SWIZZLE_32_4_4 block scales expected")
+        _need(len(scale_a) == 2 and len(scale_b) == 2, "[block scales, global scale] pairs expected")
+        for g in (scale_a[1], scale_b[1]):
+            _need(g.dtype == torch.float32 and g.numel() == 1 and g.device == mat_a.device, "fp32 global scales")
+        res = _check_fp4_pair(mat_a, mat_b, scale_a[0], scale_b[0])
+        return (res * scale_a[1].float() * scale_b[1].float()).to(output_dtype)
+
+    return scaled_mm

@@ -1,0 +1,77 @@
+"""Crash isolation (CPU): a risky backend that exits, segfaults or hangs is probed in a spawned worker; the verdict is
+``failed`` with the reason, the test process survives, and fp4_mm still answers right through another backend."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from fp4dispatch.backends.reference import reference_mm
+from fp4dispatch.config import Settings
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.isolate import probe_isolated
+from fp4dispatch.problem import Operands, Problem
+from fp4dispatch.testing import FakeBackend, make_nvfp4_inputs
+
+TIMEOUT_S = 3.0
+CPU = torch.device("cpu")
+
+CRASHES = [
+    pytest.param("exit", r"^worker died \(exit code 3\)$", id="os._exit"),
+    pytest.param("segv", rf"^worker died \(signal {int(signal.SIGSEGV)}, SIGSEGV\)$", id="SIGSEGV"),
+    pytest.param("hang", r"^timed out after 3 s \(worker killed\)$", id="hang"),
+]
+
+
+@pytest.mark.parametrize("crash, reason", CRASHES)
+def test_probe_isolated_turns_a_dead_or_hung_worker_into_a_failed_verdict(crash, reason):
+    pid = os.getpid()
+    v = probe_isolated(FakeBackend(f"crasher-{crash}", crash=crash, risky=True), CPU, TIMEOUT_S)
+    assert v.status == "failed"
+    assert re.match(reason, v.reason), v.reason
+    assert os.getpid() == pid  # still the same, living process
+
+
+def test_probe_isolated_reports_a_healthy_backend_ok():
+    v = probe_isolated(FakeBackend("healthy", risky=True), CPU, 60.0)
+    assert (v.status, v.reason) == ("ok", "")
+
+
+def test_probe_isolated_reports_a_wrong_backend_incorrect():
+    v = probe_isolated(FakeBackend("zeros", result="zeros", risky=True), CPU, 60.0)
+    assert v.status == "incorrect"
+    assert "all zeros" in v.reason
+
+
+@pytest.mark.parametrize("crash, reason", CRASHES)
+def test_dispatcher_survives_a_crashing_backend_and_answers_through_the_next(tmp_path, crash, reason):
+    crasher = FakeBackend(f"native-{crash}", crash=crash, risky=True, cost=1e-6)
+    good = FakeBackend("safe", cost=1e-3)
+    d = Dispatcher(backends=[crasher, good], cache_dir=tmp_path, settings=Settings(isolate=True,
+                                                                                   probe_timeout_s=TIMEOUT_S))
+    a, b, sa, sb, alpha = make_nvfp4_inputs(5, 64, 128, seed=3)
+    out = d.fp4_mm(a, b, sa, sb, alpha)
+
+    problem = Problem(5, 64, 128, torch.bfloat16, CPU)
+    ref = reference_mm(problem, Operands(a, b, sa, sb, alpha, out))
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert crasher.calls == 0  # it only ever ran in the worker
+
+    rec = {r.name: r for r in d.report(CPU)}
+    assert rec[crasher.name].status == "failed"
+    assert re.match(reason, rec[crasher.name].reason), rec[crasher.name].reason
+    assert rec["safe"].status == "ok"
+    assert rec["safe"].wins  # the decided key went to the surviving backend
+
+
+def test_isolation_off_probes_in_process(tmp_path):
+    """Without isolation a risky backend's exception is still a verdict (the crash cases need the worker)."""
+    bad = FakeBackend("native-raises", raises=RuntimeError("illegal instruction"), risky=True)
+    d = Dispatcher(backends=[bad, FakeBackend("safe")], cache_dir=tmp_path, settings=Settings(isolate=False))
+    rec = {r.name: r for r in d.report(CPU)}
+    assert rec["native-raises"].status == "failed"
+    assert rec["native-raises"].reason.startswith("RuntimeError: illegal instruction (at M=1)")
+    assert bad.calls == 1

@@ -1,0 +1,469 @@
+"""Native backends on CPU, against contract emulators (tests/_native_fakes.py): each adapter must call its library
+exactly as the library's own tests do, and its output (computed by the fake from those arguments) must equal
+fp4dispatch's reference. Deliberately wrong adapters must be caught. Also: availability reasons, per-problem rules,
+trtllm's prepared-weight cache, and the CPU report."""
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+
+import pytest
+import torch
+
+import _native_fakes as fakes
+from fp4dispatch.backends import _native, names
+from fp4dispatch.backends.flashinfer import BACKENDS, FlashInferBackend, backends as flashinfer_backends
+from fp4dispatch.backends.flashinfer_trtllm import FlashInferTrtllmBackend
+from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
+from fp4dispatch.backends.sgl_kernel import SglKernelBackend
+from fp4dispatch.backends.torch_scaled_mm import TorchScaledMmBackend
+from fp4dispatch.config import Settings
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.probe import probe_backend
+from fp4dispatch.problem import Problem
+from fp4dispatch.testing import make_operands
+from fp4dispatch.verify import check_output
+
+CPU = torch.device("cpu")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+NATIVE = [f"flashinfer:{b}" for b in BACKENDS] + ["sgl_kernel:cutlass", "torch:scaled_mm"]
+
+
+@pytest.fixture
+def cc(monkeypatch):
+    """Make every native backend see a GPU of the given compute capability while running on CPU tensors."""
+    def set_cc(value: int | None) -> None:
+        monkeypatch.setattr(_native.NativeBackend, "device_capability", lambda self, device: value)
+    return set_cc
+
+
+@pytest.fixture
+def flashinfer(monkeypatch):
+    def install(cap: int, **kw):
+        mod = fakes.fake_flashinfer(cap, **kw)
+        monkeypatch.setitem(sys.modules, "flashinfer", mod)
+        monkeypatch.setitem(sys.modules, "flashinfer.utils", mod.utils)
+        return mod
+    return install
+
+
+def _backend(name: str) -> FlashInferBackend:
+    return next(b for b in flashinfer_backends() if b.backend == name)
+
+
+def _run(backend, m, n, k, out_dtype, seed=0):
+    problem = Problem(m, n, k, out_dtype, CPU)
+    ops = make_operands(problem, seed=seed)
+    assert backend.unsupported(problem) is None
+    backend.run(problem, ops, backend.configs(problem)[0])
+    return problem, ops, reference_mm(problem, ops)
+
+
+def _assert_equals_reference(ops, ref, rtol=0.0):
+    expected = ref.to(ops.out.dtype).float()
+    torch.testing.assert_close(ops.out.float(), expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashInfer: the right call, the right result
+# ---------------------------------------------------------------------------------------------------------------
+FI_CASES = [  # backend, capability, M, N, K, out dtype
+    ("cudnn", 100, 3, 256, 512, BF16), ("cudnn", 120, 130, 96, 160, FP16),
+    ("cutlass", 100, 1, 256, 512, FP16), ("cutlass", 120, 300, 64, 96, BF16),
+    ("b12x", 120, 17, 128, 96, BF16),
+    ("cute-dsl", 100, 48, 32, 128, FP16), ("cute-dsl", 120, 3, 128, 512, BF16),
+    ("cutedsl_low_latency", 103, 7, 256, 192, BF16),
+    ("trtllm", 100, 7, 128, 256, BF16), ("trtllm", 100, 300, 256, 512, BF16),
+    ("cake", 100, 5, 64, 512, FP16),
+]
+
+
+@pytest.mark.parametrize("name, cap, m, n, k, dt", FI_CASES, ids=[f"{c[0]}-sm{c[1]}-m{c[2]}" for c in FI_CASES])
+def test_flashinfer_adapter_matches_reference(cc, flashinfer, name, cap, m, n, k, dt):
+    cc(cap)
+    fi = flashinfer(cap)
+    b = _backend(name)
+    assert b.unavailable(torch.device("cuda", 0)) is None
+    _, ops, ref = _run(b, m, n, k, dt)
+    _assert_equals_reference(ops, ref)
+    assert fi.mm_fp4.calls == [{"backend": name, "skip_check": False}]
+    b.run(Problem(m, n, k, dt, CPU), ops, {})  # same shape class: FlashInfer's checks are skipped the second time
+    assert fi.mm_fp4.calls[-1] == {"backend": name, "skip_check": True}
+    _assert_equals_reference(ops, ref)
+
+
+@pytest.mark.parametrize("name", ["cutlass", "cutedsl_low_latency", "trtllm", "cake"])
+def test_flashinfer_probe_passes_through_the_emulator(cc, flashinfer, name):
+    cap = 120 if name == "b12x" else 100
+    cc(cap)
+    flashinfer(cap)
+    v = probe_backend(_backend(name), CPU)
+    assert (v.status, v.reason) == ("ok", "")
+
+
+def test_fp4_mm_runs_through_flashinfer_end_to_end(cc, flashinfer, tmp_path):
+    cc(120)
+    fi = flashinfer(120)
+    d = Dispatcher(backends=[_backend("cutlass"), ReferenceBackend()], cache_dir=tmp_path,
+                   settings=Settings(tune=False))
+    problem = Problem(37, 96, 256, BF16, CPU)
+    ops = make_operands(problem, seed=5)
+    out = d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha)
+    assert d.choose(problem).backend.name == "flashinfer:cutlass"
+    assert fi.mm_fp4.calls and {c["backend"] for c in fi.mm_fp4.calls} == {"cutlass"}
+    torch.testing.assert_close(out.float(), reference_mm(problem, ops).to(BF16).float(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deliberately wrong adapters are caught
+# ---------------------------------------------------------------------------------------------------------------
+class _PassesB(FlashInferBackend):
+    def operands(self, problem, ops):
+        a, _, sa, sb, alpha = super().operands(problem, ops)
+        return a, ops.b, sa, sb, alpha
+
+
+class _RowMajorBT(FlashInferBackend):
+    def operands(self, problem, ops):
+        a, b, sa, sb, alpha = super().operands(problem, ops)
+        return a, b.contiguous(), sa, sb, alpha
+
+
+class _UntransposedScale(FlashInferBackend):
+    def operands(self, problem, ops):
+        a, b, sa, _, alpha = super().operands(problem, ops)
+        return a, b, sa, ops.b_scale.view(torch.uint8), alpha
+
+
+class _FloatAlpha(FlashInferBackend):
+    def operands(self, problem, ops):
+        a, b, sa, sb, alpha = super().operands(problem, ops)
+        return a, b, sa, sb, float(alpha)
+
+
+@pytest.mark.parametrize("cls, match", [
+    pytest.param(_PassesB, r"K dimension mismatch in mm_fp4", id="b-instead-of-b.T"),
+    pytest.param(_RowMajorBT, r"column-major \[K/2, N\] view", id="b.T-made-contiguous"),
+    pytest.param(_UntransposedScale, r"b_descale must be b_sf.T", id="b_scale-not-transposed"),
+    pytest.param(_FloatAlpha, r"alpha must be a float tensor", id="python-float-alpha"),
+])
+def test_wrong_flashinfer_layout_is_rejected_by_the_emulator(cc, flashinfer, cls, match):
+    cc(120)
+    flashinfer(120)
+    problem = Problem(3, 128, 512, BF16, CPU)
+    with pytest.raises(fakes.ContractError, match=match):
+        cls("cutlass").run(problem, make_operands(problem), {})
+
+
+class _LinearScales(FlashInferBackend):
+    """Passes zero-padded *linear* scales of the right shape: no check can see it, the result must."""
+
+    def operands(self, problem, ops):
+        a, b, _, _, alpha = super().operands(problem, ops)
+        from fp4dispatch.format import unswizzle_scales
+
+        def linear_padded(s, rows):
+            lin = unswizzle_scales(s, rows, problem.k // 16).view(torch.uint8)
+            pad = torch.zeros(s.shape, dtype=torch.uint8)
+            pad[:rows, : problem.k // 16] = lin
+            return pad
+
+        return a, b, linear_padded(ops.a_scale, problem.m), linear_padded(ops.b_scale, problem.n).T, alpha
+
+
+class _UnshuffledTrtllm(FlashInferTrtllmBackend):
+    """trtllm fed the canonical weight: shapes are right (N % 128 == 0), the values are not."""
+
+    def operands(self, problem, ops):
+        return FlashInferBackend.operands(self, problem, ops)
+
+
+@pytest.mark.parametrize("make, cap", [(lambda: _LinearScales("cudnn"), 120), (_UnshuffledTrtllm, 100)],
+                         ids=["linear-scales", "trtllm-unshuffled"])
+def test_wrong_values_are_caught_by_comparing_with_the_reference(cc, flashinfer, make, cap):
+    cc(cap)
+    flashinfer(cap)
+    problem = Problem(130, 256, 512, BF16, CPU)
+    ops = make_operands(problem, seed=11)
+    backend = make()
+    if isinstance(backend, _UnshuffledTrtllm):
+        backend._reset_transient()
+    backend.run(problem, ops, {})
+    bad = check_output(ops.out, reference_mm(problem, ops), problem)
+    assert bad is not None and bad.startswith("relative error"), bad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashInfer: availability reasons and per-problem rules
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", BACKENDS)
+def test_flashinfer_refuses_sm90_with_its_own_reason(cc, flashinfer, name):
+    cc(90)
+    flashinfer(90)
+    assert _backend(name).unavailable(torch.device("cuda", 0)) == \
+        f"BackendSupportedError: mm_fp4 does not support backend '{name}' with capability 90"
+
+
+def test_flashinfer_not_installed(cc, monkeypatch):
+    cc(100)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert _backend("cudnn").unavailable(torch.device("cuda", 0)) == \
+        "flashinfer is not installed (pip install fp4dispatch[flashinfer])"
+
+
+def test_flashinfer_import_failure_is_a_reason(cc, monkeypatch, tmp_path):
+    cc(100)
+    pkg = tmp_path / "flashinfer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('flashinfer was built for torch 2.9')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    assert _backend("cutlass").unavailable(torch.device("cuda", 0)) == \
+        "flashinfer import failed: RuntimeError: flashinfer was built for torch 2.9"
+
+
+def test_old_flashinfer_without_the_backend(cc, flashinfer):
+    cc(100)
+    flashinfer(100, backends=("cudnn", "cutlass", "trtllm", "cute-dsl", "b12x"), version="0.6.13")
+    assert _backend("cake").unavailable(torch.device("cuda", 0)) == \
+        "flashinfer 0.6.13: mm_fp4 has no backend 'cake' (added in flashinfer 0.7.4)"
+
+
+def test_flashinfer_cute_dsl_gate(cc, flashinfer, monkeypatch):
+    cc(100)
+    flashinfer(100)
+    import types
+
+    gb = types.ModuleType("flashinfer.gemm.gemm_base")
+
+    def no_dsl():
+        raise ValueError("CuTe DSL is not available.")
+
+    gb._check_cute_dsl_availability = no_dsl
+    monkeypatch.setitem(sys.modules, "flashinfer.gemm.gemm_base", gb)
+    assert _backend("cute-dsl").unavailable(torch.device("cuda", 0)) == \
+        "ValueError: CuTe DSL is not available. (pip install nvidia-cutlass-dsl)"
+    assert _backend("cutlass").unavailable(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("name, cap, m, n, k, dt, match", [
+    ("cudnn", 100, 4, 256, 512, FP32, r"writes bfloat16/float16 only"),
+    ("cutlass", 120, 4, 80, 512, BF16, r"N % 32 == 0 and K % 32 == 0; N=80 is not a multiple of 32"),
+    ("b12x", 120, 4, 256, 112, BF16, r"K=112 is not a multiple of 32"),
+    ("cute-dsl", 120, 4, 96, 512, BF16, r"cute-dsl on SM120 needs N % 64 == 0 and K % 64 == 0; N=96"),
+    ("cute-dsl", 120, 4, 128, 512, FP16, r"cute-dsl on SM120 writes bfloat16 only"),
+    ("cutedsl_low_latency", 100, 9, 256, 512, BF16, r"serves M <= 8 only; got M=9"),
+    ("trtllm", 100, 4, 256, 512, FP16, r"trtllm writes bfloat16 only"),
+    ("trtllm", 100, 4, 96, 512, BF16, r"N % 128 == 0 and K % 64 == 0; N=96"),
+    ("cake", 100, 4, 256, 384, BF16, r"K % 256 == 0; K=384"),
+])
+def test_flashinfer_unsupported_rules(cc, name, cap, m, n, k, dt, match):
+    cc(cap)
+    why = _backend(name).unsupported(Problem(m, n, k, dt, CPU))
+    assert why is not None
+    with pytest.raises(AssertionError, match=match):
+        raise AssertionError(why)
+
+
+def test_cute_dsl_sm100_takes_n_multiple_of_32(cc):
+    cc(100)
+    assert _backend("cute-dsl").unsupported(Problem(4, 96, 512, BF16, CPU)) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trtllm: the shuffled weight is prepared once per weight, and never served stale
+# ---------------------------------------------------------------------------------------------------------------
+def test_trtllm_prepares_each_weight_once_and_notices_changes(cc, flashinfer):
+    cc(100)
+    flashinfer(100)
+    b = _backend("trtllm")
+    problem = Problem(5, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=1)
+    for _ in range(3):
+        b.run(problem, ops, {})
+    assert (b.prepared.misses, b.prepared.hits, len(b.prepared)) == (1, 2, 1)
+    _assert_equals_reference(ops, reference_mm(problem, ops))
+
+    ops.b[:7] ^= 0x11  # in-place change of the weight: the version counter moves
+    b.run(problem, ops, {})
+    assert b.prepared.misses == 2
+    _assert_equals_reference(ops, reference_mm(problem, ops))
+
+    ops.b_scale.view(torch.uint8)[0, :4] = 0x38  # the scale alone changes (1.0 in e4m3)
+    b.run(problem, ops, {})
+    assert b.prepared.misses == 3
+    _assert_equals_reference(ops, reference_mm(problem, ops))
+
+
+def test_trtllm_cache_is_bounded_and_drops_freed_weights(cc, flashinfer, caplog):
+    cc(100)
+    flashinfer(100)
+    b = FlashInferTrtllmBackend(max_entries=2)
+    problem = Problem(2, 128, 256, BF16, CPU)
+    weights = [make_operands(problem, seed=s) for s in range(3)]
+    for ops in weights:
+        b.run(problem, ops, {})
+        _assert_equals_reference(ops, reference_mm(problem, ops))
+    assert len(b.prepared) == 2
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        b.run(problem, weights[0], {})  # evicted earlier: the working set is larger than the cache
+    assert "re-shuffles weights on every call" in caplog.text
+    del weights, ops
+    import gc
+
+    gc.collect()
+    assert len(b.prepared) == 0 and b.prepared.nbytes == 0
+
+
+def test_trtllm_byte_limit(cc, flashinfer):
+    cc(100)
+    flashinfer(100)
+    problem = Problem(2, 128, 256, BF16, CPU)
+    one = 128 * 128 + 128 * 16  # shuffled bytes + shuffled scales of one weight
+    b = FlashInferTrtllmBackend(max_bytes=one)
+    keep = [make_operands(problem, seed=s) for s in range(2)]
+    for ops in keep:
+        b.run(problem, ops, {})
+    assert (len(b.prepared), b.prepared.nbytes) == (1, one)
+
+
+def test_native_backends_pickle_for_probe_workers(cc, flashinfer):
+    cc(100)
+    flashinfer(100)
+    b = _backend("trtllm")
+    problem = Problem(2, 128, 256, BF16, CPU)
+    b.run(problem, make_operands(problem), {})
+    clone = pickle.loads(pickle.dumps(b))
+    assert clone.name == "flashinfer:trtllm" and len(clone.prepared) == 0 and clone._lib is None
+    for other in (SglKernelBackend(), TorchScaledMmBackend()):
+        assert pickle.loads(pickle.dumps(other)).name == other.name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sgl-kernel
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cap, dt", [(100, BF16), (100, FP32), (120, FP16), (120, BF16)])
+def test_sgl_kernel_adapter_matches_reference(cc, monkeypatch, cap, dt):
+    cc(cap)
+    sk = fakes.fake_sgl_kernel(cap)
+    monkeypatch.setitem(sys.modules, "sgl_kernel", sk)
+    b = SglKernelBackend()
+    assert b.unavailable(torch.device("cuda", 0)) is None
+    _, ops, ref = _run(b, 130, 96, 160, dt)
+    _assert_equals_reference(ops, ref)
+    assert sk.calls == [dt]
+
+
+@pytest.mark.parametrize("wrong_b, match", [
+    pytest.param(lambda b: b.T, r"a and b must be contiguous", id="b.T-view"),
+    pytest.param(lambda b: b.T.contiguous(), r"b must be \[N, K/2\] \(not transposed\)", id="b.T-copied"),
+])
+def test_sgl_kernel_wrong_layout_is_rejected(cc, monkeypatch, wrong_b, match):
+    class PassesBT(SglKernelBackend):
+        def run(self, problem, ops, config):
+            sk = self._lib or self._load()
+            ops.out.copy_(sk.cutlass_scaled_fp4_mm(ops.a, wrong_b(ops.b), ops.a_scale, ops.b_scale, ops.alpha,
+                                                   problem.out_dtype))
+
+    cc(100)
+    monkeypatch.setitem(sys.modules, "sgl_kernel", fakes.fake_sgl_kernel(100))
+    problem = Problem(3, 128, 512, BF16, CPU)
+    with pytest.raises(fakes.ContractError, match=match):
+        PassesBT().run(problem, make_operands(problem), {})
+
+
+def test_sgl_kernel_reasons(cc, monkeypatch, tmp_path):
+    b = SglKernelBackend()
+    cuda = torch.device("cuda", 0)
+    assert b.unavailable(CPU) == "needs CUDA (sgl-kernel's CUTLASS FP4 GEMM runs on SM100/SM120 GPUs only)"
+    cc(120)
+    monkeypatch.setitem(sys.modules, "sgl_kernel", None)
+    assert b.unavailable(cuda) == ("sgl_kernel is not installed (pip install fp4dispatch[sgl], i.e. "
+                                   "sgl-kernel==0.3.21, which needs torch==2.9.1)")
+    # a wheel built against another torch: the import itself fails with an undefined symbol
+    pkg = tmp_path / "sgl_kernel"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise OSError('common_ops.abi3.so: undefined symbol: _ZNK2at10TensorBase14const_data_ptrIiTnNSt9enable_ifIXntsr3stdE10is_const_vIT_EEiE4typeELi0EEEPKS3_v')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sgl_kernel")
+    why = b.unavailable(cuda)
+    assert why.startswith("sgl_kernel import failed: OSError: common_ops.abi3.so: undefined symbol: _ZNK2at10Tensor")
+    assert why.endswith(f"(sgl-kernel wheels are built against one torch; this is torch {torch.__version__})")
+    # sglang-kernel >= 0.4.1 imports fine but has no fp4 GEMM
+    import types
+
+    monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
+    assert b.unavailable(cuda).startswith("sgl_kernel has no cutlass_scaled_fp4_mm (")
+    assert b.unavailable(cuda).endswith("sglang-kernel >= 0.4.1 dropped it; only sgl-kernel==0.3.21 has it)")
+    monkeypatch.setitem(sys.modules, "sgl_kernel", fakes.fake_sgl_kernel(103))
+    cc(103)
+    assert b.unavailable(cuda) == "sgl_kernel's cutlass_scaled_fp4_mm ships sm_100a/sm_120a kernels only; this is SM103"
+    cc(120)
+    assert b.unsupported(Problem(4, 256, 512, FP32, CPU)) == \
+        "sgl_kernel writes float32 only on SM100 (SM120 kernels: bf16/fp16); this is SM120"
+    assert "K=48 is not a multiple of 32" in b.unsupported(Problem(4, 256, 48, BF16, CPU))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch._scaled_mm / F.scaled_mm
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def scaled_mm_fakes(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(torch, "_scaled_mm", fakes.fake_scaled_mm(calls))
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", fakes.fake_f_scaled_mm(calls))
+    return calls
+
+
+@pytest.mark.parametrize("dt", [BF16, FP16, FP32])
+@pytest.mark.parametrize("api", ["_scaled_mm", "scaled_mm_v2"])
+def test_torch_scaled_mm_adapter_matches_reference(cc, scaled_mm_fakes, api, dt):
+    cc(100)
+    b = TorchScaledMmBackend()
+    assert b.unavailable(torch.device("cuda", 0)) is None
+    problem = Problem(130, 96, 160, dt, CPU)
+    assert [c["api"] for c in b.configs(problem)] == ["_scaled_mm", "scaled_mm_v2"]
+    ops = make_operands(problem, seed=2)
+    b.run(problem, ops, {"api": api})
+    # _scaled_mm rounds the unscaled product to bf16 before alpha: one extra bf16 rounding
+    _assert_equals_reference(ops, reference_mm(problem, ops), rtol=0 if api == "scaled_mm_v2" else 2 ** -7)
+    assert scaled_mm_fakes == [api]
+
+
+def test_torch_scaled_mm_wrong_layout_is_rejected(cc, scaled_mm_fakes):
+    class NoTranspose(TorchScaledMmBackend):
+        def run(self, problem, ops, config):
+            fp4 = torch.float4_e2m1fn_x2
+            torch._scaled_mm(ops.a.view(fp4), ops.b.view(fp4), ops.a_scale.reshape(-1), ops.b_scale.reshape(-1),
+                             out_dtype=BF16)
+
+    cc(120)
+    problem = Problem(3, 256, 512, BF16, CPU)
+    with pytest.raises(fakes.ContractError, match=r"mat_b must be B.t\(\), the column-major"):
+        NoTranspose().run(problem, make_operands(problem), {"api": "_scaled_mm"})
+
+
+def test_torch_scaled_mm_reasons(cc):
+    b = TorchScaledMmBackend()
+    assert b.unavailable(CPU) == "needs CUDA (torch._scaled_mm has no CPU kernel for FP4)"
+    cc(90)
+    assert b.unavailable(torch.device("cuda", 0)) == \
+        "torch._scaled_mm fp4 needs SM100/SM120 (cuBLASLt block-scaled FP4); this is SM90"
+    assert "N=48 is not a multiple of 32" in b.unsupported(Problem(4, 48, 512, BF16, CPU))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the report on a CPU box
+# ---------------------------------------------------------------------------------------------------------------
+def test_cpu_report_lists_every_backend_with_a_reason(tmp_path):
+    recs = {r.name: r for r in Dispatcher(cache_dir=tmp_path).report(CPU)}
+    expected = NATIVE + ["reference"] + [n for n in ("triton:fused", "triton:dequant+matmul") if n in names()]
+    assert set(expected) <= set(recs)
+    assert recs["reference"].status == "ok"
+    for name in NATIVE:
+        assert recs[name].status == "unavailable" and recs[name].reason.startswith("needs CUDA"), recs[name]
+    for r in recs.values():
+        assert r.status == "ok" or r.reason.strip(), r
+    assert list(recs).index("flashinfer:cake") > list(recs).index("torch:scaled_mm")  # experimental: last native
