@@ -58,6 +58,11 @@ def fp4_mm(
         InvalidInputError: the call breaks the contract (the message says which argument and how to fix it).
         NoUsableBackendError: no backend can compute this problem (every backend's reason is listed).
     """
+    if torch.compiler.is_compiling():
+        # traced as one opaque custom op (no graph break); eager stays on the direct path, which is cheaper
+        from . import ops
+
+        return ops.call_op(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
     d = _default if _default is not None else get_dispatcher()
     return run_fp4_mm(d, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
 

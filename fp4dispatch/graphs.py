@@ -1,0 +1,81 @@
+"""CUDA graphs: decide (and run) shapes before capture, so that a captured ``fp4_mm`` is one dict lookup plus
+the chosen kernel.
+
+During capture the dispatcher never probes, tunes or synchronizes: a key with no decision reuses the nearest M
+bucket's decision, else the first healthy backend in priority order, and logs once. What a captured call may still
+allocate, and how to avoid it:
+
+* ``out``: pass a preallocated ``out=`` (else it is allocated from the graph's private pool, which is fine too);
+* ``alpha``: pass a float32 device tensor. A Python float becomes a new device tensor on every call, and
+  ``alpha=None`` uses a per-device ones-tensor created on first use (``warmup(run=True)`` creates it);
+* scales: pass them swizzled (``scale_layout="linear"`` swizzles into a new tensor on every call).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from .errors import InvalidInputError
+from .format import BLOCK
+
+__all__ = ["warmup"]
+
+log = logging.getLogger("fp4dispatch")
+
+
+def _check_shapes(shapes) -> list[tuple[int, int, int]]:
+    out = []
+    for s in shapes:
+        ok = isinstance(s, (tuple, list)) and len(s) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in s)
+        if not ok or s[2] % BLOCK:
+            raise InvalidInputError(
+                f"warmup: shapes must be (M, N, K) triples of positive ints with K % {BLOCK} == 0; got {s!r}. "
+                f"Pass e.g. [(1, 4096, 4096), (128, 4096, 4096)]")
+        out.append((int(s[0]), int(s[1]), int(s[2])))
+    return out
+
+
+def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = torch.bfloat16, device=None,
+           run: bool = True, dispatcher=None) -> dict[tuple[int, int, int], str]:
+    """Decide every ``(M, N, K)`` of ``shapes`` now (probe the device once, tune each new key), before capture.
+
+    Args:
+        shapes: the (M, N, K) of every call the graph will contain (every M bucket a graph uses).
+        out_dtype: output dtype of those calls.
+        device: the CUDA device (default: the current one; CPU when there is no GPU).
+        run: also run each shape once on random data, so that Triton JIT compilation, library handles and the
+            guard-mode flags are created now rather than inside the capture.
+        dispatcher: default: the process-wide dispatcher (the one ``fp4dispatch.fp4_mm`` uses).
+
+    Returns:
+        ``{(M, N, K): backend name}`` of the decisions.
+
+    Raises:
+        InvalidInputError: a shape is not an (M, N, K) triple of positive ints with K % 16 == 0, or this is
+            called during CUDA graph capture.
+    """
+    from .api import get_dispatcher
+    from .dispatcher import _resolve_device
+    from .testing import make_nvfp4_inputs
+
+    todo = _check_shapes(shapes)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise InvalidInputError("warmup: called during CUDA graph capture; call it before torch.cuda.graph(...) "
+                                "(deciding a shape may tune, which synchronizes)")
+    d = dispatcher if dispatcher is not None else get_dispatcher()
+    dev = _resolve_device(device)
+    choices = d.warmup(todo, out_dtype=out_dtype, device=dev)
+    if run:
+        for i, (m, n, k) in enumerate(todo):
+            a, b, sa, sb, alpha = make_nvfp4_inputs(m, n, k, device=dev, seed=i)
+            # the first run uses alpha=None so that validate's per-device ones-tensor exists before capture
+            d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    result = {s: c.backend.name for s, c in choices.items()}
+    log.info("fp4dispatch: warmed up %s", result)
+    return result
+

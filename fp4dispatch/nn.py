@@ -1,0 +1,219 @@
+"""``Fp4Linear``: an NVFP4 W4A4 linear layer on ``fp4_mm``.
+
+The weight is held once in the canonical form every backend takes (packed uint8 [N, K/2], 128x4-swizzled e4m3
+block scales, fp32 global decode scale), so no backend needs a per-call weight transform. No backend needs its
+own weight layout yet; when one does (e.g. a shuffled layout), it is prepared here, once, at construction.
+
+Activations are quantized per call with :func:`fp4dispatch.quantize_nvfp4` (the Triton kernel on CUDA when
+available): with a static ``input_scale`` (from a ModelOpt checkpoint or given to ``from_linear``) when there is
+one, else with a dynamic per-call global scale ``448*6/amax(x)``.
+
+Storage: block scales are kept as their uint8 bytes and fp32 scalars as int32 bit patterns, so that
+``model.to(torch.bfloat16)`` / ``model.half()`` (which cast every floating buffer, float8 included) cannot
+corrupt them; the bias is a normal floating buffer and follows such casts, as in ``nn.Linear``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .api import fp4_mm
+from .errors import InvalidInputError
+from .format import BLOCK, as_e4m3, as_packed_uint8, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
+from .problem import OUT_DTYPES
+
+__all__ = ["Fp4Linear"]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float32).reshape(1).contiguous().view(torch.int32)
+
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    return bits.view(torch.float32)
+
+
+def _scalar_scale(t: object, name: str, *, allow_spread: bool) -> torch.Tensor:
+    """A ModelOpt per-tensor scale (0-d, [1] or one per fused shard) -> fp32 [1] (the max over shards)."""
+    if not isinstance(t, torch.Tensor):
+        if isinstance(t, (float, int)) and not isinstance(t, bool):
+            t = torch.tensor([float(t)], dtype=torch.float32)
+        else:
+            raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be a float32 tensor (one per tensor or "
+                                    f"per fused shard); got {type(t).__name__}")
+    if not t.is_floating_point() or t.numel() == 0:
+        raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be a non-empty float tensor; got "
+                                f"dtype={t.dtype}, shape={tuple(t.shape)}")
+    t = t.detach().float().reshape(-1)
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be positive and finite (a decode scale "
+                                f"amax/(448*6)); got {t.tolist()[:8]}")
+    if t.numel() > 1 and not allow_spread and not bool((t == t[0]).all()):
+        raise InvalidInputError(
+            f"Fp4Linear.from_modelopt: {name} has {t.numel()} different per-shard values {t.tolist()[:8]}; "
+            f"fp4_mm applies one per-tensor alpha, and taking their max would silently rescale the other shards. "
+            f"Build one Fp4Linear per shard, or requantize the fused weight with one global scale")
+    return t.max().reshape(1)
+
+
+class Fp4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with W and x in NVFP4, computed by :func:`fp4dispatch.fp4_mm`.
+
+    Build it with :meth:`from_linear` (quantize a float ``nn.Linear``) or :meth:`from_modelopt` (checkpoint
+    tensors). ``x`` is ``[..., in_features]`` float32/bf16/fp16; the output has x's dtype and leading dims.
+
+    Buffers: ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 bytes of the swizzled e4m3 block scales;
+    ``weight_scale_2`` / ``input_scale`` fp32 decode scales stored as int32 bits ([1]; ``input_scale`` None
+    means dynamic activation scaling); ``bias`` [N] or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
+            raise InvalidInputError(f"Fp4Linear: in_features must be a positive multiple of {BLOCK} (one e4m3 "
+                                    f"scale per 16 values); got {in_features!r}. Pad K with zeros")
+        if not isinstance(out_features, int) or out_features <= 0:
+            raise InvalidInputError(f"Fp4Linear: out_features must be a positive int; got {out_features!r}")
+        self.in_features, self.out_features = in_features, out_features
+        n, k = out_features, in_features
+        self.register_buffer("weight", torch.zeros((n, k // 2), dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(swizzled_scale_shape(n, k), dtype=torch.uint8,
+                                                         device=device))
+        self.register_buffer("weight_scale_2", _bits(torch.ones(1)).to(device))
+        self.register_buffer("input_scale", None)
+        # derived from the scales above (not saved): the static alpha and the activation encode scale
+        self.register_buffer("_alpha", None, persistent=False)
+        self.register_buffer("_input_global_scale", None, persistent=False)
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, input_scale: torch.Tensor | float | None = None) -> "Fp4Linear":
+        """Quantize a float ``nn.Linear`` to NVFP4 (weight global scale ``448*6/amax(W)``).
+
+        Args:
+            linear: the float layer (its weight's device is kept).
+            input_scale: optional static activation decode scale ``amax(x)/(448*6)`` from calibration; None:
+                dynamic per-call scaling.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise InvalidInputError(f"Fp4Linear.from_linear: linear must be a torch.nn.Linear; got "
+                                    f"{type(linear).__name__}")
+        w = linear.weight.detach()
+        n, k = w.shape
+        bias = linear.bias is not None
+        mod = cls(k, n, bias, device=w.device, dtype=linear.bias.dtype if bias else torch.bfloat16)
+        packed, scale, gs = quantize_nvfp4(w if w.dtype in OUT_DTYPES else w.float())
+        mod._set_weight(packed, scale, 1.0 / gs)
+        if bias:
+            mod.bias.copy_(linear.bias.detach())
+        mod.set_input_scale(input_scale)
+        return mod
+
+    @classmethod
+    def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> "Fp4Linear":
+        """From ModelOpt NVFP4 checkpoint tensors, as vLLM/SGLang load them.
+
+        Args:
+            weight: packed e2m1, uint8 (or float4_e2m1fn_x2) [N, K/2], low nibble = even k.
+            weight_scale: float8_e4m3fn (or uint8 bytes) block scales, linear [N, K/16]; swizzled here, once.
+            weight_scale_2: fp32 weight decode scale ``1/gs_w`` (0-d, [1], or equal per fused shard).
+            input_scale: fp32 static activation decode scale ``1/gs_a`` (the max over shards is used, as vLLM
+                and SGLang do); None: dynamic activation scaling.
+            bias: optional [N].
+
+        ``alpha = input_scale * weight_scale_2`` and activations are quantized with ``1/input_scale``.
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be a packed NVFP4 tensor [N, K/2]; got "
+                                    f"{type(weight).__name__}")
+        w = as_packed_uint8(weight, "Fp4Linear.from_modelopt: weight")
+        if w.dim() != 2:
+            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be 2-D [N, K/2] packed NVFP4; got "
+                                    f"shape={tuple(w.shape)}")
+        n, k = w.shape[0], w.shape[1] * 2
+        if not isinstance(weight_scale, torch.Tensor):
+            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight_scale must be a float8_e4m3fn tensor "
+                                    f"[N, K/16]; got {type(weight_scale).__name__}")
+        s = as_e4m3(weight_scale, "Fp4Linear.from_modelopt: weight_scale")
+        if tuple(s.shape) != (n, k // BLOCK):
+            raise InvalidInputError(
+                f"Fp4Linear.from_modelopt: weight_scale must be linear [N, K/16]=({n}, {k // BLOCK}) for weight "
+                f"{tuple(w.shape)}; got shape={tuple(s.shape)}. Pass the checkpoint's weight_scale as stored, "
+                f"before any swizzle or padding")
+        if k % BLOCK:
+            raise InvalidInputError(f"Fp4Linear.from_modelopt: K=2*weight.shape[1]={k} must be a multiple of "
+                                    f"{BLOCK}")
+        ws2 = _scalar_scale(weight_scale_2, "weight_scale_2", allow_spread=False)
+        mod = cls(k, n, bias is not None, device=w.device,
+                  dtype=bias.dtype if isinstance(bias, torch.Tensor) else torch.bfloat16)
+        mod._set_weight(w, swizzle_scales(s.to(w.device).contiguous()), ws2.to(w.device))
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+                raise InvalidInputError(f"Fp4Linear.from_modelopt: bias must be a tensor of shape ({n},); got "
+                                        f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)}")
+            mod.bias.copy_(bias.detach())
+        if input_scale is not None:
+            input_scale = _scalar_scale(input_scale, "input_scale", allow_spread=True)
+        mod.set_input_scale(input_scale)
+        return mod
+
+    def _set_weight(self, packed: torch.Tensor, scale_swizzled: torch.Tensor, decode_scale: torch.Tensor) -> None:
+        self.weight.copy_(packed)
+        self.weight_scale.copy_(scale_swizzled.reshape(self.weight_scale.shape).view(torch.uint8))
+        self.weight_scale_2 = _bits(decode_scale).to(self.weight.device)
+        self._refresh()
+
+    def set_input_scale(self, input_scale: torch.Tensor | float | None) -> None:
+        """Set the static activation decode scale ``amax(x)/(448*6)`` (None: dynamic per-call scaling)."""
+        if input_scale is None:
+            self.input_scale = None
+        else:
+            t = torch.as_tensor(input_scale, dtype=torch.float32)
+            if t.numel() != 1 or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise InvalidInputError(f"Fp4Linear: input_scale must be one positive finite value (amax(x)/(448*6));"
+                                        f" got {t.reshape(-1).tolist()[:8]}")
+            self.input_scale = _bits(t).to(self.weight.device)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self.input_scale is None:
+            self._alpha = self._input_global_scale = None
+            return
+        s_in = _f32(self.input_scale)
+        self._alpha = _bits(s_in * _f32(self.weight_scale_2))
+        self._input_global_scale = _bits(1.0 / s_in)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh()
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != self.in_features:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InvalidInputError(f"Fp4Linear: x must be [..., in_features={self.in_features}]; got {got}")
+        if x.dtype not in OUT_DTYPES:
+            raise InvalidInputError(f"Fp4Linear: x must be float32, bfloat16 or float16; got dtype={x.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty((*lead, self.out_features))
+        if self.input_scale is None:
+            xq, xs, gs = quantize_nvfp4(x2)
+            alpha = _f32(self.weight_scale_2) / gs  # 1/(gs_a*gs_w), on the device: no host sync
+        else:
+            xq, xs, _ = quantize_nvfp4(x2, _f32(self._input_global_scale))
+            alpha = _f32(self._alpha)
+        y = fp4_mm(xq, self.weight, xs, self.weight_scale.view(torch.float8_e4m3fn), alpha, out_dtype=x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        mode = "static" if self.input_scale is not None else "dynamic"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation_scale={mode}")
+

@@ -1,0 +1,88 @@
+"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out``: fp4_mm as torch custom ops, so that ``torch.compile``
+(``fullgraph=True``) traces models that call it without a graph break.
+
+Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
+an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here only
+while compiling; eager calls take the direct path (a custom-op dispatch costs ~10 us, the call budget is ~5 us).
+
+Schema notes: ``alpha`` is ``Tensor?`` plus a Python ``float`` (``alpha_value``) used when the tensor is None, so a
+Python-float alpha traces too; ``backend`` is ``str?``; ``out_dtype`` is a ``ScalarType``.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fp4_mm_op", "fp4_mm_out_op", "call_op"]
+
+_LIB = "fp4dispatch"
+
+
+def _alpha(alpha: torch.Tensor | None, alpha_value: float) -> torch.Tensor | float | None:
+    # None and 1.0 both mean "no scaling": keep None so validate reuses its cached device ones-tensor
+    if alpha is not None:
+        return alpha
+    return None if alpha_value == 1.0 else alpha_value
+
+
+@torch.library.custom_op(f"{_LIB}::fp4_mm", mutates_args=())
+def fp4_mm_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              alpha: torch.Tensor | None, alpha_value: float, out_dtype: torch.dtype, scale_layout: str,
+              backend: str | None) -> torch.Tensor:
+    """Functional fp4_mm: returns a new [M, N] tensor of ``out_dtype``."""
+    from . import api
+
+    return api.run_fp4_mm(api.get_dispatcher(), a, b, a_scale, b_scale, _alpha(alpha, alpha_value), out_dtype,
+                          None, scale_layout, backend)
+
+
+@fp4_mm_op.register_fake
+def _fp4_mm_fake(a, b, a_scale, b_scale, alpha, alpha_value, out_dtype, scale_layout, backend):
+    # Run the real contract checks on the fake tensors: a bad call fails at trace time with the eager message.
+    # alpha None goes in as a float: validate caches a real ones-tensor per device, never a fake one.
+    from .validate import check_fp4_mm_args
+
+    problem, _ = check_fp4_mm_args(a, b, a_scale, b_scale, alpha if alpha is not None else 1.0, out_dtype, None,
+                                   scale_layout)
+    return a.new_empty((problem.m, problem.n), dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::fp4_mm_out", mutates_args=("out",))
+def fp4_mm_out_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                  alpha: torch.Tensor | None, alpha_value: float, out: torch.Tensor, scale_layout: str,
+                  backend: str | None) -> None:
+    """fp4_mm into a preallocated ``out`` (its dtype is the output dtype)."""
+    from . import api
+
+    api.run_fp4_mm(api.get_dispatcher(), a, b, a_scale, b_scale, _alpha(alpha, alpha_value), out.dtype, out,
+                   scale_layout, backend)
+
+
+@fp4_mm_out_op.register_fake
+def _fp4_mm_out_fake(a, b, a_scale, b_scale, alpha, alpha_value, out, scale_layout, backend):
+    from .validate import check_fp4_mm_args
+
+    check_fp4_mm_args(a, b, a_scale, b_scale, alpha if alpha is not None else 1.0, out.dtype, out, scale_layout)
+
+
+def call_op(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    """``fp4_mm``'s arguments -> the matching custom op (used by ``fp4dispatch.fp4_mm`` while compiling)."""
+    if isinstance(alpha, torch.Tensor) or alpha is None:
+        at, av = alpha, 1.0
+    elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
+        at, av = None, float(alpha)
+    else:
+        _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)  # raises the eager message
+        at, av = alpha, 1.0
+    if out is None:
+        return torch.ops.fp4dispatch.fp4_mm(a, b, a_scale, b_scale, at, av, out_dtype, scale_layout, backend)
+    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype:
+        # the out op takes its dtype from out: a mismatch must fail with eager's message, not silently
+        _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
+    torch.ops.fp4dispatch.fp4_mm_out(a, b, a_scale, b_scale, at, av, out, scale_layout, backend)
+    return out
+
+
+def _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> None:
+    from .validate import check_fp4_mm_args
+
+    check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)

@@ -1,0 +1,413 @@
+"""Drop-in for inference code (CPU): custom op + torch.compile, Fp4Linear, guard mode, warm-up before capture."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fp4dispatch
+from fp4dispatch import guard as guard_mod
+from fp4dispatch import graphs, ops
+from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.errors import InvalidInputError, NoUsableBackendError
+from fp4dispatch.format import dequantize_nvfp4, quantize_nvfp4, swizzled_scale_shape
+from fp4dispatch.guard import Guard, nonfinite_from_finite
+from fp4dispatch.nn import Fp4Linear
+from fp4dispatch.problem import Operands, Problem
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+CPU = torch.device("cpu")
+
+
+def _compile(fn, **kw):
+    # aot_eager runs dynamo (fullgraph: no graph break allowed), the fake impls and functionalization without
+    # Inductor's C++ build, which would take ~30 s per test on this CPU
+    return torch.compile(fn, fullgraph=True, backend="aot_eager", **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom op and torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+def test_custom_ops_registered_with_fake_impl_shapes():
+    a, b, sa, sb, alpha = (t.to("meta") for t in make_nvfp4_inputs(5, 64, 128))
+    y = torch.ops.fp4dispatch.fp4_mm(a, b, sa, sb, alpha, 1.0, torch.float16, "swizzled", None)
+    assert (tuple(y.shape), y.dtype, y.device.type) == ((5, 64), torch.float16, "meta")
+    out = torch.empty((5, 64), dtype=torch.float32, device="meta")
+    assert torch.ops.fp4dispatch.fp4_mm_out(a, b, sa, sb, None, 0.5, out, "swizzled", None) is None
+
+
+def test_fake_impl_checks_the_contract():
+    a, b, sa, sb, alpha = (t.to("meta") for t in make_nvfp4_inputs(5, 48, 128))
+    with pytest.raises(InvalidInputError, match=r"b\.shape\[1\] \(K/2\) must equal a\.shape\[1\]=64"):
+        torch.ops.fp4dispatch.fp4_mm(a, b[:, :16], sa, sb, alpha, 1.0, torch.bfloat16, "swizzled", None)
+
+
+@pytest.mark.parametrize("op, args", [
+    pytest.param("fp4_mm", lambda t: (*t, 1.0, torch.bfloat16, "swizzled", None), id="functional"),
+    pytest.param("fp4_mm_out", lambda t: (*t[:4], None, 0.5, torch.empty(5, 64), "swizzled", None), id="out"),
+])
+def test_opcheck(op, args):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(5, 64, 128)
+    # uint8 views of the e4m3 scales: opcheck's schema test compares with allclose, which CPU float8 lacks
+    t = (a, b, sa.view(torch.uint8), sb.view(torch.uint8), alpha)
+    res = torch.library.opcheck(getattr(torch.ops.fp4dispatch, op).default, args(t))
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+def test_compile_fullgraph_equals_eager_across_m():
+    def f(a, b, sa, sb, alpha):
+        return fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32) * 2 + 1
+
+    cf = _compile(f, dynamic=True)
+    for m in (1, 5, 37, 130):
+        args = make_nvfp4_inputs(m, 64, 128, seed=m)
+        assert torch.equal(cf(*args), f(*args))
+
+
+@pytest.mark.parametrize("alpha", [pytest.param(None, id="none"), pytest.param(0.75, id="float"),
+                                   pytest.param("tensor", id="tensor")])
+def test_compile_out_variant_float_alpha_and_backend(alpha):
+    a, b, sa, sb, at = make_nvfp4_inputs(9, 32, 64)
+    al = at if alpha == "tensor" else alpha
+
+    def f(a, b, sa, sb):
+        out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.float16)
+        fp4dispatch.fp4_mm(a, b, sa, sb, al, out=out, out_dtype=torch.float16, backend="reference")
+        return out.float() - 1
+
+    assert torch.equal(_compile(f)(a, b, sa, sb), f(a, b, sa, sb))
+
+
+def test_compile_reports_the_eager_message_at_trace_time():
+    a, b, sa, sb, alpha = make_nvfp4_inputs(5, 64, 128)
+
+    def f(a, b, sa, sb, alpha):
+        return fp4dispatch.fp4_mm(a, b, sa, sb, alpha)
+
+    with pytest.raises(Exception, match=r"b must be contiguous \[N, K/2\].*transposed view"):
+        _compile(f)(a, b.t(), sa, sb, alpha)
+
+
+def test_compile_out_dtype_mismatch_has_the_eager_message():
+    a, b, sa, sb, alpha = make_nvfp4_inputs(5, 64, 128)
+
+    def f(a, b, sa, sb, alpha):
+        out = torch.empty((5, 64), dtype=torch.float32)
+        return fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out=out)  # out_dtype defaults to bf16
+
+    with pytest.raises(Exception, match=r"out must be a contiguous \[M, N\]=\(5, 64\) tensor of dtype torch.bfloat16"):
+        _compile(f)(a, b, sa, sb, alpha)
+
+
+def test_eager_calls_bypass_the_custom_op(monkeypatch):
+    def boom(*args, **kw):
+        raise AssertionError("eager fp4_mm went through the custom op")
+
+    monkeypatch.setattr(ops, "call_op", boom)
+    a, b, sa, sb, alpha = make_nvfp4_inputs(3, 32, 64)
+    y = fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+    p = Problem(3, 32, 64, torch.float32, CPU)
+    torch.testing.assert_close(y, reference_mm(p, Operands(a, b, sa, sb, alpha, y)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fp4Linear
+# ---------------------------------------------------------------------------------------------------------------
+def _qdq(x: torch.Tensor, gs=None) -> torch.Tensor:
+    p, s, g = quantize_nvfp4(x, gs)
+    return dequantize_nvfp4(p, s, g)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def test_fp4linear_from_linear_is_the_nvfp4_layer_and_close_to_float():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 192).requires_grad_(False)
+    q = Fp4Linear.from_linear(lin)
+    x = torch.randn(2, 3, 7, 512)
+    y = q(x)
+    assert y.shape == (2, 3, 7, 192) and y.dtype == torch.float32
+    # exactly the float layer on NVFP4-rounded operands (up to summation order) ...
+    yq = torch.nn.functional.linear(_qdq(x.reshape(-1, 512)), _qdq(lin.weight.detach()), lin.bias).reshape(y.shape)
+    assert _rel(y, yq) < 1e-5
+    # ... so its distance to the float layer is NVFP4 W4A4 quantization error (measured 0.141 here, see
+    # docs/integration.md); e2m1 with e4m3 block scales costs ~0.1 relative error per operand
+    err = _rel(y, lin(x).detach())
+    assert 0.05 < err < 0.2, err
+
+
+def test_fp4linear_static_input_scale_and_bf16():
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(256, 64, bias=False).to(torch.bfloat16)
+    x = torch.randn(11, 256, dtype=torch.bfloat16)
+    amax = float(x.float().abs().amax())
+    q = Fp4Linear.from_linear(lin, input_scale=amax / 2688)
+    y = q(x)
+    assert y.dtype == torch.bfloat16
+    yq = _qdq(x.float(), torch.tensor([2688 / amax])) @ _qdq(lin.weight.float()).t()
+    assert _rel(y.float(), yq) < 1e-2  # bf16 output rounding
+    assert "activation_scale=static" in repr(q)
+
+
+def test_fp4linear_survives_module_dtype_casts():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(128, 32)
+    q = Fp4Linear.from_linear(lin, input_scale=0.01)
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    before = q(x.float())
+    q16 = q.to(torch.bfloat16)  # casts every floating buffer; the scales are stored as bytes/bits
+    assert q16.bias.dtype == torch.bfloat16
+    after = q16(x)
+    assert after.dtype == torch.bfloat16
+    assert _rel(after.float(), before) < 1e-2  # bf16 output and bias rounding only
+
+
+def test_fp4linear_compiles_fullgraph_equal_to_eager():
+    torch.manual_seed(3)
+    q = Fp4Linear.from_linear(torch.nn.Linear(128, 48))
+    x = torch.randn(2, 5, 128)
+    assert torch.equal(_compile(q)(x), q(x))
+
+
+def test_fp4linear_empty_batch():
+    q = Fp4Linear.from_linear(torch.nn.Linear(64, 16))
+    y = q(torch.randn(0, 3, 64))
+    assert y.shape == (0, 3, 16)
+
+
+def _modelopt_tensors(w: torch.Tensor, x_amax: float):
+    packed, scale_lin, gs = quantize_nvfp4(w, scale_layout="linear")
+    return packed, scale_lin, (1.0 / gs).reshape(()), torch.tensor(x_amax / 2688, dtype=torch.float32)
+
+
+def test_fp4linear_from_modelopt_matches_semantics():
+    torch.manual_seed(4)
+    w = torch.randn(96, 256)
+    bias = torch.randn(96)
+    x = torch.randn(6, 256)
+    amax = float(x.abs().amax())
+    weight, weight_scale, weight_scale_2, input_scale = _modelopt_tensors(w, amax)
+    q = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2, input_scale, bias=bias)
+    # vLLM/SGLang: x quantized with 1/input_scale, alpha = input_scale * weight_scale_2
+    ref = _qdq(x, torch.tensor([1 / float(input_scale)])) @ _qdq(w).t() + bias
+    assert _rel(q(x), ref) < 1e-5
+    assert q.weight_scale.shape == swizzled_scale_shape(96, 256)
+    # per-shard input scales (fused qkv): the max is used, as the engines do
+    q2 = Fp4Linear.from_modelopt(weight, weight_scale.view(torch.uint8), weight_scale_2.reshape(1).repeat(3),
+                                 input_scale.reshape(1) * torch.tensor([1.0, 0.5, 0.25]), bias=bias)
+    torch.testing.assert_close(q2(x), q(x))
+    # no input_scale: dynamic activation scaling
+    q3 = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2)
+    assert _rel(q3(x), _qdq(x) @ _qdq(w).t()) < 1e-5
+
+
+_W = torch.zeros(8, 32, dtype=torch.uint8)
+_S = torch.ones(8, 4).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("args, match", [
+    pytest.param((torch.zeros(8, 32), _S, torch.tensor(1.0)),
+                 r"weight must be packed NVFP4 data \(uint8 or torch.float4_e2m1fn_x2.*got dtype=torch.float32",
+                 id="weight-dtype"),
+    pytest.param((_W, torch.ones(128, 4).to(torch.float8_e4m3fn), torch.tensor(1.0)),
+                 r"weight_scale must be linear \[N, K/16\]=\(8, 4\) for weight \(8, 32\); got shape=\(128, 4\)",
+                 id="swizzled-scale"),
+    pytest.param((_W, torch.ones(8, 4), torch.tensor(1.0)),
+                 r"weight_scale must hold float8_e4m3fn block scales .*got dtype=torch.float32", id="scale-dtype"),
+    pytest.param((_W, _S, torch.tensor([1.0, 2.0])),
+                 r"weight_scale_2 has 2 different per-shard values \[1.0, 2.0\]", id="shard-scales"),
+    pytest.param((_W, _S, torch.tensor(0.0)),
+                 r"weight_scale_2 must be positive and finite .*got \[0.0\]", id="zero-scale"),
+    pytest.param((_W, _S, "x"), r"weight_scale_2 must be a float32 tensor .*got str", id="scale-type"),
+    pytest.param((_W, _S, torch.tensor(1.0), torch.tensor(float("nan"))),
+                 r"input_scale must be positive and finite", id="nan-input-scale"),
+])
+def test_fp4linear_from_modelopt_errors(args, match):
+    with pytest.raises(InvalidInputError, match=match):
+        Fp4Linear.from_modelopt(*args)
+
+
+@pytest.mark.parametrize("make, match", [
+    pytest.param(lambda: Fp4Linear(100, 8), r"in_features must be a positive multiple of 16 .*got 100",
+                 id="in-features"),
+    pytest.param(lambda: Fp4Linear(64, 0), r"out_features must be a positive int; got 0", id="out-features"),
+    pytest.param(lambda: Fp4Linear.from_linear(torch.nn.Conv1d(1, 1, 1)),
+                 r"linear must be a torch.nn.Linear; got Conv1d", id="not-linear"),
+    pytest.param(lambda: Fp4Linear(64, 8)(torch.randn(3, 32)), r"x must be \[..., in_features=64\]; got \(3, 32\)",
+                 id="x-shape"),
+    pytest.param(lambda: Fp4Linear(64, 8)(torch.ones(3, 64, dtype=torch.int32)),
+                 r"x must be float32, bfloat16 or float16; got dtype=torch.int32", id="x-dtype"),
+    pytest.param(lambda: Fp4Linear(64, 8).set_input_scale(-1.0),
+                 r"input_scale must be one positive finite value .*got \[-1.0\]", id="input-scale"),
+])
+def test_fp4linear_errors(make, match):
+    with pytest.raises(InvalidInputError, match=match):
+        make()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# guard mode
+# ---------------------------------------------------------------------------------------------------------------
+def _guarded(tmp_path, *backends):
+    return Dispatcher(list(backends), cache_dir=tmp_path / "c", do_bench=fake_do_bench, guard=True)
+
+
+def _call(d, m, seed=0):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(m, 64, 128, seed=seed)
+    y = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+    ref = reference_mm(Problem(m, 64, 128, torch.float32, CPU), Operands(a, b, sa, sb, alpha, y))
+    return y, ref
+
+
+def test_guard_every_call_blacklists_and_recomputes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    good = FakeBackend("good", cost=1e-5)
+    d = _guarded(tmp_path, bad, good)
+    assert d.guard.every == 1
+    y, ref = _call(d, 6)  # tunes the M<=8 bucket at M=6, where "bad" is right and fastest
+    torch.testing.assert_close(y, ref)
+    assert d.choose(Problem(6, 64, 128, torch.float32, CPU)).backend.name == "bad"
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        y, ref = _call(d, 5, seed=1)  # same bucket; "bad" writes NaN rows here
+    torch.testing.assert_close(y, ref)  # recomputed with the next best
+    assert "bad returned non-finite values from finite inputs" in caplog.text
+    assert d.choose(Problem(5, 64, 128, torch.float32, CPU)).backend.name == "good"
+    banned = d.cache_for(CPU).shape_blacklist["m8-n64-k128-float32"]
+    assert "non-finite output from finite inputs" in banned["bad"]
+    calls = bad.calls
+    y, ref = _call(d, 5, seed=2)
+    torch.testing.assert_close(y, ref)
+    assert bad.calls == calls
+
+
+def test_guard_checks_every_n_calls_without_sync_in_between(tmp_path, monkeypatch):
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    d = _guarded(tmp_path, bad, FakeBackend("good", cost=1e-5))
+    d.guard = Guard(every=4)
+    checks = []
+    real = Guard._check
+    monkeypatch.setattr(Guard, "_check", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    _call(d, 6)
+    outs = [_call(d, 5, seed=i)[0] for i in range(2)]
+    assert checks == []  # calls 1-3: flags accumulate on the device, nobody reads them
+    assert all(bool(torch.isnan(o).any()) for o in outs)  # the documented lag: bad outputs until the check
+    y, ref = _call(d, 5, seed=9)  # call 4: check, blacklist, recompute
+    assert checks == [1]
+    torch.testing.assert_close(y, ref)
+    assert d.choose(Problem(5, 64, 128, torch.float32, CPU)).backend.name == "good"
+
+
+def test_guard_check_on_demand_and_default_dispatcher_from_env(monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_GUARD", "1")
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    fp4dispatch.set_dispatcher(Dispatcher([bad, FakeBackend("good", cost=1e-5)], do_bench=fake_do_bench))
+    d = fp4dispatch.get_dispatcher()
+    assert isinstance(d.guard, Guard) and d.guard.every == guard_mod.DEFAULT_EVERY
+    _call(d, 6)
+    y, _ = _call(d, 5)
+    assert bool(torch.isnan(y).any())
+    found = guard_mod.check()
+    assert found == [guard_mod.Finding("m8-n64-k128-float32", "bad", "good")]
+    y, ref = _call(d, 5, seed=3)
+    torch.testing.assert_close(y, ref)
+    assert guard_mod.check() == []
+
+
+def test_guard_ignores_non_finite_inputs(tmp_path):
+    d = _guarded(tmp_path, FakeBackend("ok"), ReferenceBackend())
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 64, 128)
+    sa = sa.clone()
+    sa[0, 0] = float("nan")  # a NaN block scale makes NaN outputs legitimately
+    y = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+    assert bool(torch.isnan(y).any())
+    assert d.guard.check(d) == []
+    assert d.cache_for(CPU).shape_blacklist == {}
+
+
+def test_guard_without_fallback_redecides_then_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    d = _guarded(tmp_path, FakeBackend("bad", nan_rows_for_m=(5,)))
+    _call(d, 6)
+    with pytest.raises(NoUsableBackendError, match=r"bad: .*non-finite output from finite inputs"):
+        _call(d, 5)
+
+
+@pytest.mark.parametrize("dtype, value, flagged", [
+    pytest.param(torch.bfloat16, float("nan"), True, id="bf16-nan"),
+    pytest.param(torch.bfloat16, float("inf"), True, id="bf16-inf"),
+    pytest.param(torch.float32, float("-inf"), True, id="fp32-ninf"),
+    pytest.param(torch.float16, float("inf"), False, id="fp16-inf-is-overflow"),
+    pytest.param(torch.float16, float("nan"), True, id="fp16-nan"),
+    pytest.param(torch.float32, 3.0, False, id="finite"),
+])
+def test_nonfinite_from_finite(dtype, value, flagged):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 32, 64)
+    out = torch.ones((4, 32), dtype=dtype)
+    out[2, 3] = value
+    assert bool(nonfinite_from_finite(Operands(a, b, sa, sb, alpha, out), dtype)) is flagged
+    bad_alpha = torch.tensor([float("inf")])
+    assert not bool(nonfinite_from_finite(Operands(a, b, sa, sb, bad_alpha, out), dtype))
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3"])
+def test_guard_every_env_errors(monkeypatch, value):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", value)
+    with pytest.raises(InvalidInputError, match=rf"FP4DISPATCH_GUARD_EVERY must be a positive integer .*got "
+                                                rf"'{value}'\. Unset it for the default 64"):
+        Guard()
+
+
+def test_guard_every_arg_error():
+    with pytest.raises(InvalidInputError, match=r"Guard: every must be a positive int .*got 0"):
+        Guard(every=0)
+
+
+def test_guard_check_refuses_during_capture(monkeypatch, tmp_path):
+    d = _guarded(tmp_path, ReferenceBackend())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(InvalidInputError, match=r"cannot run during CUDA graph capture .*between replays"):
+        guard_mod.check(d)
+
+
+def test_guard_check_is_empty_when_guard_is_off(tmp_path):
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    assert d.guard is None and guard_mod.check(d) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# warm-up before CUDA-graph capture
+# ---------------------------------------------------------------------------------------------------------------
+def test_warmup_decides_and_runs_each_shape(tmp_path):
+    fast = FakeBackend("fast", cost=1e-6)
+    d = Dispatcher([fast, FakeBackend("slow", cost=1e-5)], cache_dir=tmp_path / "c", do_bench=fake_do_bench, guard=True)
+    got = graphs.warmup([(3, 64, 128), (200, 32, 64)], out_dtype=torch.float32, device="cpu", dispatcher=d)
+    assert got == {(3, 64, 128): "fast", (200, 32, 64): "fast"}
+    assert len(d.guard._watches) == 2  # the guard flags exist before capture
+    calls = fast.calls
+    graphs.warmup([(3, 64, 128)], out_dtype=torch.float32, device="cpu", dispatcher=d, run=False)
+    assert fast.calls == calls  # decided: no tuning, and run=False runs nothing
+
+
+@pytest.mark.parametrize("shapes, shown", [
+    pytest.param([(4, 64)], r"\(4, 64\)", id="pair"),
+    pytest.param([(4, 64, 100)], r"\(4, 64, 100\)", id="k-not-16"),
+    pytest.param([(0, 64, 128)], r"\(0, 64, 128\)", id="zero-m"),
+    pytest.param([(4.0, 64, 128)], r"\(4.0, 64, 128\)", id="float"),
+])
+def test_warmup_shape_errors(shapes, shown):
+    with pytest.raises(InvalidInputError, match=r"warmup: shapes must be \(M, N, K\) triples of positive ints with "
+                                                rf"K % 16 == 0; got {shown}"):
+        graphs.warmup(shapes, device="cpu")
+
+
+def test_warmup_refuses_during_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(InvalidInputError, match=r"warmup: called during CUDA graph capture; call it before"):
+        graphs.warmup([(1, 64, 128)], device="cpu")
