@@ -1,5 +1,5 @@
-"""Tuning on several devices: under torchrun (ranks split the shapes and all-gather the decisions) and ``--devices``
-(one spawned process per GPU).
+"""Where tuning runs: one device in this process (``tune_rows``), one spawned process per GPU (``--devices``), or one
+torchrun rank per GPU (ranks split the shapes and all-gather the decisions).
 
 torchrun mode is on when ``torch.distributed`` is already initialized (any backend, gloo included) or when
 ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are set; in the latter case the default group is created here --
@@ -13,18 +13,116 @@ libraries) share one cache file, so they split the shape list among themselves i
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from .bench import default_do_bench
+from .config import read_settings
+from .dispatcher import Dispatcher, key_str
+from .errors import FP4DispatchError
 from .fingerprint import device_fingerprint, fingerprint_hash
+from .problem import Problem, m_bucket
 
-__all__ = ["torchrun_detected", "process_group", "run_torchrun", "run_on_devices", "resolve_devices", "split_shares"]
+__all__ = ["TuneOptions", "OUT_DTYPES", "make_dispatcher", "tune_rows", "backend_rows", "torchrun_detected",
+           "process_group", "run_torchrun", "run_on_devices", "merge_device_results", "resolve_devices", "split_shares"]
 
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# -- one device, this process -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TuneOptions:
+    """What a tuning run needs; picklable, so spawned device processes and torchrun ranks get the same."""
+
+    out_dtype: str = "bfloat16"
+    isolate: bool = True
+    cache_dir: str | None = None
+    progress: bool = True
+
+
+def make_dispatcher(opts: TuneOptions, backends=None, do_bench=None) -> Dispatcher:
+    """A dispatcher with the CLI's settings (``--isolate``, ``--cache-dir``) over the environment's."""
+    settings = dataclasses.replace(read_settings(), isolate=opts.isolate)
+    return Dispatcher(backends, cache_dir=opts.cache_dir, do_bench=do_bench, settings=settings)
+
+
+def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device) -> float:
+    """cuBLAS bf16 ``x @ W.T`` of the same shape (random operands), median of ``triton.testing.do_bench``."""
+    a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=device)
+    return round(default_do_bench(lambda: torch.mm(a, w.t())) * 1e3, 3)
+
+
+def _summarize(entry: dict, n: int, k: int) -> dict:
+    """Winner, time, TFLOP/s, tried backends and the runner-up of one cached decision record."""
+    winner, ranking = entry.get("backend"), list(entry.get("ranking", []))
+    timed = entry.get("mode", "tuned") == "tuned"  # FP4DISPATCH_TUNE=0 records priority ranks, not times
+    best: dict[str, dict] = {}
+    for t in ranking:  # sorted by time: a backend's first trial is its best
+        best.setdefault(t["backend"], {"backend": t["backend"], "time_us": t.get("time_us") if timed else None,
+                                       "reason": t.get("reason", "")})
+    best.setdefault(winner, {"backend": winner, "time_us": entry.get("time_us") if timed else None, "reason": ""})
+    time_us = entry.get("time_us") if timed else None
+    m_t = int(entry.get("tuned_at_m") or 1)
+    runner = next((b for name, b in best.items() if name != winner and b["time_us"] is not None), None)
+    row = {"winner": winner, "config": entry.get("config") or {}, "time_us": time_us, "tuned_at_m": m_t,
+           "tflops": float(f"{2 * m_t * n * k / (time_us * 1e-6) / 1e12:.4g}") if time_us else None,
+           "tried": list(best.values()), "runner_up": runner["backend"] if runner else None,
+           "runner_up_us": runner["time_us"] if runner else None, "speedup_vs_runner_up": None}
+    if runner and time_us:
+        row["speedup_vs_runner_up"] = round(runner["time_us"] / time_us, 3)
+    return row
+
+
+def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptions, *, tuned_by: str = "",
+              position: int = 0) -> list[dict]:
+    """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape."""
+    from tqdm import tqdm
+
+    dt = OUT_DTYPES[opts.out_dtype]
+    cache = d.cache_for(device)  # probes every backend on this device once
+    rows = []
+    bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
+               disable=None if opts.progress else True)
+    for s in bar:
+        ks = key_str((device, m_bucket(s.m), s.n, s.k, dt))
+        row = {"key": ks, "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k, "layers": list(s.layers),
+               "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
+               "source": "cache" if ks in cache.decisions else "tuned"}
+        try:
+            entry = d.entry_for(Problem(s.m, s.n, s.k, dt, device))
+        except FP4DispatchError as e:  # no usable backend, or FP4DISPATCH_BACKEND names one that cannot run
+            row.update(status="no_backend", reasons=getattr(e, "reasons", None) or {"error": str(e)})
+            rows.append(row)
+            continue
+        if entry is None:  # a forced backend (FP4DISPATCH_BACKEND) decides without tuning
+            entry = {"backend": d.choose(Problem(s.m, s.n, s.k, dt, device)).backend.name, "mode": "forced"}
+        row.update(status="ok", **_summarize(entry, s.n, s.k))
+        row["cublas_bf16_us"] = row["speedup_vs_cublas_bf16"] = None
+        if device.type == "cuda":
+            row["cublas_bf16_us"] = _bf16_baseline_us(row["tuned_at_m"], s.n, s.k, device)
+            if row["time_us"]:
+                row["speedup_vs_cublas_bf16"] = round(row["cublas_bf16_us"] / row["time_us"], 3)
+        rows.append(row)
+    bar.close()
+    return rows
+
+
+def backend_rows(d: Dispatcher, device: torch.device) -> list[dict]:
+    """Per backend on ``device``: status, reason, and how many decided keys it won."""
+    return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins)}
+            for r in d.report(device)]
+
+
+# -- torchrun ranks ----------------------------------------------------------------------------------------------
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 
@@ -63,8 +161,6 @@ def run_torchrun(shapes: list, opts, backends=None, do_bench=None) -> dict:
     """
     import torch.distributed as dist
 
-    from .tune import backend_rows, make_dispatcher, tune_rows
-
     with process_group() as (rank, world, device):
         d = make_dispatcher(opts, backends, do_bench)
         mine = tune_rows(d, device, shapes[rank::world], opts, tuned_by=f"rank{rank}", position=0)
@@ -87,6 +183,7 @@ def _row_order(row: dict) -> tuple:
     return row["n"], row["k"], row["m_bucket"]
 
 
+# -- --devices: one spawned process per GPU --------------------------------------------------------------------
 def resolve_devices(spec: str) -> list[str]:
     """``"all"`` or ``"0,1"`` -> ``["cuda:0", "cuda:1"]``; raises ValueError naming the problem."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -128,8 +225,6 @@ def _child_env() -> None:
 
 
 def _device_job(device: str, shapes: list, opts, position: int) -> dict:
-    from .tune import backend_rows, make_dispatcher, tune_rows
-
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -153,3 +248,18 @@ def run_on_devices(devices: list[str], shapes: list, opts) -> list[dict]:
                 results.append({"device": dev, "rows": [], "backends": [], "unfinished": share,
                                 "error": f"{type(e).__name__}: {e}".strip(": ")})
     return results
+
+
+def merge_device_results(results: list[dict]) -> tuple[list[dict], list[dict], list[str]]:
+    """One sorted row list, the backend records of every device, and a note per device whose process died (its
+    unfinished shapes become ``error`` rows, so the run exits 1)."""
+    rows, backends, notes = [], [], []
+    for res in results:
+        rows += res["rows"]
+        backends += res["backends"]
+        if res["error"]:
+            notes.append(f"{res['device']}: its tuning process died ({res['error']})")
+            rows += [{"key": f"m{m_bucket(s.m)}-n{s.n}-k{s.k}", "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n,
+                      "k": s.k, "layers": list(s.layers), "tuned_by": res["device"], "status": "error",
+                      "error": res["error"]} for s in res["unfinished"]]
+    return sorted(rows, key=_row_order), backends, notes

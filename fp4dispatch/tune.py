@@ -12,115 +12,27 @@ import json
 import logging
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import distributed, presets
-from .bench import default_do_bench
 from .cache import DecisionCache
 from .config import default_cache_dir, read_settings
-from .dispatcher import Dispatcher, key_str
-from .errors import NoUsableBackendError
+from .distributed import TuneOptions, backend_rows, make_dispatcher
 from .fingerprint import device_fingerprint
-from .problem import Problem, m_bucket
+from .problem import m_bucket
 from .profile import ProfileError, export_profile, import_profile
 
-__all__ = ["main", "TuneOptions", "make_dispatcher", "tune_rows", "backend_rows", "build_parser"]
+__all__ = ["main", "build_parser", "TuneOptions"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _COMMANDS = ("tune", "show", "clear", "export", "import")
 _CPU_NOTE = ("No CUDA device found: tuning on the CPU with the backends that run there (the exact reference); "
              "the default CPU shapes are small")
 
 
-@dataclass(frozen=True)
-class TuneOptions:
-    """What a tuning run needs; picklable, so spawned device processes and torchrun ranks get the same."""
-
-    out_dtype: str = "bfloat16"
-    isolate: bool = True
-    cache_dir: str | None = None
-    progress: bool = True
-
-
-def make_dispatcher(opts: TuneOptions, backends=None, do_bench=None) -> Dispatcher:
-    """A dispatcher with the CLI's settings (``--isolate``, ``--cache-dir``) over the environment's."""
-    settings = dataclasses.replace(read_settings(), isolate=opts.isolate)
-    return Dispatcher(backends, cache_dir=opts.cache_dir, do_bench=do_bench, settings=settings)
-
-
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-# -- tuning ---------------------------------------------------------------------------------------------------------
-def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device) -> float:
-    """cuBLAS bf16 ``x @ W.T`` of the same shape (random operands), median of ``triton.testing.do_bench``."""
-    a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-    w = torch.randn(n, k, dtype=torch.bfloat16, device=device)
-    return round(default_do_bench(lambda: torch.mm(a, w.t())) * 1e3, 3)
-
-
-def _summarize(entry: dict, n: int, k: int) -> dict:
-    """Winner, time, TFLOP/s, tried backends and the runner-up of one cached decision record."""
-    winner, ranking = entry.get("backend"), list(entry.get("ranking", []))
-    timed = entry.get("mode", "tuned") == "tuned"  # FP4DISPATCH_TUNE=0 records priority ranks, not times
-    best: dict[str, dict] = {}
-    for t in ranking:  # sorted by time: a backend's first trial is its best
-        best.setdefault(t["backend"], {"backend": t["backend"], "time_us": t.get("time_us") if timed else None,
-                                       "reason": t.get("reason", "")})
-    best.setdefault(winner, {"backend": winner, "time_us": entry.get("time_us") if timed else None, "reason": ""})
-    time_us = entry.get("time_us") if timed else None
-    m_t = int(entry.get("tuned_at_m") or 1)
-    runner = next((b for name, b in best.items() if name != winner and b["time_us"] is not None), None)
-    row = {"winner": winner, "config": entry.get("config") or {}, "time_us": time_us, "tuned_at_m": m_t,
-           "tflops": float(f"{2 * m_t * n * k / (time_us * 1e-6) / 1e12:.4g}") if time_us else None,
-           "tried": list(best.values()), "runner_up": runner["backend"] if runner else None,
-           "runner_up_us": runner["time_us"] if runner else None, "speedup_vs_runner_up": None}
-    if runner and time_us:
-        row["speedup_vs_runner_up"] = round(runner["time_us"] / time_us, 3)
-    return row
-
-
-def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptions, *, tuned_by: str = "",
-              position: int = 0) -> list[dict]:
-    """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape."""
-    from tqdm import tqdm
-
-    dt = _DTYPES[opts.out_dtype]
-    cache = d.cache_for(device)  # probes every backend on this device once
-    rows = []
-    bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
-               disable=None if opts.progress else True)
-    for s in bar:
-        ks = key_str((device, m_bucket(s.m), s.n, s.k, dt))
-        row = {"key": ks, "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k, "layers": list(s.layers),
-               "out_dtype": opts.out_dtype, "tuned_by": tuned_by, "source": "cache" if ks in cache.decisions else "tuned"}
-        try:
-            entry = d.entry_for(Problem(s.m, s.n, s.k, dt, device))
-        except NoUsableBackendError as e:
-            row.update(status="no_backend", reasons=e.reasons)
-            rows.append(row)
-            continue
-        if entry is None:  # a forced backend (FP4DISPATCH_BACKEND) decides without tuning
-            entry = {"backend": d.choose(Problem(s.m, s.n, s.k, dt, device)).backend.name, "mode": "forced"}
-        row.update(status="ok", **_summarize(entry, s.n, s.k))
-        row["cublas_bf16_us"] = row["speedup_vs_cublas_bf16"] = None
-        if device.type == "cuda":
-            row["cublas_bf16_us"] = _bf16_baseline_us(row["tuned_at_m"], s.n, s.k, device)
-            if row["time_us"]:
-                row["speedup_vs_cublas_bf16"] = round(row["cublas_bf16_us"] / row["time_us"], 3)
-        rows.append(row)
-    bar.close()
-    return rows
-
-
-def backend_rows(d: Dispatcher, device: torch.device) -> list[dict]:
-    """Per backend on ``device``: status, reason, and how many decided keys it won."""
-    return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins)}
-            for r in d.report(device)]
 
 
 # -- output ---------------------------------------------------------------------------------------------------------
@@ -128,20 +40,27 @@ def _console():
     from rich.console import Console
 
     tty = sys.stdout.isatty()
-    return Console(file=sys.stdout, width=None if tty else 220, highlight=False, soft_wrap=False), tty
+    # markup off: configs and reasons hold brackets ("[BLOCK_M=64]") that rich would read as style tags
+    return Console(file=sys.stdout, width=None if tty else 220, highlight=False, markup=False, soft_wrap=False), tty
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]], tty: bool):
+def _print_table(con, title: str, columns: list[str], rows: list[list[str]], tty: bool) -> None:
     from rich import box
     from rich.table import Table
 
-    # off a terminal the tables are Markdown, ready to paste into benchmarks/RESULTS.md
-    t = Table(title=title, box=box.ROUNDED if tty else box.MARKDOWN, title_justify="left")
+    # off a terminal the tables are plain Markdown (title as a heading), ready to paste into benchmarks/RESULTS.md
+    t = Table(title=title if tty else None, box=box.ROUNDED if tty else box.MARKDOWN, title_justify="left")
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:
         t.add_row(*r)
-    return t
+    if tty:
+        con.print(t)
+        return
+    with con.capture() as cap:
+        con.print(t)
+    body = "\n".join(line.rstrip() for line in cap.get().splitlines() if line.strip())  # drop the blank edge rows
+    con.print(f"\n### {title}\n\n{body}")
 
 
 def _fmt(v, spec: str = ".1f", suffix: str = "") -> str:
@@ -166,16 +85,17 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
                 f"{sum(t['time_us'] is not None for t in tried)}/{len(tried)} ok" if ok else "-",
                 (r["winner"] + (f" [{cfg}]" if cfg else "")) if ok else "NONE",
                 _fmt(r.get("time_us")), _fmt(r.get("tflops"), ".3g"),
-                _fmt(r.get("speedup_vs_runner_up"), ".2f", "x") + (f" ({r['runner_up']})" if r.get("runner_up") else "")]
+                _fmt(r.get("speedup_vs_runner_up"), ".2f", "x")
+                + (f" ({r['runner_up']})" if r.get("runner_up") else "")]
         line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
         line += [r["tuned_by"]] if several else []
         body.append(line)
-    con.print(_table("Per shape", cols, body, tty))
-    con.print(_table("Per backend", ["device", "name", "status", "reason", "wins"],
-                     [[b["device"], b["name"], b["status"], b["reason"] or "-", str(b["wins"])] for b in backends], tty))
+    _print_table(con, "Per shape", cols, body, tty)
+    per_backend = [[b["device"], b["name"], b["status"], b["reason"] or "-", str(b["wins"])] for b in backends]
+    _print_table(con, "Per backend", ["device", "name", "status", "reason", "wins"], per_backend, tty)
     cached = sum(r.get("source") == "cache" for r in rows)
     if cached:
-        con.print(f"{cached} of {len(rows)} shapes came from the cache "
+        con.print(f"\n{cached} of {len(rows)} shapes came from the cache "
                   "(python -m fp4dispatch.tune clear to measure them again).")
 
 
@@ -242,21 +162,12 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
         payload.update(mode="torchrun", rank=res["rank"], world_size=res["world_size"], device=res["device"])
         return _finish(args, payload, res["rows"], res["backends"], notes)
     if args.devices:
-        results = distributed.run_on_devices(args.devices, shapes, opts)
-        rows, backs = [], []
-        for res in results:
-            rows += res["rows"]
-            backs += res["backends"]
-            if res["error"]:
-                notes.append(f"{res['device']}: its tuning process died ({res['error']})")
-                rows += [{"key": f"{res['device']}:m{m_bucket(s.m)}-n{s.n}-k{s.k}", "m": s.m, "m_bucket": m_bucket(s.m),
-                          "n": s.n, "k": s.k, "layers": s.layers, "tuned_by": res["device"], "status": "error",
-                          "error": res["error"]} for s in res["unfinished"]]
-        rows.sort(key=lambda r: (r["n"], r["k"], r["m_bucket"]))
+        rows, backs, errors = distributed.merge_device_results(distributed.run_on_devices(args.devices, shapes, opts))
+        notes += errors
         payload.update(mode="devices", devices=args.devices)
         return _finish(args, payload, rows, backs, notes)
     d = make_dispatcher(opts, backends, do_bench)
-    rows = tune_rows(d, dev, shapes, opts, tuned_by=str(dev))
+    rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev))
     payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path))
     return _finish(args, payload, rows, backend_rows(d, dev), notes)
 
@@ -269,8 +180,8 @@ def _cmd_self_test(args, opts: TuneOptions, backends) -> int:
         recs = backend_rows(d, dev)
     usable = any(r["status"] == "ok" for r in recs)
     if args.json:
-        print(json.dumps({"command": "self-test", "device": str(dev), "backends": recs, "exit_code": 0 if usable else 1},
-                         indent=1))
+        print(json.dumps({"command": "self-test", "device": str(dev), "backends": recs,
+                          "exit_code": 0 if usable else 1}, indent=1))
     else:
         if dev.type != "cuda":
             print("No CUDA device found: probing on the CPU.")
@@ -297,15 +208,15 @@ def _cmd_show(args, opts: TuneOptions) -> int:
     con, tty = _console()
     con.print(f"cache file: {cache.path} ({'present' if cache.path.exists() else 'not written yet'})")
     con.print(f"fingerprint {cache.hash}: " + json.dumps(cache.fingerprint, sort_keys=True))
-    con.print(_table("Health", ["backend", "status", "reason"],
-                     [[n, v.get("status", "?"), v.get("reason") or "-"] for n, v in sorted(cache.health.items())], tty))
-    con.print(_table("Decisions", ["key", "winner", "config", "time (us)", "tuned at M", "mode"],
-                     [[ks, e.get("backend", "?"), json.dumps(e.get("config") or {}), _fmt(e.get("time_us")),
-                       str(e.get("tuned_at_m", "-")), str(e.get("mode", "-"))]
-                      for ks, e in sorted(cache.decisions.items())], tty))
+    _print_table(con, "Health", ["backend", "status", "reason"],
+                 [[n, v.get("status", "?"), v.get("reason") or "-"] for n, v in sorted(cache.health.items())], tty)
+    _print_table(con, "Decisions", ["key", "winner", "config", "time (us)", "tuned at M", "mode"],
+                 [[ks, e.get("backend", "?"), json.dumps(e.get("config") or {}), _fmt(e.get("time_us")),
+                   str(e.get("tuned_at_m", "-")), str(e.get("mode", "-"))]
+                  for ks, e in sorted(cache.decisions.items())], tty)
     if cache.shape_blacklist:
-        con.print(_table("Blacklisted per shape", ["key", "backend", "reason"],
-                         [[ks, n, w] for ks, b in sorted(cache.shape_blacklist.items()) for n, w in b.items()], tty))
+        _print_table(con, "Blacklisted per shape", ["key", "backend", "reason"],
+                     [[ks, n, w] for ks, b in sorted(cache.shape_blacklist.items()) for n, w in b.items()], tty)
     others = sorted(p.name for p in cache.dir.glob("decisions-*.json") if p != cache.path)
     if others:
         con.print(f"other fingerprints in {cache.dir}: {', '.join(others)}")
@@ -382,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=_argtype(_positive), help="tensor-parallel size of --preset / --hf-config (default 1)")
     g.add_argument("--m", type=_argtype(presets.parse_m_spec), metavar="M_LIST",
                    help="M values of --preset / --hf-config (default 1,16,128,1024,4096)")
-    g.add_argument("--out-dtype", choices=tuple(_DTYPES), default="bfloat16")
+    g.add_argument("--out-dtype", choices=tuple(distributed.OUT_DTYPES), default="bfloat16")
     g.add_argument("--list", action="store_true", help="print the shapes that would be tuned, then exit")
     r = p.add_argument_group("running")
     r.add_argument("--self-test", action="store_true", help="probe every backend only: verdict and reason each")

@@ -95,10 +95,12 @@ def test_bad_shape_exits_2_naming_value_and_form(capsys, spec, match):
 
 
 def test_argument_misuse_exits_2(capsys):
+    assert main(["--help"]) == 0 and "--preset" in capsys.readouterr().out
     for argv, text in [(["--tp", "8"], "--tp and --m apply to --preset"),
                        (["export"], "export needs a FILE"),
                        (["--preset", "nope"], "invalid choice: 'nope'"),
-                       (["--preset", "llama-3.1-70b-nvfp4", "--tp", "3"], "--tp 3 does not divide num_attention_heads=64"),
+                       (["--preset", "llama-3.1-70b-nvfp4", "--tp", "3"],
+                        "--tp 3 does not divide num_attention_heads=64"),
                        (["show", "--shape", "1,256,512"], "show takes no shape options")]:
         code, _, err = _run(capsys, argv)
         assert code == 2 and text in err, (argv, err)
@@ -227,6 +229,16 @@ def test_json_run_ranks_backends_and_reports_speedup(tuned):
         ("fast", "ok", 2), ("slow", "ok", 0), ("flaky", "ok", 0)]
 
 
+def test_table_shows_winner_config_and_runner_up(capsys):
+    fast = FakeBackend("fast", cost=1e-5, configs=[{"BLOCK_M": 64}, {"BLOCK_M": 128, "cost_factor": 3.0}])
+    code, out, _ = _run(capsys, ["--shape", "1,256,512"], backends=[fast, FakeBackend("slow", cost=4e-5)],
+                        do_bench=fake_do_bench)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("| 1 ")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert code == 0 and cells[:3] == ["1", "256", "512"]
+    assert cells[4:9] == ["2/2 ok", "fast [BLOCK_M=64]", "10.0", f"{2 * 256 * 512 / 10e-6 / 1e12:.3g}", "4.00x (slow)"]
+
+
 def test_second_run_reads_the_cache(capsys, tuned, tmp_path):
     cdir = _copy(tuned[2], tmp_path)
     counting = _fakes()
@@ -330,6 +342,13 @@ def test_devices_processes_split_shapes_of_equal_devices(tmp_path):
     assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])
     (cache,) = Path(opts.cache_dir).glob("decisions-*.json")
     assert set(json.loads(cache.read_text())["decisions"]) == set(keys[0] + keys[1])
+    # a device whose process died: its share is reported as failed rows, the others' rows stay
+    dead = {"device": "cuda:1", "rows": [], "backends": [], "error": "BrokenProcessPool: worker died",
+            "unfinished": presets.expand_shapes([(4096, 1024, 1024, "layer")])}
+    rows, backends, notes = distributed.merge_device_results(results + [dead])
+    assert len(rows) == 4 and len(backends) == len(results[0]["backends"]) + len(results[1]["backends"])
+    assert [r["status"] for r in rows if r["tuned_by"] == "cuda:1"] == ["error"]
+    assert notes == ["cuda:1: its tuning process died (BrokenProcessPool: worker died)"]
 
 
 def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):
