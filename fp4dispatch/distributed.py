@@ -88,6 +88,8 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]
+    if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
+        print(f"probing {len(d.backends)} backends on {device} ...", file=sys.stderr)
     cache = d.cache_for(device)  # probes every backend on this device once
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,

@@ -280,7 +280,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fp4dispatch.tune", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m fp4dispatch.tune",
+                                description="Warm the decision cache for your shapes; see which backends work, why.",
                                 epilog="Commands: tune (default) | show | clear [--all] | export FILE | import FILE. "
                                        "Exit codes: 0 ok, 1 some shape has no usable backend, 2 bad arguments.")
     p.add_argument("command", nargs="?", default="tune", choices=_COMMANDS, help="what to do (default: tune)")
