@@ -22,7 +22,6 @@ __all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV"]
 
 # Env variables of other libraries that can change which kernel runs or what it computes: part of the fingerprint.
 RELEVANT_ENV = (
-    "CUDA_VISIBLE_DEVICES",
     "FLASHINFER_CUDA_ARCH_LIST",
     "FLASHINFER_DISABLE_JIT",
     "TORCH_CUDA_ARCH_LIST",

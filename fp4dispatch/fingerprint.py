@@ -60,7 +60,7 @@ def device_fingerprint(device: torch.device) -> dict:
             cuda=torch.version.cuda,
         )
     else:
-        fp.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        fp.update(cpu=platform.processor() or platform.machine())
     from . import __version__
 
     libs = {name: _version(name) for name in _LIBS}
