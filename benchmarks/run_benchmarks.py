@@ -55,15 +55,18 @@ def _bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(device, bench=_bench_ms, numel: int = 1 << 27) -> float:
+    """Bytes/s of a device-to-device copy (512 MiB by default: far beyond L2)."""
     import torch
 
-    x = torch.randn(1 << 27, device="cuda")  # 512 MiB: far beyond L2
+    x = torch.randn(numel, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() * x.element_size() / (_bench_ms(lambda: y.copy_(x)) * 1e-3)
+    return 2 * x.numel() * x.element_size() / (bench(lambda: y.copy_(x)) * 1e-3)
 
 
-def measure(shapes, ms, mode: str, budget_s: float) -> dict:
+def measure(shapes, ms, mode: str, budget_s: float, device=None, bench=_bench_ms, copy_numel: int = 1 << 27) -> dict:
+    """Time every healthy backend and cuBLAS bf16 at each (M, N, K); ``device``/``bench`` default to the current
+    CUDA device and triton's do_bench (a CPU timer lets the CPU tests run this on tiny shapes)."""
     import torch
 
     import fp4dispatch
@@ -74,7 +77,7 @@ def measure(shapes, ms, mode: str, budget_s: float) -> dict:
     from fp4dispatch.verify import check_output
     from fp4dispatch.backends.reference import reference_mm
 
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
     d = Dispatcher()
     recs = d.report(dev)
@@ -84,8 +87,9 @@ def measure(shapes, ms, mode: str, budget_s: float) -> dict:
     for r in recs:
         if r.status != "ok":
             print(f"  not measured: {r.name}: {r.status}: {r.reason[:120]}", flush=True)
-    bw = copy_bandwidth()
-    res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "mode": mode,
+    bw = copy_bandwidth(dev, bench, copy_numel)
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    res = {"device": dev_name, "torch": torch.__version__, "mode": mode,
            "triton": _version("triton"), "fp4dispatch": fp4dispatch.__version__, "copy_bw_bytes_s": bw,
            "backends": healthy, "points": [], "skipped": []}
     for n, k in shapes:
@@ -94,7 +98,7 @@ def measure(shapes, ms, mode: str, budget_s: float) -> dict:
                 res["skipped"].append([m, n, k])
                 continue
             problem = Problem(m, n, k, torch.bfloat16, dev)
-            ops = make_operands(problem, seed=m + n + k)
+            ops = make_operands(problem, seed=m + n + k) if mode == "forced" else None  # tune() makes its own
             point = {"m": m, "n": n, "k": k, "roofline_us": fp4_roofline_us(m, n, k, bw), "us": {}, "notes": {}}
             for name in healthy:
                 b = by_name[name]
@@ -103,7 +107,7 @@ def measure(shapes, ms, mode: str, budget_s: float) -> dict:
                     point["notes"][name] = f"unsupported: {why}"
                     continue
                 if mode == "tuned":
-                    trials = tune(problem, [b], _bench_ms)
+                    trials = tune(problem, [b], bench)
                     best = trials[0]
                     if best.ok:
                         point["us"][name] = best.time_ms * 1e3
@@ -114,19 +118,19 @@ def measure(shapes, ms, mode: str, budget_s: float) -> dict:
                     out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
                     a, bb, sa, sb, al = ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha
                     try:
-                        fp4dispatch.fp4_mm(a, bb, sa, sb, al, out=out, backend=name)
+                        d.fp4_mm(a, bb, sa, sb, al, out=out, backend=name)
                         bad = check_output(out, reference_mm(problem, ops), problem)
                     except Exception as e:  # noqa: BLE001 - a failing backend is a table entry
                         bad = f"{type(e).__name__}: {e}"
                     if bad:
                         point["notes"][name] = bad[:160]
                         continue
-                    point["us"][name] = _bench_ms(
-                        lambda: fp4dispatch.fp4_mm(a, bb, sa, sb, al, out=out, backend=name)) * 1e3
+                    point["us"][name] = bench(
+                        lambda: d.fp4_mm(a, bb, sa, sb, al, out=out, backend=name)) * 1e3
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
             o = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            point["us"]["cuBLAS bf16"] = _bench_ms(lambda: torch.mm(x, w.t(), out=o)) * 1e3
+            point["us"]["cuBLAS bf16"] = bench(lambda: torch.mm(x, w.t(), out=o)) * 1e3
             res["points"].append(point)
             print(f"N={n} K={k} M={m}: " + ", ".join(f"{kk} {v:.1f}us" for kk, v in point["us"].items())
                   + f", roofline {point['roofline_us']:.1f}us  [{time.perf_counter() - t0:.0f}s]", flush=True)

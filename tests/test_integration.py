@@ -411,3 +411,44 @@ def test_warmup_refuses_during_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(InvalidInputError, match=r"warmup: called during CUDA graph capture; call it before"):
         graphs.warmup([(1, 64, 128)], device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmarks/run_benchmarks.py (the entry point; the numbers come from a GPU run)
+# ---------------------------------------------------------------------------------------------------------------
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_benchmarks.py"
+    spec = importlib.util.spec_from_file_location("run_benchmarks", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_run_benchmarks_without_gpu_says_so_and_exits_0(tmp_path, capsys):
+    rb = _bench_module()
+    assert rb.main(["--results", str(tmp_path / "R.md")]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "R.md").exists()
+
+
+@pytest.mark.parametrize("mode", ["tuned", "forced"])
+def test_run_benchmarks_measures_and_replaces_only_its_section(tmp_path, mode):
+    from fp4dispatch.bench import for_device
+
+    rb = _bench_module()
+    res = rb.measure([(32, 64)], [1, 20], mode, budget_s=60, device="cpu", bench=for_device(CPU), copy_numel=1 << 16)
+    assert res["backends"] == ["reference"] and [p["m"] for p in res["points"]] == [1, 20]
+    for p in res["points"]:
+        assert p["us"]["reference"] > 0 and p["us"]["cuBLAS bf16"] > 0
+        assert p["roofline_us"] == pytest.approx(((p["m"] + 32) * 64 * 9 / 16 + 2 * p["m"] * 32)
+                                                 / res["copy_bw_bytes_s"] * 1e6)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# R\n\n## Before\nkeep 1\n\n## Backend comparison\nstale\n\n## After\nkeep 2\n")
+    rb.replace_section(results, rb.render_section(res, "cmd", "2026-11-29", {}))
+    text = results.read_text()
+    assert "keep 1" in text and "keep 2" in text and "stale" not in text
+    assert text.count("## Backend comparison") == 1 and "### N=32, K=64" in text and "| 20 |" in text
