@@ -17,6 +17,8 @@ _REGISTRY: list[tuple[str, str]] = [
     ("sgl_kernel", "SglKernelBackend"),
     ("torch_scaled_mm", "TorchScaledMmBackend"),
     ("flashinfer", "experimental_backends"),
+    ("triton_fused", "TritonFusedBackend"),
+    ("triton_dequant", "TritonDequantBackend"),
     ("reference", "ReferenceBackend"),
 ]
 

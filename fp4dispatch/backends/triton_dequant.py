@@ -1,0 +1,86 @@
+"""``triton:dequant+matmul``: a Triton kernel dequantizes both operands to bf16 (fp16 for fp16 out), then cuBLAS
+(torch on CPU) multiplies them. Where cuBLAS wins (large M) the tuner takes this; the per-call dequant is counted.
+
+Configs: ``alpha="epilogue"`` (exact: fp32-output GEMM, then alpha in fp32 and the cast) and, for bf16 out,
+``alpha="fold"`` (alpha multiplied into A's dequantized values before their bf16 cast — one extra rounding of A,
+relative output error ~1e-3 — so cuBLAS writes bf16 out directly with no extra pass).
+
+``TritonDequantBackend(cache_weight=True)`` (explicit opt-in, not a default backend) keeps a bf16 copy of each
+weight it sees, keyed by storage pointer and version: it costs 3.6x the NVFP4 weight memory (2 bytes per value vs
+9/16) and is only right while a weight is not modified in place without a version bump.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import device_problem
+from ..problem import Operands, Problem
+from .base import BaseBackend, Config
+
+__all__ = ["TritonDequantBackend"]
+
+
+class TritonDequantBackend(BaseBackend):
+    """Triton dequantize of A and B, then a dense GEMM; alpha in an fp32 epilogue (or folded into A for bf16)."""
+
+    risky = False
+
+    def __init__(self, cache_weight: bool = False):
+        self.cache_weight = bool(cache_weight)
+        self.name = "triton:dequant+matmul" + ("(cached)" if cache_weight else "")
+        self._weights: dict[tuple, torch.Tensor] = {}
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return device_problem(device)
+
+    def configs(self, problem: Problem) -> list[Config]:
+        if problem.out_dtype == torch.bfloat16:
+            return [{"alpha": "fold"}, {"alpha": "epilogue"}]
+        return [{"alpha": "epilogue"}]
+
+    def _weight(self, ops: Operands, dtype: torch.dtype) -> torch.Tensor:
+        from ..kernels.dequant import dequantize_rows
+
+        if not self.cache_weight:
+            return dequantize_rows(ops.b, ops.b_scale, dtype)
+        key = (ops.b.data_ptr(), ops.b._version, tuple(ops.b.shape), ops.b_scale.data_ptr(), ops.b_scale._version,
+               dtype, ops.b.device)
+        w = self._weights.get(key)
+        if w is None:
+            w = self._weights[key] = dequantize_rows(ops.b, ops.b_scale, dtype)
+        return w
+
+    def run(self, problem: Problem, ops: Operands, config: Config) -> None:
+        from ..kernels.dequant import dequantize_rows
+
+        dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
+        fold = config.get("alpha") == "fold" and problem.out_dtype == torch.bfloat16
+        a = dequantize_rows(ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
+        b = self._weight(ops, dt)
+        if fold and a.is_cuda:
+            torch.mm(a, b.t(), out=ops.out)
+            return
+        if not a.is_cuda:  # CPU (interpreter): exact fp32 matmul of exactly dequantized values
+            acc = a.float() @ b.float().t()
+            if fold:
+                ops.out.copy_(acc)
+                return
+        elif problem.out_dtype == torch.float32:
+            acc = _mm_f32(a, b, ops.out)
+        else:
+            acc = _mm_f32(a, b, None)
+        torch.mul(acc, ops.alpha, out=ops.out)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """a @ b.T with fp32 output from 16-bit operands (cuBLAS accumulates in fp32; no 16-bit rounding of the sum)."""
+    try:
+        if out is not None:
+            return torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
+        return torch.mm(a, b.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # torch without out_dtype: exact, slower
+        acc = torch.mm(a.float(), b.float().t())
+        if out is not None:
+            out.copy_(acc)
+            return out
+        return acc

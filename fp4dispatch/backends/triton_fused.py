@@ -1,0 +1,35 @@
+"""``triton:fused``: NVFP4 x NVFP4 in one Triton kernel for GPUs without FP4 tensor cores (Hopper, Ada, Ampere).
+
+Both operands are decoded in registers (bit placement, no lookup table), multiplied on bf16 tensor cores (``mma``
+configs) or on CUDA cores (``gemv`` configs, M <= 8), accumulated in fp32; alpha is applied in fp32 at the end.
+Exact up to fp32 summation order and the output cast. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import device_problem
+from ..problem import Operands, Problem
+from .base import BaseBackend, Config
+
+__all__ = ["TritonFusedBackend"]
+
+
+class TritonFusedBackend(BaseBackend):
+    """Fused decode + GEMM/GEMV Triton kernels; the tuner picks among :func:`~fp4dispatch.kernels.fused.configs_for`."""
+
+    name = "triton:fused"
+    risky = False
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return device_problem(device)
+
+    def configs(self, problem: Problem) -> list[Config]:
+        from ..kernels.fused import configs_for
+
+        return configs_for(problem.m, problem.n, problem.k, problem.device)
+
+    def run(self, problem: Problem, ops: Operands, config: Config) -> None:
+        from ..kernels.fused import fused_mm
+
+        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, config)

@@ -1,0 +1,46 @@
+"""Triton kernels for GPUs without FP4 tensor cores (Hopper, Ada, Ampere): fused NVFP4 GEMM/GEMV, dequantize,
+quantize. Every module imports Triton lazily, so ``import fp4dispatch`` never needs it.
+
+``_fused.py`` / ``_dequant.py`` hold only ``@triton.jit`` code; ``fused.py`` / ``dequant.py`` / ``quantize.py`` are
+the host wrappers. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter), which is how
+CI tests them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["triton_missing", "interpreting", "device_problem"]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+def triton_missing() -> str | None:
+    """Why Triton cannot be used here, or None."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        return f"triton is not installed or fails to import ({type(e).__name__}: {e})"
+    return None
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None."""
+    why = triton_missing()
+    if why:
+        return why
+    if device.type == "cpu":
+        return None if interpreting() else "needs a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
+    if device.type != "cuda":
+        return f"needs a CUDA GPU; got device type {device.type!r}"
+    if interpreting():
+        return "TRITON_INTERPRET=1 is set: the interpreter runs on CPU tensors only"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return f"needs compute capability >= 8.0 (bf16 tensor cores); got {cap[0]}.{cap[1]}"
+    return None

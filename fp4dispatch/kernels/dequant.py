@@ -1,0 +1,29 @@
+"""Host side of the Triton NVFP4 dequantize kernel: canonical packed rows + swizzled scales -> dense bf16/fp16."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dequantize_rows", "DEQUANT_BLOCK"]
+
+DEQUANT_BLOCK = (16, 16)  # (rows, 16-element blocks) per program: 16 x 256 values, 2 KB of packed input
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                    factor: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize uint8 [R, K/2] with 128x4-swizzled e4m3 scales to [R, K] of ``dtype`` (bf16 or fp16).
+
+    Without ``factor`` the result is exact (every e2m1 x e4m3 product fits bf16/fp16). With ``factor`` (a float32
+    [1] tensor, e.g. alpha) each value is multiplied by it in fp32 before the cast, which rounds once.
+    """
+    from ._dequant import dequant_kernel
+
+    r, k2 = packed.shape
+    kb = k2 // 8
+    if out is None:
+        out = torch.empty((r, k2 * 2), dtype=dtype, device=packed.device)
+    br, bkb = DEQUANT_BLOCK
+    grid = (-(-r // br), -(-kb // bkb))
+    f = factor if factor is not None else scale  # any pointer: unused when HAS_F is False
+    dequant_kernel[grid](packed, scale.view(torch.uint8), f, out, r, k2, kb, -(-kb // 4), BR=br, BKB=bkb,
+                         HAS_F=factor is not None, num_warps=4)
+    return out

@@ -1,0 +1,115 @@
+"""Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
+
+Two kernels (``_fused.py``): ``gemv`` (CUDA-core FMA, M <= 8, streams B) and ``mma`` (bf16 tensor-core tiles, any M).
+Both take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support split-K through an fp32
+workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
+tuning one key costs well under a few seconds on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interpreting
+
+__all__ = ["fused_mm", "configs_for", "DEFAULT_WARPS"]
+
+DEFAULT_WARPS = 4
+_SMS: dict[int, int] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _split_for(ctas: int, kb: int, bkb: int, sms: int) -> int:
+    """Split-K factor that brings the grid to >= ~2 waves, keeping >= 4 K-steps per split."""
+    if ctas >= 2 * sms:
+        return 1
+    want = _cdiv(2 * sms, max(ctas, 1))
+    return max(1, min(want, kb // (4 * bkb)))
+
+
+def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
+    """Candidate configs for one problem, best guess first (the first is also the untuned default)."""
+    kb = k // 16
+    sms = _num_sms(device)
+    out: list[dict] = []
+
+    def gemv(mb: int, bn: int, bkb: int, warps: int = 4) -> None:
+        split = _split_for(_cdiv(n, bn), kb, bkb, sms)
+        out.append({"kernel": "gemv", "MB": mb, "BN": bn, "BKB": bkb, "split": split, "warps": warps})
+
+    def mma(bm: int, bn: int, bkb: int, warps: int, stages: int, split: int | None = None) -> None:
+        if split is None:
+            split = _split_for(_cdiv(m, bm) * _cdiv(n, bn), kb, bkb, sms)
+        out.append({"kernel": "mma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps,
+                    "stages": stages})
+
+    # Picked from H200 measurements (benchmarks/notes_hopper.md): the CUDA-core GEMV wins only at M <= 2; bf16
+    # tensor-core tiles of 16 rows win up to M = 16; from M ~ 128 on, triton:dequant+matmul (cuBLAS) wins.
+    if m <= 2:
+        gemv(m, 16, 32, warps=8)
+        gemv(m, 16, 16)
+        mma(16, 64, 8, 4, 3)
+    elif m <= 16:
+        mma(16, 64, 8, 4, 3)
+        mma(16, 64, 8, 4, 3, split=4)
+        mma(16, 128, 8, 4, 3)
+    elif m <= 64:
+        mma(32 if m <= 32 else 64, 64, 8, 4, 3)
+        mma(64, 128, 4, 4, 3)
+    elif m <= 512:
+        mma(128, 64, 8, 4, 3)
+        mma(64, 128, 4, 4, 3)
+    else:
+        mma(128, 256, 4, 8, 3, split=1)
+    return out
+
+
+def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
+             out: torch.Tensor, config: dict) -> torch.Tensor:
+    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (plus a finalize pass when split-K > 1).
+
+    Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
+    """
+    if config.get("kernel") not in ("gemv", "mma"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv' or 'mma'; got {config.get('kernel')!r}. "
+                         "Use a config from configs_for()")
+    from . import _fused as kf
+
+    m, k2 = a.shape
+    n = b.shape[0]
+    kb = k2 // 8
+    cb = _cdiv(kb, 4)
+    bkb = int(config["BKB"])
+    split = max(1, int(config.get("split", 1)))
+    per = _cdiv(_cdiv(kb, split), bkb) * bkb  # K blocks per split, a whole number of K steps
+    split = _cdiv(kb, per)
+    sa = a_scale.view(torch.uint8)
+    sb = b_scale.view(torch.uint8)
+    dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=out.device)
+    warps = int(config.get("warps", DEFAULT_WARPS))
+    if config["kernel"] == "gemv":
+        bn = int(config["BN"])
+        grid = (_cdiv(n, bn), split)
+        kf.gemv_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, MB=int(config["MB"]), BN=bn,
+                             BKB=bkb, ATOMIC=split > 1, num_warps=warps)
+    else:
+        bm, bn = int(config["BM"]), int(config["BN"])
+        grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
+        kf.mma_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, BM=bm, BN=bn, BKB=bkb,
+                            GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1, DOT_F32=interpreting(),
+                            num_warps=warps, num_stages=int(config.get("stages", 3)))
+    if split > 1:
+        numel = m * n
+        kf.finalize_kernel[(_cdiv(numel, 1024),)](dst, alpha, out, numel, BLOCK=1024)
+    return out

@@ -1,0 +1,116 @@
+"""GPU tests of the Triton NVFP4 kernels: exactness vs a float64 reference of the dequantized inputs (fresh random
+inputs per check, NaN-poisoned out, M in {1, 3, 127, 4096}, N and K off the block sizes), NaN-scale propagation,
+and bit-identity of the Triton quantize kernel with the torch definition."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: the Triton kernels are compiled for the device")
+
+N, K = 1000, 2064  # off every tile size; K/16 = 129 blocks
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 4e-3}
+
+
+def _ops(m: int, out_dtype: torch.dtype, seed: int):
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    return make_operands(Problem(m, N, K, out_dtype, torch.device("cuda")), seed=seed)
+
+
+def _ref64(ops) -> torch.Tensor:
+    from fp4dispatch.format import dequantize_nvfp4
+
+    a = dequantize_nvfp4(ops.a, ops.a_scale).double()
+    b = dequantize_nvfp4(ops.b, ops.b_scale).double()
+    return (a @ b.t()) * ops.alpha.double()
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o = out.double()
+    return math.inf if not bool(torch.isfinite(o).all()) else float((o - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("m", [1, 3, 127, 4096])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_every_config_exact(m, out_dtype):
+    from fp4dispatch.kernels.fused import configs_for, fused_mm
+
+    cfgs = configs_for(m, N, K, torch.device("cuda"))
+    for i, cfg in enumerate(cfgs):
+        ops = _ops(m, out_dtype, seed=1000 * m + i)  # fresh inputs per check; out is NaN-filled
+        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+        err = _rel(ops.out, _ref64(ops))
+        assert err <= TOL[out_dtype], (cfg, err)
+
+
+@pytest.mark.parametrize("m", [1, 127, 4096])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_dequant_backend_exact(m, out_dtype):
+    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
+    from fp4dispatch.problem import Problem
+
+    be = TritonDequantBackend()
+    p = Problem(m, N, K, out_dtype, torch.device("cuda"))
+    for i, cfg in enumerate(be.configs(p)):
+        ops = _ops(m, out_dtype, seed=7 + i + m)
+        be.run(p, ops, cfg)
+        assert _rel(ops.out, _ref64(ops)) <= TOL[out_dtype], cfg
+
+
+def test_nan_block_scale_propagates():
+    from fp4dispatch.format import swizzle_scales, unswizzle_scales
+    from fp4dispatch.kernels.fused import configs_for, fused_mm
+
+    for m in (1, 37):
+        ops = _ops(m, torch.float32, seed=m)
+        lin = unswizzle_scales(ops.b_scale, N, K // 16).clone()
+        lin.view(torch.uint8)[7, 3] = 0x7F
+        ops = ops._replace(b_scale=swizzle_scales(lin))
+        ref = _ref64(ops)
+        for cfg in configs_for(m, N, K, torch.device("cuda")):
+            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+            assert bool(torch.isnan(ops.out[:, 7]).all()), cfg
+            keep = torch.ones(N, dtype=torch.bool, device="cuda")
+            keep[7] = False
+            assert _rel(ops.out[:, keep], ref[:, keep]) <= 1e-5, cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("swizzled", [True, False], ids=["swizzled", "linear"])
+def test_quantize_bit_identical(dtype, swizzled):
+    from fp4dispatch.format import _quantize_torch, swizzle_scales
+    from fp4dispatch.kernels import quantize as tq
+
+    assert tq.available()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(300, 4112, device="cuda", generator=g) * 3).to(dtype)
+    # exact e2m1 midpoints (ties) in row 0, values far above 448*6/gs (saturating scales) in row 1
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                              -5.0, -6.0], device="cuda").to(dtype)
+    x[1, :16] = 1e4
+    gs = torch.tensor([1.0], device="cuda")
+    p0, s0 = _quantize_torch(x, gs)
+    if swizzled:
+        s0 = swizzle_scales(s0)
+    p1, s1 = tq.quantize(x, gs, swizzled=swizzled)
+    assert torch.equal(p0, p1)
+    assert s1.dtype == torch.float8_e4m3fn and s1.shape == s0.shape
+    assert torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
+
+
+def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
+    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.problem import Problem
+
+    if torch.cuda.get_device_capability() >= (10, 0):
+        pytest.skip("native FP4 tensor cores present: a native backend may win")
+    d = Dispatcher(cache_dir=tmp_path)
+    names = {r.name: r.status for r in d.report()}
+    assert names["triton:fused"] == "ok" and names["triton:dequant+matmul"] == "ok"
+    c = d.choose(Problem(1, 4096, 4096, torch.bfloat16, torch.device("cuda", torch.cuda.current_device())))
+    assert c.backend.name.startswith("triton:")

@@ -1,0 +1,212 @@
+"""CPU tests of the Triton kernels and backends through Triton's interpreter (TRITON_INTERPRET=1).
+
+Triton decides interpret-or-compile when a ``@triton.jit`` function is *defined*, so the kernel checks run in one
+child process started with TRITON_INTERPRET=1 (this pytest process, which may hold compiled kernels for GPU tests,
+is never switched). Each test asserts on that child's results: fresh random inputs per check, NaN-poisoned out,
+float64 reference of the dequantized inputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton backends are unavailable")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r'''
+import json, math, sys
+import torch
+from fp4dispatch.format import _quantize_torch, dequantize_nvfp4, swizzle_scales, unswizzle_scales
+from fp4dispatch.kernels import quantize as tq
+from fp4dispatch.kernels.dequant import dequantize_rows
+from fp4dispatch.kernels.fused import configs_for, fused_mm
+from fp4dispatch.problem import Problem
+from fp4dispatch.testing import make_operands
+
+res = {"fused": [], "dequant": [], "quant": [], "nan": [], "dispatch": []}
+cpu = torch.device("cpu")
+
+def ref64(ops):
+    a = dequantize_nvfp4(ops.a, ops.a_scale).double()
+    b = dequantize_nvfp4(ops.b, ops.b_scale).double()
+    return (a @ b.t()) * ops.alpha.double()
+
+def rel(out, ref):
+    o = out.double()
+    return math.inf if not bool(torch.isfinite(o).all()) else float((o - ref).norm() / ref.norm())
+
+extra = [{"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3},
+         {"kernel": "gemv", "MB": 4, "BN": 16, "BKB": 2, "split": 2}]
+seed = 0
+for m, n, k in [(1, 40, 96), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
+    for odt in (torch.float32, torch.bfloat16, torch.float16):
+        for cfg in configs_for(m, n, k, cpu) + extra:
+            if cfg["kernel"] == "gemv" and cfg["MB"] < m:
+                continue
+            seed += 1
+            ops = make_operands(Problem(m, n, k, odt, cpu), seed=seed)
+            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+            res["fused"].append({"m": m, "n": n, "k": k, "out": str(odt), "cfg": cfg, "err": rel(ops.out, ref64(ops))})
+
+# NaN block scale -> NaN in exactly that output column; e4m3 subnormal scales stay exact
+for cfg in (configs_for(1, 24, 64, cpu)[0], configs_for(5, 24, 64, cpu)[0]):
+    m = cfg.get("MB", 5)
+    ops = make_operands(Problem(m, 24, 64, torch.float32, cpu), seed=99)
+    lin = torch.randint(1, 8, (24, 4), dtype=torch.uint8)
+    lin[5, 2] = 0x7F
+    ops = ops._replace(b_scale=swizzle_scales(lin.view(torch.float8_e4m3fn)))
+    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+    ref = ref64(ops)
+    keep = [j for j in range(24) if j != 5]
+    res["nan"].append({"cfg": cfg, "nan_col": bool(torch.isnan(ops.out[:, 5]).all()),
+                       "err": rel(ops.out[:, keep], ref[:, keep])})
+
+for r, k in [(5, 48), (130, 272)]:
+    for dt in (torch.bfloat16, torch.float16):
+        g = torch.Generator().manual_seed(r + k)
+        p = torch.randint(0, 256, (r, k // 2), dtype=torch.uint8, generator=g)
+        s = swizzle_scales(torch.randint(1, 0x7E, (r, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn))
+        d = dequantize_rows(p, s, dt)
+        exact = bool(torch.equal(d.float(), dequantize_nvfp4(p, s)))
+        alpha = torch.tensor([0.37], dtype=torch.float32)
+        df = dequantize_rows(p, s, torch.bfloat16, factor=alpha)
+        want = dequantize_nvfp4(p, s) * alpha
+        fold_rel = float(((df.float() - want).abs() / want.abs().clamp_min(1e-30)).max())
+        res["dequant"].append({"r": r, "k": k, "dtype": str(dt), "exact": exact, "fold_rel": fold_rel})
+
+for m, k in [(5, 48), (130, 272)]:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+    x[1, :16] = 1e6
+    gs = torch.tensor([1.0])
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        xx = x.to(dt)
+        p0, s0 = _quantize_torch(xx, gs)
+        for sw in (True, False):
+            p1, s1 = tq.quantize(xx, gs, swizzled=sw)
+            s0c = swizzle_scales(s0) if sw else s0
+            res["quant"].append({"m": m, "k": k, "dtype": str(dt), "swizzled": sw,
+                                 "same": bool(torch.equal(p0, p1) and torch.equal(s0c.view(torch.uint8), s1.view(torch.uint8))),
+                                 "shape": list(s1.shape), "want_shape": list(s0c.shape)})
+
+import fp4dispatch
+from fp4dispatch.backends.triton_dequant import TritonDequantBackend
+from fp4dispatch.backends.triton_fused import TritonFusedBackend
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.testing import make_nvfp4_inputs
+d = Dispatcher([TritonFusedBackend(), TritonDequantBackend()], cache_dir=sys.argv[1])
+for name in ("triton:fused", "triton:dequant+matmul"):
+    for m, odt in ((1, torch.bfloat16), (3, torch.float32), (20, torch.float16)):
+        a, b, sa, sb, al = make_nvfp4_inputs(m, 48, 160, seed=m)
+        out = d.fp4_mm(a, b, sa, sb, al, out_dtype=odt, backend=name)
+        ref = (dequantize_nvfp4(a, sa).double() @ dequantize_nvfp4(b, sb).double().t()) * al.double()
+        res["dispatch"].append({"backend": name, "m": m, "out": str(odt), "err": rel(out, ref)})
+rep = {r.name: r.status for r in d.report(cpu)}
+res["report"] = rep
+print("RESULT " + json.dumps(res))
+'''
+
+# Triton's interpreter casts fp32 -> bf16 by truncation (round toward zero: up to 1 ulp = 2**-7 relative), not
+# round-to-nearest-even as GPUs do (<= 2**-8; the GPU tests hold bf16 to 4e-3). fp32 out is the exactness check.
+TOL = {"torch.float32": 1e-5, "torch.bfloat16": 2**-7, "torch.float16": 4e-3}
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="")
+    cache = tmp_path_factory.mktemp("fp4cache")
+    env["FP4DISPATCH_CACHE_DIR"] = str(cache)
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(cache)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise AssertionError(f"interpreter child failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def test_fused_configs_exact(child):
+    rows = child["fused"]
+    assert len(rows) >= 40
+    kinds = {r["cfg"]["kernel"] for r in rows}
+    assert kinds == {"gemv", "mma"}
+    assert any(r["cfg"].get("split", 1) > 1 for r in rows)  # split-K (atomics + finalize) is covered
+    bad = [r for r in rows if not r["err"] <= TOL[r["out"]]]
+    assert not bad, bad[:3]
+    worst32 = max(r["err"] for r in rows if r["out"] == "torch.float32")
+    assert worst32 <= 1e-5
+
+
+def test_nan_scale_propagates_and_subnormal_scales_exact(child):
+    assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "mma"}
+    for r in child["nan"]:
+        assert r["nan_col"], r
+        assert r["err"] <= 1e-5, r
+
+
+def test_dequant_kernel_exact_and_fold(child):
+    assert len(child["dequant"]) == 4
+    for r in child["dequant"]:
+        assert r["exact"], r
+        assert r["fold_rel"] <= 2**-7, r  # alpha folded in: one bf16 cast (truncating in the interpreter)
+
+
+def test_quantize_bit_identical(child):
+    assert len(child["quant"]) == 12
+    for r in child["quant"]:
+        assert r["same"], r
+        assert r["shape"] == r["want_shape"]
+
+
+def test_backends_through_dispatcher(child):
+    assert child["report"] == {"triton:fused": "ok", "triton:dequant+matmul": "ok"}
+    assert len(child["dispatch"]) == 6
+    for r in child["dispatch"]:
+        assert r["err"] <= TOL[r["out"]], r
+
+
+def test_unavailable_without_interpreter_on_cpu(monkeypatch):
+    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
+    from fp4dispatch.backends.triton_fused import TritonFusedBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for b in (TritonFusedBackend(), TritonDequantBackend()):
+        assert b.unavailable(torch.device("cpu")) == "needs a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonFusedBackend().unavailable(torch.device("cpu")) is None
+
+
+def test_fused_mm_rejects_unknown_kernel():
+    from fp4dispatch.kernels.fused import fused_mm
+
+    t = torch.zeros(1, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv' or 'mma'; got 'nope'"):
+        fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
+
+
+def test_configs_are_short_and_json(child):
+    from fp4dispatch.kernels.fused import configs_for
+
+    for m in (1, 2, 3, 16, 17, 64, 128, 512, 1024, 8192):
+        cfgs = configs_for(m, 8192, 8192, torch.device("cpu"))
+        assert 1 <= len(cfgs) <= 4
+        assert json.loads(json.dumps(cfgs)) == cfgs
+        assert all(c["BKB"] >= 2 for c in cfgs)  # dot K = 8 * BKB must be >= 16
+
+
+def test_dequant_backend_configs():
+    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
+    from fp4dispatch.problem import Problem
+
+    b = TritonDequantBackend()
+    cpu = torch.device("cpu")
+    assert b.configs(Problem(4, 8, 16, torch.bfloat16, cpu)) == [{"alpha": "fold"}, {"alpha": "epilogue"}]
+    assert b.configs(Problem(4, 8, 16, torch.float32, cpu)) == [{"alpha": "epilogue"}]
+    assert TritonDequantBackend(cache_weight=True).name == "triton:dequant+matmul(cached)"
