@@ -10,6 +10,7 @@
 | FP4DISPATCH_ISOLATE      | 1: probe risky (native) backends in worker processes                     | 0       |
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.guard)      | 0       |
+| FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Settings:
     isolate: bool = False
     probe_timeout_s: float = 30.0
     guard: bool = False
+    guard_every: int = 64
 
 
 def default_cache_dir() -> Path:
@@ -71,4 +73,21 @@ def read_settings() -> Settings:
         isolate=_flag("FP4DISPATCH_ISOLATE", False),
         probe_timeout_s=float(os.environ.get("FP4DISPATCH_PROBE_TIMEOUT", "30")),
         guard=_flag("FP4DISPATCH_GUARD", False),
+        guard_every=_positive_int("FP4DISPATCH_GUARD_EVERY", 64, "calls between guard checks"),
     )
+
+
+def _positive_int(name: str, default: int, what: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"{name} must be a positive integer ({what}); got {raw!r}. Unset it for the "
+                                f"default {default}")
+    return n

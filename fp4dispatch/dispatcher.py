@@ -89,7 +89,7 @@ class Dispatcher:
         if guard if guard is not None else self.settings.guard:
             from .guard import Guard
 
-            self.guard = Guard()
+            self.guard = Guard(every=self.settings.guard_every)
 
     # -- the call ------------------------------------------------------------------------------------------------
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,

@@ -16,7 +16,6 @@ flag does not exist yet (not warmed up, see :func:`fp4dispatch.graphs.warmup`) i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -52,21 +51,6 @@ class _Watch:
     problem: object  # the latest Problem seen (device, N, K; M is the last one)
 
 
-def _every_from_env() -> int:
-    raw = os.environ.get("FP4DISPATCH_GUARD_EVERY", "").strip()
-    if not raw:
-        return DEFAULT_EVERY
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise InvalidInputError(
-            f"FP4DISPATCH_GUARD_EVERY must be a positive integer (calls between guard checks); got {raw!r}. "
-            f"Unset it for the default {DEFAULT_EVERY}")
-    return n
-
-
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -90,12 +74,12 @@ class Guard:
     """Per-dispatcher guard state.
 
     Args:
-        every: calls between two checks (host syncs); default ``FP4DISPATCH_GUARD_EVERY`` or 64.
+        every: calls between two checks (host syncs); the dispatcher passes ``FP4DISPATCH_GUARD_EVERY`` (default 64).
     """
 
     def __init__(self, every: int | None = None):
         if every is None:
-            every = _every_from_env()
+            every = DEFAULT_EVERY
         elif not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise InvalidInputError(f"Guard: every must be a positive int (calls between checks); got {every!r}")
         self.every = every

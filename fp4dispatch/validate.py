@@ -89,7 +89,10 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
     if alpha is None:
         one = _ONES.get(device)
         if one is None:
-            one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+            one = torch.ones(1, dtype=torch.float32, device=device)
+            # a tensor made during CUDA-graph capture lives in the graph's pool and is only filled on replay
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                _ONES[device] = one
         return one
     if isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
         return torch.full((1,), float(alpha), dtype=torch.float32, device=device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+
+from fp4dispatch.config import read_settings
 import torch
 
 import fp4dispatch
@@ -359,7 +361,7 @@ def test_guard_every_env_errors(monkeypatch, value):
     monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", value)
     with pytest.raises(InvalidInputError, match=rf"FP4DISPATCH_GUARD_EVERY must be a positive integer .*got "
                                                 rf"'{value}'\. Unset it for the default 64"):
-        Guard()
+        read_settings()
 
 
 def test_guard_every_arg_error():
