@@ -58,6 +58,8 @@ def test_dequant_backend_exact(m, out_dtype):
     p = Problem(m, N, K, out_dtype, torch.device("cuda"))
     for i, cfg in enumerate(be.configs(p)):
         ops = _ops(m, out_dtype, seed=7 + i + m)
+        if out_dtype == torch.float16:
+            ops.alpha.mul_(1 / 64)  # random sums over K=2064 reach ~1e5: keep the true result inside fp16's range
         be.run(p, ops, cfg)
         assert _rel(ops.out, _ref64(ops)) <= TOL[out_dtype], cfg
 
