@@ -164,7 +164,8 @@ class Dispatcher:
                 reasons[b.name] = f"{v.status}: {v.reason}"
             elif b.name in banned:
                 reasons[b.name] = banned[b.name]
-            elif (why := b.unsupported(problem)) is not None:
+            # a decision serves the whole M bucket: a backend must accept the bucket's largest M too
+            elif (why := b.unsupported(problem) or b.unsupported(problem.with_m(key[1]))) is not None:
                 reasons[b.name] = f"unsupported: {why}"
             else:
                 candidates.append(b)
@@ -286,7 +287,9 @@ class Dispatcher:
             else:
                 v = probe_backend(b, device)
             log.info("fp4dispatch: probe %s on %s: %s %s", b.name, device, v.status, v.reason)
-            st.health[b.name] = fresh[b.name] = v
+            st.health[b.name] = v
+            if not v.transient:  # a timeout may be a one-off JIT compile: probe again in the next process
+                fresh[b.name] = v
         if fresh:
             cache.update("health", {n: v.to_json() for n, v in fresh.items()})
         self._states[device] = st

@@ -51,7 +51,8 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         else:
             proc.kill()
             proc.join(5)
-            return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s)
+            # transient: not cached, since a first-use JIT compile (FlashInfer cutlass/trtllm) can be that slow
+            return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s, transient=True)
         proc.join(timeout_s)
         code = proc.exitcode
         if code is not None and code < 0:

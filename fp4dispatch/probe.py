@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -29,9 +29,10 @@ class Verdict:
     status: str
     reason: str = ""
     seconds: float = 0.0
+    transient: bool = False  # not written to the disk cache (e.g. a probe worker that timed out)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {"status": self.status, "reason": self.reason, "seconds": self.seconds}
 
     @classmethod
     def from_json(cls, d: dict) -> "Verdict":
@@ -80,16 +81,22 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
             refused.append(why)
             continue
         ops = make_operands(problem, seed=seed + i)
-        poison(ops.out)
         ref = reference_mm(problem, ops)
-        cfg = backend.configs(problem)[0]
-        try:
-            backend.run(problem, ops, cfg)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as e:  # noqa: BLE001 - failures are data
-            reset_cuda_error(device)
-            return verdict("failed", f"{describe_exception(e)} (at M={m})")
+        error = None
+        # the first config that runs decides; a backend fails only if every config raises
+        for cfg in backend.configs(problem):
+            poison(ops.out)
+            try:
+                backend.run(problem, ops, cfg)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                error = None
+                break
+            except Exception as e:  # noqa: BLE001 - failures are data
+                reset_cuda_error(device)
+                error = error or e
+        if error is not None:
+            return verdict("failed", f"{describe_exception(error)} (at M={m})")
         ran += 1
         bad = check_output(ops.out, ref, problem)
         if bad:

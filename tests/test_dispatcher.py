@@ -247,3 +247,37 @@ def test_reference_is_the_default_fallback_on_cpu(tmp_path):
     data = json.loads(next((tmp_path / "c").glob("decisions-*.json")).read_text())
     assert data["decisions"]["m4-n64-k128-float32"]["backend"] == "reference"
     assert data["health"]["reference"]["status"] == "ok"
+
+
+class _FirstConfigBroken(FakeBackend):
+    """Config 'a' raises everywhere, config 'b' works: the backend is healthy through 'b'."""
+
+    def run(self, problem, ops, config):
+        if config.get("variant") == "a":
+            self.calls += 1
+            raise RuntimeError("variant a is not built for this GPU")
+        super().run(problem, ops, config)
+
+
+def test_probe_falls_back_to_a_working_config(tmp_path):
+    b = _FirstConfigBroken("two-configs", configs=[{"variant": "a"}, {"variant": "b"}])
+    d = _disp([b], tmp_path)
+    out, ref = _call(d, 5)
+    assert _close(out, ref) and _status(d)["two-configs"] == ("ok", "")
+    entry = d.cache_for("cpu").decisions["m8-n64-k128-float32"]
+    assert entry["config"] == {"variant": "b"}
+    assert any("variant a is not built" in t["reason"] for t in entry["ranking"])
+
+
+class _SmallMOnly(FakeBackend):
+    def unsupported(self, problem):
+        return None if problem.m <= 6 else "M must be <= 6"
+
+
+def test_backend_must_accept_the_whole_bucket(tmp_path):
+    small, general = _SmallMOnly("small-only", cost=1e-9), FakeBackend("general", cost=1e-3)
+    d = _disp([small, general], tmp_path)
+    _call(d, 5)  # bucket 8 = M 5..8: small-only refuses M=8, so it must not own the bucket
+    assert {r.name: r.wins for r in d.report("cpu")}["general"] == ["m8-n64-k128-float32"]
+    out, ref = _call(d, 8)
+    assert _close(out, ref)

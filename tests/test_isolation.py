@@ -75,3 +75,22 @@ def test_isolation_off_probes_in_process(tmp_path):
     assert rec["native-raises"].status == "failed"
     assert rec["native-raises"].reason.startswith("RuntimeError: illegal instruction (at M=1)")
     assert bad.calls == 1
+
+
+def test_timeout_verdict_is_not_cached(tmp_path):
+    """A hang may be a one-off first-use JIT compile: the next process must probe again, not inherit 'failed'."""
+    import json
+
+    import torch
+
+    from fp4dispatch.config import Settings
+    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.testing import FakeBackend, fake_do_bench
+
+    d = Dispatcher([FakeBackend("slowjit", crash="hang", risky=True), FakeBackend("ok")], cache_dir=tmp_path,
+                   do_bench=fake_do_bench, settings=Settings(isolate=True, probe_timeout_s=2))
+    recs = {r.name: r for r in d.report("cpu")}
+    assert recs["slowjit"].status == "failed" and "timed out after 2 s" in recs["slowjit"].reason
+    health = json.loads(next(tmp_path.glob("decisions-*.json")).read_text())["health"]
+    assert "slowjit" not in health and health["ok"]["status"] == "ok"
+    assert torch.device("cpu") in d._states
