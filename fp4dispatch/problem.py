@@ -43,7 +43,8 @@ class Problem(NamedTuple):
 
 class Operands(NamedTuple):
     """Canonical operands: a uint8 [M, K/2], b uint8 [N, K/2] (both contiguous), 2-D 128x4-swizzled zero-padded
-    float8_e4m3fn scales, alpha float32 [1] on the device, and a preallocated contiguous out [M, N]."""
+    float8_e4m3fn scales, alpha float32 with one element ([1] or 0-d) on the device, and a preallocated contiguous
+    out [M, N]."""
 
     a: torch.Tensor
     b: torch.Tensor

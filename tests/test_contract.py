@@ -47,6 +47,13 @@ def test_linear_layout_and_out_argument_and_float_alpha():
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_zero_dim_alpha_accepted():
+    a, b, sa, sb, alpha = _inputs()
+    out = fp4_mm(a, b, sa, sb, alpha.reshape(()), out_dtype=torch.float32)
+    ref = _f64_ref(a, b, sa, sb, alpha)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_alpha_none_is_one_and_flattened_scales_accepted():
     a, b, sa, sb, _ = _inputs()
     out = fp4_mm(a, b, sa.flatten(), sb.flatten(), None, out_dtype=torch.float32)
