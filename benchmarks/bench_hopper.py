@@ -5,6 +5,8 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
               inputs (fresh random inputs, NaN-poisoned out, M in {1,3,127,4096}, N and K off the block sizes),
               NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
   --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
+  --sweep     exactness of many gemv2 variants (M in {1,3,16}), then their graph times at M in {1,4,16} on the three
+              large shapes next to the old gemv/mma and cuBLAS bf16; a short table last.
   (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
               weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
 
@@ -251,6 +253,79 @@ def run_variants(res: dict, bw: float) -> None:
     res["variants"] = rows
 
 
+def sweep_configs(m: int) -> list[dict]:
+    """gemv2 variants (tile shape, warps, split, decode) next to the old gemv / mma picks, for --sweep."""
+    mbs = [1] if m == 1 else ([4] if m <= 4 else [4, 8, 16])
+    out = []
+    for mb in mbs:
+        for bn, bkb, w, split, stages, pair in ((32, 16, 1, 1, 3, True), (32, 16, 1, 2, 3, True),
+                                                (32, 16, 1, 1, 3, False), (16, 16, 1, 1, 3, True),
+                                                (16, 8, 1, 1, 3, True), (64, 16, 2, 1, 3, True),
+                                                (64, 16, 2, 4, 3, True), (64, 32, 4, 2, 3, True),
+                                                (128, 16, 4, 4, 3, True)):
+            if mb >= 8 and bn > 32:
+                continue
+            out.append({"kernel": "gemv2", "MB": mb, "BN": bn, "BKB": bkb, "split": split, "warps": w,
+                        "stages": stages, "PAIR": pair})
+    if m <= 2:
+        out.append({"kernel": "gemv", "MB": m, "BN": 16, "BKB": 32, "split": 1, "warps": 8})
+    out.append({"kernel": "mma", "BM": 16, "BN": 64, "BKB": 8, "split": 3, "warps": 4, "stages": 3})
+    return out
+
+
+def run_sweep(res: dict, bw: float) -> bool:
+    """Exactness of every sweep config (M in {1, 3, 16}, N, K off the tiles), then graph times at M in {1, 4, 16}."""
+    from fp4dispatch.kernels.fused import fused_mm
+
+    ok_all, rows, bad = True, [], set()
+    for m in (1, 3, 16):
+        for cfg in sweep_configs(m):
+            for odt, tol in ((torch.float32, 1e-5),):  # bf16 out: --check, on the configs_for picks
+                ops = rand_operands(m, 1000, 2064, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
+                try:
+                    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+                    err = rel_err(ops.out, ref64(ops, m, 1000, 2064))
+                except Exception as e:  # noqa: BLE001
+                    err = math.inf
+                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append({"m": m, "cfg": cfg, "out": str(odt), "rel_err": err})
+                if not err <= tol:
+                    ok_all = False
+                    bad.add(json.dumps(cfg, sort_keys=True))
+                    log(f"FAIL sweep m={m} {odt} {cfg}: {err:.3g}")
+    log(f"sweep check: {len(rows)} runs, {len(bad)} failing configs, worst fp32 "
+        f"{max(r['rel_err'] for r in rows if r['out'] == 'torch.float32'):.3g}")
+    table = []
+    for (n, k) in ((8192, 8192), (28672, 8192), (8192, 28672)):
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 4, 16):
+            ops = rand_operands(m, n, k, seed=m)
+            wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = graph_ms(lambda: torch.mm(wa, wb.t())) * 1e3
+            times = []
+            for cfg in sweep_configs(m):
+                if json.dumps(cfg, sort_keys=True) in bad:
+                    continue
+                try:
+                    t = graph_ms(lambda c=cfg: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
+                                                        c))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                times.append((t * 1e3, cfg))
+                log(f"  N={n} K={k} M={m} {json.dumps(cfg)} {t * 1e3:.1f} us")
+            times.sort(key=lambda x: x[0])
+            old = min((t for t, c in times if c["kernel"] != "gemv2"), default=math.nan)
+            table.append((n, k, m, t_bf16, old, times[0][0], times[0][1]))
+        del wb
+    log("| N | K | M | cuBLAS bf16 us | best old fused us | best gemv2/any us | x bf16 | config |")
+    log("|---|---|---|---|---|---|---|---|")
+    for n, k, m, tb, to, tn, c in table:
+        log(f"| {n} | {k} | {m} | {tb:.1f} | {to:.1f} | {tn:.1f} | {tb / tn:.2f} | {json.dumps(c)} |")
+    res["sweep"] = {"check": rows, "table": [list(r) for r in table]}
+    return ok_all
+
+
 # ------------------------------------------------------------------------------------------------------------------
 def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
     from fp4dispatch.dispatcher import Dispatcher
@@ -334,6 +409,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="correctness checks (and quantize bit-identity)")
     ap.add_argument("--variants", action="store_true", help="time every fused config on a few shapes")
+    ap.add_argument("--sweep", action="store_true", help="check + time gemv2 variants at M in {1, 4, 16}")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--quick", action="store_true", help="table on two shapes only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
@@ -357,7 +433,10 @@ def main() -> int:
             log(f"CHECK {'PASSED' if ok else 'FAILED'}")
         if args.variants:
             run_variants(res, bw)
-        if args.table or not (args.check or args.variants):
+        if args.sweep:
+            ok &= run_sweep(res, bw)
+            log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
+        if args.table or not (args.check or args.variants or args.sweep):
             shapes = SHAPES[:2] if args.quick else SHAPES
             run_table(res, bw, args.out, shapes, MS)
     finally:

@@ -43,21 +43,26 @@ def rel(out, ref):
     return math.inf if not bool(torch.isfinite(o).all()) else float((o - ref).norm() / ref.norm())
 
 extra = [{"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3},
-         {"kernel": "gemv", "MB": 4, "BN": 16, "BKB": 2, "split": 2}]
+         {"kernel": "gemv", "MB": 4, "BN": 16, "BKB": 2, "split": 2},
+         {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 2, "PAIR": False},
+         {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 8, "split": 3, "PAIR": True}]
 seed = 0
 for m, n, k in [(1, 40, 96), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
     for odt in (torch.float32, torch.bfloat16, torch.float16):
         for cfg in configs_for(m, n, k, cpu) + extra:
-            if cfg["kernel"] == "gemv" and cfg["MB"] < m:
-                continue
+            if cfg["kernel"] == "gemv" and cfg["MB"] < m or cfg["kernel"] == "gemv2" and 8 * cfg["MB"] < m:
+                continue  # gemv covers M <= MB only; gemv2 tiles M (kept to few M tiles: interpreter time)
             seed += 1
             ops = make_operands(Problem(m, n, k, odt, cpu), seed=seed)
             fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
             res["fused"].append({"m": m, "n": n, "k": k, "out": str(odt), "cfg": cfg, "err": rel(ops.out, ref64(ops))})
 
 # NaN block scale -> NaN in exactly that output column; e4m3 subnormal scales stay exact
-for cfg in (configs_for(1, 24, 64, cpu)[0], configs_for(5, 24, 64, cpu)[0]):
-    m = cfg.get("MB", 5)
+nan_cfgs = [(1, configs_for(1, 24, 64, cpu)[0]), (5, configs_for(5, 24, 64, cpu)[0]),
+            (3, configs_for(3, 24, 64, cpu)[1]),
+            (1, {"kernel": "gemv", "MB": 1, "BN": 16, "BKB": 2, "split": 1}),
+            (3, {"kernel": "gemv2", "MB": 2, "BN": 16, "BKB": 4, "split": 1, "PAIR": False})]
+for m, cfg in nan_cfgs:
     ops = make_operands(Problem(m, 24, 64, torch.float32, cpu), seed=99)
     lin = torch.randint(1, 8, (24, 4), dtype=torch.uint8)
     lin[5, 2] = 0x7F
@@ -65,7 +70,7 @@ for cfg in (configs_for(1, 24, 64, cpu)[0], configs_for(5, 24, 64, cpu)[0]):
     fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
     ref = ref64(ops)
     keep = [j for j in range(24) if j != 5]
-    res["nan"].append({"cfg": cfg, "nan_col": bool(torch.isnan(ops.out[:, 5]).all()),
+    res["nan"].append({"m": m, "cfg": cfg, "nan_col": bool(torch.isnan(ops.out[:, 5]).all()),
                        "err": rel(ops.out[:, keep], ref[:, keep])})
 
 for r, k in [(5, 48), (130, 272)]:
@@ -136,7 +141,10 @@ def test_fused_configs_exact(child):
     rows = child["fused"]
     assert len(rows) >= 40
     kinds = {r["cfg"]["kernel"] for r in rows}
-    assert kinds == {"gemv", "mma"}
+    assert kinds == {"gemv", "gemv2", "mma"}
+    g2 = [r for r in rows if r["cfg"]["kernel"] == "gemv2"]
+    assert {r["m"] for r in g2} >= {1, 3, 17} and {r["cfg"]["PAIR"] for r in g2} == {True, False}
+    assert any(r["cfg"]["MB"] < r["m"] for r in g2)  # several M tiles (program_id(2))
     assert any(r["cfg"].get("split", 1) > 1 for r in rows)  # split-K (atomics + finalize) is covered
     bad = [r for r in rows if not r["err"] <= TOL[r["out"]]]
     assert not bad, bad[:3]
@@ -145,7 +153,8 @@ def test_fused_configs_exact(child):
 
 
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):
-    assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "mma"}
+    assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "gemv2", "mma"}
+    assert {r["m"] for r in child["nan"]} == {1, 3, 5}
     for r in child["nan"]:
         assert r["nan_col"], r
         assert r["err"] <= 1e-5, r
@@ -187,8 +196,10 @@ def test_fused_mm_rejects_unknown_kernel():
     from fp4dispatch.kernels.fused import fused_mm
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv' or 'mma'; got 'nope'"):
+    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2' or 'mma'; got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
+    with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
+        fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
 
 
 def test_configs_are_short_and_json(child):
@@ -196,7 +207,7 @@ def test_configs_are_short_and_json(child):
 
     for m in (1, 2, 3, 16, 17, 64, 128, 512, 1024, 8192):
         cfgs = configs_for(m, 8192, 8192, torch.device("cpu"))
-        assert 1 <= len(cfgs) <= 4
+        assert 1 <= len(cfgs) <= 7
         assert json.loads(json.dumps(cfgs)) == cfgs
         assert all(c["BKB"] >= 2 for c in cfgs)  # dot K = 8 * BKB must be >= 16
 

@@ -1,8 +1,9 @@
 """Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
 
-Two kernels (``_fused.py``): ``gemv`` (CUDA-core FMA, M <= 8, streams B) and ``mma`` (bf16 tensor-core tiles, any M).
-Both take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support split-K through an fp32
-workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
+Three kernels (``_fused.py``): ``gemv2`` (CUDA-core FMA over int64 words = whole 16-blocks, any M in MB-row tiles;
+the M <= 4 pick), ``gemv`` (the older byte-wise GEMV, M <= MB; still wins on some small shapes) and ``mma`` (bf16
+tensor-core tiles, any M). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
+split-K through an fp32 workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
 tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
@@ -54,12 +55,32 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         out.append({"kernel": "mma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps,
                     "stages": stages})
 
-    # Picked from H200 measurements (benchmarks/notes_hopper.md): the CUDA-core GEMV wins only at M <= 2; bf16
+    def gemv2(mb: int, bn: int, bkb: int, warps: int, warps_per_sm: int = 32) -> None:
+        # CUDA-core GEMV time is latency-bound until ~32 resident warps per SM (H200 sweep, notes_hopper.md): split K
+        # until the grid has that many warps, keeping >= 2 K steps per split
+        ctas = _cdiv(n, bn) * _cdiv(m, mb)
+        split = max(1, min(_cdiv(warps_per_sm * sms, ctas * warps), kb // (2 * bkb)))
+        cfg = {"kernel": "gemv2", "MB": mb, "BN": bn, "BKB": bkb, "split": split, "warps": warps, "stages": 3,
+               "PAIR": True}
+        if cfg not in out:
+            out.append(cfg)
+
+    # Picked from H200 measurements (benchmarks/notes_hopper.md): the int64-word GEMV (gemv2) wins at M <= 4; bf16
     # tensor-core tiles of 16 rows win up to M = 16; from M ~ 128 on, triton:dequant+matmul (cuBLAS) wins.
     if m <= 2:
+        gemv2(m, 64, 32, 4)
+        gemv2(m, 64, 32, 4, warps_per_sm=8)  # the sweep's best (split 2 at N = 8192 and 28672)
+        gemv2(m, 32, 32, 4)
+        gemv2(m, 64, 64, 4)
         gemv(m, 16, 32, warps=8)
         gemv(m, 16, 16)
         mma(16, 64, 8, 4, 3)
+    elif m <= 4:
+        gemv2(4, 64, 16, 2)
+        gemv2(4, 64, 32, 4)
+        mma(16, 64, 8, 4, 3)
+        mma(16, 64, 8, 4, 3, split=4)
+        mma(16, 128, 8, 4, 3)
     elif m <= 16:
         mma(16, 64, 8, 4, 3)
         mma(16, 64, 8, 4, 3, split=4)
@@ -81,9 +102,9 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "mma"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv' or 'mma'; got {config.get('kernel')!r}. "
-                         "Use a config from configs_for()")
+    if config.get("kernel") not in ("gemv", "gemv2", "mma"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2' or 'mma'; got "
+                         f"{config.get('kernel')!r}. Use a config from configs_for()")
     from . import _fused as kf
 
     m, k2 = a.shape
@@ -98,7 +119,16 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     sb = b_scale.view(torch.uint8)
     dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=out.device)
     warps = int(config.get("warps", DEFAULT_WARPS))
-    if config["kernel"] == "gemv":
+    if config["kernel"] == "gemv2":
+        bn, mb = int(config["BN"]), int(config["MB"])
+        if bkb % 4:
+            raise ValueError(f"fused_mm: gemv2 needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
+        grid = (_cdiv(n, bn), split, _cdiv(m, mb))
+        # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
+        kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
+                              MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), ATOMIC=split > 1,
+                              num_warps=warps, num_stages=int(config.get("stages", 3)))
+    elif config["kernel"] == "gemv":
         bn = int(config["BN"])
         grid = (_cdiv(n, bn), split)
         kf.gemv_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, MB=int(config["MB"]), BN=bn,
