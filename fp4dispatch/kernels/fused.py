@@ -3,8 +3,8 @@
 Three kernels (``_fused.py``): ``gemv2`` (CUDA-core FMA over int64 words = whole 16-blocks, any M in MB-row tiles;
 the M <= 4 pick), ``gemv`` (the older byte-wise GEMV, M <= MB; still wins on some small shapes) and ``mma`` (bf16
 tensor-core tiles, any M). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
-split-K through an fp32 workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
-tuning one key costs well under a few seconds on a GPU.
+split-K through an fp32 workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list
+short per M so that tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
