@@ -6,6 +6,7 @@
 | FP4DISPATCH_DISABLE      | comma list of backend names never to use                                 | unset   |
 | FP4DISPATCH_CACHE_DIR    | directory of the decision cache (else platformdirs' user cache dir)      | unset   |
 | FP4DISPATCH_TUNE         | 0: healthy backends in priority order, verified but not timed            | 1       |
+| FP4DISPATCH_TIMER        | CUDA timing while tuning: graph (GPU time of graph replays) or eager     | graph   |
 | FP4DISPATCH_LOG          | log level of the ``fp4dispatch`` logger (DEBUG, INFO, WARNING, ...)      | unset   |
 | FP4DISPATCH_ISOLATE      | 1: probe risky (native) backends in worker processes                     | 0       |
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
@@ -27,6 +28,7 @@ RELEVANT_ENV = (
     "FLASHINFER_DISABLE_JIT",
     "TORCH_CUDA_ARCH_LIST",
     "TRITON_INTERPRET",
+    "FP4DISPATCH_TIMER",
     "FP4DISPATCH_DISABLE",
 )
 
@@ -48,6 +50,7 @@ class Settings:
     probe_timeout_s: float = 30.0
     guard: bool = False
     guard_every: int = 64
+    timer: str = "graph"
 
 
 def default_cache_dir() -> Path:
@@ -74,7 +77,17 @@ def read_settings() -> Settings:
         probe_timeout_s=float(os.environ.get("FP4DISPATCH_PROBE_TIMEOUT", "30")),
         guard=_flag("FP4DISPATCH_GUARD", False),
         guard_every=_positive_int("FP4DISPATCH_GUARD_EVERY", 64, "calls between guard checks"),
+        timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
     )
+
+
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in choices:
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"{name} must be one of {choices}; got {raw!r}. Unset it for the default {default!r}")
+    return raw
 
 
 def _positive_int(name: str, default: int, what: str) -> int:

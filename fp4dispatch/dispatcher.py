@@ -66,7 +66,8 @@ class Dispatcher:
     Args:
         backends: ordered backends (priority order); default: every built-in backend.
         cache_dir: decision cache directory; default ``FP4DISPATCH_CACHE_DIR`` or platformdirs' user cache dir.
-        do_bench: ``fn -> milliseconds``; default ``triton.testing.do_bench`` median on CUDA, a timer loop on CPU.
+        do_bench: ``fn -> milliseconds``; default on CUDA the median GPU time of CUDA-graph replays
+            (``FP4DISPATCH_TIMER=eager``: eager launches, ``triton.testing.do_bench``), a timer loop on CPU.
         settings: environment knobs (default: read from ``FP4DISPATCH_*`` now).
         guard: guard mode (default ``FP4DISPATCH_GUARD``).
     """
@@ -172,7 +173,7 @@ class Dispatcher:
         if not candidates:
             raise self._no_backend(problem, reasons)
         if self.settings.tune:
-            trials = tune(problem, candidates, self._do_bench or for_device(problem.device))
+            trials = tune(problem, candidates, self._do_bench or for_device(problem.device, self.settings.timer))
         else:
             trials = verify_only(problem, candidates)
         best: dict[str, Trial] = {}

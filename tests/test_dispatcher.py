@@ -240,6 +240,18 @@ def test_settings_read_from_env(monkeypatch, tmp_path):
                          isolate=True, probe_timeout_s=30.0, guard=False)
 
 
+def test_timer_knob(monkeypatch):
+    from fp4dispatch.bench import cuda_graph_do_bench, default_do_bench, for_device
+
+    assert read_settings().timer == "graph"
+    assert for_device(torch.device("cuda", 0)) is cuda_graph_do_bench
+    assert for_device(torch.device("cuda", 0), "eager") is default_do_bench
+    assert for_device(torch.device("cpu")) not in (cuda_graph_do_bench, default_do_bench)
+    monkeypatch.setenv("FP4DISPATCH_TIMER", "wallclock")
+    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_TIMER must be one of \('graph', 'eager'\); got 'wallclock'"):
+        read_settings()
+
+
 def test_reference_is_the_default_fallback_on_cpu(tmp_path):
     d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
     out, ref = _call(d, 3)
