@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from .bench import default_do_bench
+from .bench import for_device
 from .config import read_settings
 from .dispatcher import Dispatcher, key_str
 from .errors import FP4DispatchError
@@ -54,11 +54,12 @@ def make_dispatcher(opts: TuneOptions, backends=None, do_bench=None) -> Dispatch
     return Dispatcher(backends, cache_dir=opts.cache_dir, do_bench=do_bench, settings=settings)
 
 
-def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device) -> float:
-    """cuBLAS bf16 ``x @ W.T`` of the same shape (random operands), median of ``triton.testing.do_bench``."""
+def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device, timer: str = "graph") -> float:
+    """cuBLAS bf16 ``x @ W.T`` of the same shape (random operands), timed like the tuner times the backends
+    (``FP4DISPATCH_TIMER``: CUDA-graph replays by default), so the ratio compares like with like."""
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=device)
-    return round(default_do_bench(lambda: torch.mm(a, w.t())) * 1e3, 3)
+    return round(for_device(device, timer)(lambda: torch.mm(a, w.t())) * 1e3, 3)
 
 
 def _summarize(entry: dict, n: int, k: int) -> dict:
@@ -110,7 +111,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
         row.update(status="ok", **_summarize(entry, s.n, s.k))
         row["cublas_bf16_us"] = row["speedup_vs_cublas_bf16"] = None
         if device.type == "cuda":
-            row["cublas_bf16_us"] = _bf16_baseline_us(row["tuned_at_m"], s.n, s.k, device)
+            row["cublas_bf16_us"] = _bf16_baseline_us(row["tuned_at_m"], s.n, s.k, device, d.settings.timer)
             if row["time_us"]:
                 row["speedup_vs_cublas_bf16"] = round(row["cublas_bf16_us"] / row["time_us"], 3)
         rows.append(row)
