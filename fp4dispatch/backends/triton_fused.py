@@ -1,7 +1,8 @@
 """``triton:fused``: NVFP4 x NVFP4 in one Triton kernel for GPUs without FP4 tensor cores (Hopper, Ada, Ampere).
 
 Both operands are decoded in registers (bit placement, no lookup table), multiplied on bf16 tensor cores (``mma``
-configs) or on CUDA cores (``gemv`` configs, M <= 8), accumulated in fp32; alpha is applied in fp32 at the end.
+configs, any M) or on CUDA cores (``gemv2``: int64 words = whole 16-blocks, M <= 4; ``gemv``: bytes, M <= 2),
+accumulated in fp32; alpha is applied in fp32 at the end.
 Exact up to fp32 summation order and the output cast. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
