@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -274,6 +275,7 @@ class Dispatcher:
         cache = DecisionCache(self.cache_dir, device_fingerprint(device))
         st = _DeviceState(cache, {})
         fresh = {}
+        isolated = []  # probed in worker processes, all at once: each may take up to the probe timeout
         # safe backends first, native ones last: a crash must not take the safe verdicts with it
         for b in sorted(self.backends, key=lambda b: bool(b.risky)):
             if b.name in self.settings.disabled:
@@ -282,15 +284,20 @@ class Dispatcher:
             cached = cache.health.get(b.name)
             if isinstance(cached, dict):
                 st.health[b.name] = Verdict.from_json(cached)
-                continue
-            if self.settings.isolate and b.risky and b.unavailable(device) is None:
-                v = probe_isolated(b, device, self.settings.probe_timeout_s)
+            elif self.settings.isolate and b.risky and b.unavailable(device) is None:
+                isolated.append(b)
             else:
-                v = probe_backend(b, device)
-            log.info("fp4dispatch: probe %s on %s: %s %s", b.name, device, v.status, v.reason)
-            st.health[b.name] = v
-            if not v.transient:  # a timeout may be a one-off JIT compile: probe again in the next process
-                fresh[b.name] = v
+                st.health[b.name] = fresh[b.name] = probe_backend(b, device)
+        if isolated:
+            with ThreadPoolExecutor(max_workers=len(isolated)) as pool:
+                verdicts = pool.map(lambda b: probe_isolated(b, device, self.settings.probe_timeout_s), isolated)
+                for b, v in zip(isolated, verdicts):
+                    st.health[b.name] = v
+                    if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
+                        fresh[b.name] = v
+        for name, v in st.health.items():
+            if name in fresh or v.transient:
+                log.info("fp4dispatch: probe %s on %s: %s %s", name, device, v.status, v.reason)
         if fresh:
             cache.update("health", {n: v.to_json() for n, v in fresh.items()})
         self._states[device] = st

@@ -94,3 +94,21 @@ def test_timeout_verdict_is_not_cached(tmp_path):
     health = json.loads(next(tmp_path.glob("decisions-*.json")).read_text())["health"]
     assert "slowjit" not in health and health["ok"]["status"] == "ok"
     assert torch.device("cpu") in d._states
+
+
+def test_isolated_probes_run_concurrently(tmp_path):
+    """Native backends are probed in parallel workers: three hangs cost one timeout, not three."""
+    import time
+
+    from fp4dispatch.config import Settings
+    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.testing import FakeBackend, fake_do_bench
+
+    hangs = [FakeBackend(f"hang{i}", crash="hang", risky=True) for i in range(3)]
+    d = Dispatcher([*hangs, FakeBackend("ok")], cache_dir=tmp_path, do_bench=fake_do_bench,
+                   settings=Settings(isolate=True, probe_timeout_s=4))
+    t0 = time.monotonic()
+    recs = {r.name: r for r in d.report("cpu")}
+    elapsed = time.monotonic() - t0
+    assert all(recs[f"hang{i}"].status == "failed" for i in range(3)) and recs["ok"].status == "ok"
+    assert elapsed < 10, f"probes ran one after another ({elapsed:.1f} s for three 4 s timeouts)"
