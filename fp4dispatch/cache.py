@@ -25,15 +25,28 @@ from filelock import FileLock
 
 from .fingerprint import fingerprint_hash
 
-__all__ = ["DecisionCache", "SCHEMA_VERSION"]
+__all__ = ["DecisionCache", "SCHEMA_VERSION", "SECTIONS", "write_json_atomic"]
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("fp4dispatch")
-_SECTIONS = ("health", "decisions", "shape_blacklist")
+SECTIONS = ("health", "decisions", "shape_blacklist")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON to a temp file beside ``path``, then ``os.replace`` it: readers see the old file or
+    the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _empty(fp: dict) -> dict:
-    return {"schema_version": SCHEMA_VERSION, "fingerprint": fp, **{s: {} for s in _SECTIONS}}
+    return {"schema_version": SCHEMA_VERSION, "fingerprint": fp, **{s: {} for s in SECTIONS}}
 
 
 class DecisionCache:
@@ -78,7 +91,7 @@ class DecisionCache:
         if data.get("fingerprint") != self.fingerprint:
             self._warn_once("foreign file: its fingerprint is not this device's")
             return _empty(self.fingerprint)
-        for s in _SECTIONS:
+        for s in SECTIONS:
             if not isinstance(data.get(s), dict):
                 self._warn_once(f"section {s!r} missing or malformed")
                 return _empty(self.fingerprint)
@@ -101,14 +114,7 @@ class DecisionCache:
                             data[section][k].update(v)
                         else:
                             data[section][k] = v
-                    fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".decisions-", suffix=".tmp")
-                    try:
-                        with os.fdopen(fd, "w") as f:
-                            json.dump(data, f, indent=1, sort_keys=True)
-                        os.replace(tmp, self.path)
-                    except BaseException:
-                        os.unlink(tmp)
-                        raise
+                    write_json_atomic(self.path, data)
                     self.data = data
             except OSError as e:  # a read-only or full cache dir must not break the GEMM
                 log.warning("fp4dispatch: could not write the cache %s (%s); decisions stay in memory", self.path, e)

@@ -359,13 +359,6 @@ class Dispatcher:
         with self._lock:
             return self._state(_resolve_device(device)).cache
 
-    def forget(self) -> None:
-        """Drop in-memory decisions and verdicts (the disk cache stays)."""
-        with self._lock:
-            self._choices.clear()
-            self._named.clear()
-            self._states.clear()
-
 
 def _resolve_device(device) -> torch.device:
     if device is None:

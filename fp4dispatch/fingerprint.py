@@ -12,7 +12,7 @@ import torch
 
 from .config import RELEVANT_ENV
 
-__all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff", "sm_of"]
+__all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff"]
 
 _LIBS = ("torch", "triton", "flashinfer-python", "sgl-kernel", "sglang-kernel", "nvidia-cudnn-frontend", "fp4dispatch")
 
@@ -22,14 +22,6 @@ def _version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
-
-
-def sm_of(device: torch.device) -> int | None:
-    """Compute capability as an int (90, 100, 120), or None off CUDA."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
 
 
 @lru_cache(maxsize=None)

@@ -192,6 +192,9 @@ def quantize_nvfp4(
             )
         gs = global_scale.reshape(1).to(x.device)
     else:
+        if not (isinstance(global_scale, (int, float)) and 0 < float(global_scale) < float("inf")):
+            raise InvalidInputError(f"quantize_nvfp4: global_scale must be a positive finite number (448*6/amax), a "
+                                    f"float32 tensor, or None; got {global_scale!r}")
         gs = torch.tensor([float(global_scale)], dtype=torch.float32, device=x.device)
     x = x.contiguous()
     packed = sf = None
@@ -234,8 +237,9 @@ def dequantize_nvfp4(
         raise InvalidInputError(
             f"dequantize_nvfp4: linear scale must have shape {(m, k // BLOCK)}; got {tuple(s.shape)}"
         )
-    vals = _decode(p, torch.float32)
-    out = (vals.view(m, k // BLOCK, BLOCK) * s.float().unsqueeze(-1)).view(m, k)
+    # code x scale is exact in any float dtype of >= 8 significand bits; a global scale divides in fp32 first
+    work = dtype if global_scale is None else torch.float32
+    out = (_decode(p, work).view(m, k // BLOCK, BLOCK) * s.to(work).unsqueeze(-1)).view(m, k)
     if global_scale is not None:
         out = out / (global_scale.float().to(out.device) if isinstance(global_scale, torch.Tensor) else global_scale)
     return out.to(dtype)

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import tempfile
 from pathlib import Path
 
-from .cache import DecisionCache
+from .cache import SECTIONS as _SECTIONS
+from .cache import DecisionCache, write_json_atomic
+from .errors import FP4DispatchError
 from .fingerprint import fingerprint_diff, fingerprint_hash
 
 __all__ = ["ProfileError", "PROFILE_FORMAT", "PROFILE_VERSION", "export_profile", "read_profile", "import_profile"]
 
 PROFILE_FORMAT = "fp4dispatch-profile"
 PROFILE_VERSION = 1
-_SECTIONS = ("health", "decisions", "shape_blacklist")
 
 
-class ProfileError(ValueError):
+class ProfileError(FP4DispatchError, ValueError):
     """A profile cannot be exported, read or imported (the message says why and what to do)."""
 
 
@@ -43,14 +42,7 @@ def export_profile(cache: DecisionCache, path: str | Path) -> dict:
     }
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile, f, indent=1, sort_keys=True)
-        os.replace(tmp, p)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_json_atomic(p, profile)
     return profile
 
 

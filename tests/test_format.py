@@ -99,6 +99,13 @@ def test_float4_dtype_and_uint8_scale_views_accepted():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_to_16_bit_is_exact(dtype):
+    torch.manual_seed(4)
+    packed, scale, _ = quantize_nvfp4(torch.randn(33, 64) * 100)
+    assert torch.equal(dequantize_nvfp4(packed, scale, dtype=dtype).float(), dequantize_nvfp4(packed, scale))
+
+
 def test_nan_scale_propagates():
     x = torch.randn(2, 32)
     packed, scale, gs = quantize_nvfp4(x, scale_layout="linear")
@@ -137,12 +144,14 @@ def test_swizzle_keeps_e4m3_dtype():
     (lambda: quantize_nvfp4(torch.randint(0, 3, (2, 16))), r"x must be float32, bfloat16 or float16; got dtype=torch.int64"),
     (lambda: quantize_nvfp4(torch.randn(2, 16), torch.tensor([1.0], dtype=torch.bfloat16)),
      r"global_scale must be a float32 tensor with one element; got dtype=torch.bfloat16"),
+    (lambda: quantize_nvfp4(torch.randn(2, 16), 0.0),
+     r"global_scale must be a positive finite number \(448\*6/amax\), a float32 tensor, or None; got 0.0"),
     (lambda: quantize_nvfp4(torch.randn(2, 16), scale_layout="tiled"), r"scale_layout must be one of .*got 'tiled'"),
     (lambda: dequantize_nvfp4(torch.randn(2, 8), torch.zeros(128, 4, dtype=torch.float8_e4m3fn)),
      r"packed must be packed NVFP4 data .*quantize first with quantize_nvfp4"),
     (lambda: unswizzle_scales(torch.zeros(10, dtype=torch.uint8), 3, 2), r"has 128\*4=512 elements"),
     (lambda: swizzle_scales(torch.zeros(4, dtype=torch.uint8)), r"expected a 2-D \[rows, K/16\] tensor"),
-], ids=["k-not-16", "rank", "int-input", "bf16-global-scale", "layout", "dequant-float", "unswizzle-size",
+], ids=["k-not-16", "rank", "int-input", "bf16-global-scale", "zero-global-scale", "layout", "dequant-float", "unswizzle-size",
         "swizzle-rank"])
 def test_format_errors(call, match):
     with pytest.raises(InvalidInputError, match=match):
