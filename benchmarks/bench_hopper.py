@@ -5,8 +5,8 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
               inputs (fresh random inputs, NaN-poisoned out, M in {1,3,127,4096}, N and K off the block sizes),
               NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
   --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
-  --sweep     exactness of many gemv2 variants (M in {1,3,16}), then their graph times at M in {1,4,16} on the three
-              large shapes next to the old gemv/mma and cuBLAS bf16; a short table last.
+  --sweep     exactness of many gemv2 variants (fp32 and fp16x2 products; M in {1,3,16}), then their graph times at
+              M in {1,4,16} on the three large shapes next to mma and cuBLAS bf16; a short table last.
   (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
               weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
 
@@ -254,22 +254,29 @@ def run_variants(res: dict, bw: float) -> None:
 
 
 def sweep_configs(m: int) -> list[dict]:
-    """gemv2 variants (tile shape, warps, split, decode) next to the old gemv / mma picks, for --sweep."""
-    mbs = [1] if m == 1 else ([4] if m <= 4 else [4, 8, 16])
+    """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, register cap ``maxnreg``, register double buffer
+    ``prefetch``) at M <= 4, tensor-core variants (bf16 ``mma`` vs word-to-fp16 ``mma16``) above."""
+    g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
     out = []
-    for mb in mbs:
-        for bn, bkb, w, split, stages, pair in ((32, 16, 1, 1, 3, True), (32, 16, 1, 2, 3, True),
-                                                (32, 16, 1, 1, 3, False), (16, 16, 1, 1, 3, True),
-                                                (16, 8, 1, 1, 3, True), (64, 16, 2, 1, 3, True),
-                                                (64, 16, 2, 4, 3, True), (64, 32, 4, 2, 3, True),
-                                                (128, 16, 4, 4, 3, True)):
-            if mb >= 8 and bn > 32:
-                continue
-            out.append({"kernel": "gemv2", "MB": mb, "BN": bn, "BKB": bkb, "split": split, "warps": w,
-                        "stages": stages, "PAIR": pair})
-    if m <= 2:
-        out.append({"kernel": "gemv", "MB": m, "BN": 16, "BKB": 32, "split": 1, "warps": 8})
-    out.append({"kernel": "mma", "BM": 16, "BN": 64, "BKB": 8, "split": 3, "warps": 4, "stages": 3})
+    if m <= 4:
+        mb = 1 if m == 1 else 4
+        tiles = ([(64, 32, 4, 8, False, 0, False), (4, 256, 4, 1, True, 64, False), (4, 128, 2, 1, True, 0, True),
+                  (16, 64, 4, 1, True, 0, True)] if m == 1 else
+                 [(16, 32, 4, 1, True, 0, True), (8, 32, 2, 1, True, 0, True)])
+        for bn, bkb, w, sp, h2, regs, pf in tiles:
+            cfg = dict(g2, MB=mb, BN=bn, BKB=bkb, warps=w, split=sp, H2=h2, **({"maxnreg": regs} if regs else {}))
+            out.append(dict(cfg, prefetch=True) if pf else cfg)
+    if m > 1:
+        bm = 16 if m <= 16 else 128
+        out.append({"kernel": "mma", "BM": bm, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1, "warps": 4,
+                    "stages": 3})
+        for bn, bkw, w, sp, join in ((64, 16, 4, 4, False), (64, 16, 4, 1, True), (64, 8, 4, 1, True),
+                                     (128, 8, 4, 1, True), (64, 8, 4, 4, True), (64, 16, 4, 4, True)):
+            out.append({"kernel": "mma16", "BM": bm, "BN": bn, "BKW": bkw, "split": sp if m <= 16 else 1,
+                        "warps": w, "stages": 3, "join": join})
+        if m > 16:
+            out.append({"kernel": "mma16", "BM": 64, "BN": 128, "BKW": 8, "split": 1, "warps": 4, "stages": 3,
+                        "join": True})
     return out
 
 
@@ -278,13 +285,14 @@ def run_sweep(res: dict, bw: float) -> bool:
     from fp4dispatch.kernels.fused import fused_mm
 
     ok_all, rows, bad = True, [], set()
-    for m in (1, 3, 16):
+    for m in (1, 3, 16, 127):
         for cfg in sweep_configs(m):
-            for odt, tol in ((torch.float32, 1e-5),):  # bf16 out: --check, on the configs_for picks
-                ops = rand_operands(m, 1000, 2064, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
+            # K = 2064: a partial last K step (masked); K = 4096: whole steps (EVEN_K, unmasked loads)
+            for odt, tol, k in ((torch.float32, 1e-5, 2064), (torch.float32, 1e-5, 4096)):
+                ops = rand_operands(m, 1000, k, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
                 try:
                     fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
-                    err = rel_err(ops.out, ref64(ops, m, 1000, 2064))
+                    err = rel_err(ops.out, ref64(ops, m, 1000, k))
                 except Exception as e:  # noqa: BLE001
                     err = math.inf
                     log(f"  {cfg}: {type(e).__name__}: {str(e)[:300]}")
@@ -298,7 +306,7 @@ def run_sweep(res: dict, bw: float) -> bool:
     table = []
     for (n, k) in ((8192, 8192), (28672, 8192), (8192, 28672)):
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 4, 16):
+        for m in (1, 4, 16, 128):
             ops = rand_operands(m, n, k, seed=m)
             wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_ms(lambda: torch.mm(wa, wb.t())) * 1e3
@@ -315,10 +323,10 @@ def run_sweep(res: dict, bw: float) -> bool:
                 times.append((t * 1e3, cfg))
                 log(f"  N={n} K={k} M={m} {json.dumps(cfg)} {t * 1e3:.1f} us")
             times.sort(key=lambda x: x[0])
-            old = min((t for t, c in times if c["kernel"] != "gemv2"), default=math.nan)
+            old = min((t for t, c in times if c["kernel"] == "mma" or c.get("H2") is False), default=math.nan)
             table.append((n, k, m, t_bf16, old, times[0][0], times[0][1]))
         del wb
-    log("| N | K | M | cuBLAS bf16 us | best old fused us | best gemv2/any us | x bf16 | config |")
+    log("| N | K | M | cuBLAS bf16 us | best old kernel us | best us | x bf16 | config |")
     log("|---|---|---|---|---|---|---|---|")
     for n, k, m, tb, to, tn, c in table:
         log(f"| {n} | {k} | {m} | {tb:.1f} | {to:.1f} | {tn:.1f} | {tb / tn:.2f} | {json.dumps(c)} |")

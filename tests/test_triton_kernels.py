@@ -45,9 +45,12 @@ def rel(out, ref):
 extra = [{"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3},
          {"kernel": "gemv", "MB": 4, "BN": 16, "BKB": 2, "split": 2},
          {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 2, "PAIR": False},
-         {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 8, "split": 3, "PAIR": True}]
+         {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 8, "split": 3, "PAIR": True},
+         # fp16x2 products: whole K steps (EVEN_K when K/16 % BKB == 0), split-K and the register double buffer
+         {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 4, "split": 2, "H2": True, "prefetch": True},
+         {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 1, "H2": False, "prefetch": True}]
 seed = 0
-for m, n, k in [(1, 40, 96), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
+for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
     for odt in (torch.float32, torch.bfloat16, torch.float16):
         for cfg in configs_for(m, n, k, cpu) + extra:
             if cfg["kernel"] == "gemv" and cfg["MB"] < m or cfg["kernel"] == "gemv2" and 8 * cfg["MB"] < m:
@@ -143,8 +146,12 @@ def test_fused_configs_exact(child):
     kinds = {r["cfg"]["kernel"] for r in rows}
     assert kinds == {"gemv", "gemv2", "mma"}
     g2 = [r for r in rows if r["cfg"]["kernel"] == "gemv2"]
-    assert {r["m"] for r in g2} >= {1, 3, 17} and {r["cfg"]["PAIR"] for r in g2} == {True, False}
+    assert {r["m"] for r in g2} >= {1, 3, 17} and {r["cfg"].get("PAIR", True) for r in g2} == {True, False}
     assert any(r["cfg"]["MB"] < r["m"] for r in g2)  # several M tiles (program_id(2))
+    h2 = [r for r in g2 if r["cfg"].get("H2")]
+    assert {r["m"] for r in h2} >= {1, 3} and {bool(r["cfg"].get("prefetch")) for r in h2} == {True, False}
+    # both load paths: whole K steps (no K mask) and a partial last step
+    assert {(r["k"] // 16) % r["cfg"]["BKB"] == 0 for r in h2} == {True, False}
     assert any(r["cfg"].get("split", 1) > 1 for r in rows)  # split-K (atomics + finalize) is covered
     bad = [r for r in rows if not r["err"] <= TOL[r["out"]]]
     assert not bad, bad[:3]

@@ -42,6 +42,19 @@ def nib_hi(u):
 
 
 @triton.jit
+def store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC: tl.constexpr):
+    """Epilogue of every fused kernel: fp32 atomics into the split-K workspace (ATOMIC; finalize applies alpha), or
+    alpha in fp32 and the cast to out's dtype."""
+    omask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs, acc, mask=omask, sem="relaxed")
+    else:
+        acc = acc * tl.load(alpha_ptr)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def swz(r, c, CB):
     """Flat offset of block scale (row r, column c) in the 128x4-swizzled layout; CB = padded columns / 4."""
     return ((r // 128) * CB + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
@@ -104,14 +117,7 @@ def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, C
         b_lo, b_hi = _operands(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB, DOT_F32)
         acc = tl.dot(a_lo, tl.trans(b_lo), acc)
         acc = tl.dot(a_hi, tl.trans(b_hi), acc)
-    acc = acc * TWO_18
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + offs, acc, mask=omask, sem="relaxed")
-    else:
-        acc = acc * tl.load(alpha_ptr)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+    store_out(acc * TWO_18, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
 
 
 @triton.jit
@@ -138,13 +144,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, 
         part = tl.sum(tl.reshape(prod, (MB, BN, BKB, 8)), axis=3)
         acc += part * sb[None, :, :]
     res = tl.sum(acc, axis=2) * TWO_62
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + offs, res, mask=omask, sem="relaxed")
-    else:
-        res = res * tl.load(alpha_ptr)
-        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=omask)
+    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
 
 
 @triton.jit
@@ -213,12 +213,122 @@ def _swz_row(r, CB):
     return (r // 128) * (CB * 512) + (r % 32) * 16 + ((r % 128) // 32) * 4
 
 
+# ---- fp16x2 path of gemv2 (H2): two nibbles per 32-bit register, packed half-precision FMA ------------------------
+# A pair (nibble j, nibble j+4) of a uint32 word, placed as fp16 bits (e e m to bits 9..11, sign to bit 15, in each
+# half) is the exact fp16 pair (e2m1 * 2**-14): three integer ops (two shifts and one lop3) per two values. A is
+# decoded the same way and multiplied by 2**13, so each product is w * a * 2**-15; a 16-block gives each half-lane 8
+# products of magnitude <= 288 * 2**-15 on a 2**-17 grid, which fp16 holds exactly. The lane sums go to fp32 once per
+# block and get the two block scales there. Under the interpreter (no PTX) the same sums are formed in fp32.
+H2_UNDO = tl.constexpr(32768.0)  # 2**15
+
+
+@triton.jit
+def _pair(w, J: tl.constexpr):
+    """Nibbles J and J+4 (J = 0..3) of uint32 words as fp16x2 bits (e2m1 * 2**-14 each)."""
+    if J == 3:
+        e = w >> 3
+    else:
+        e = w << (9 - 4 * J)
+    return (e & 0x0E000E00) | ((w << (12 - 4 * J)) & 0x80008000)
+
+
+@triton.jit
+def _halves(x):
+    """fp16x2 bits -> (low half, high half) as fp32 (interpreter path)."""
+    lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _a_pair(w, J: tl.constexpr, ASM: tl.constexpr):
+    """A's pair J times 2**13: fp16x2 bits (ASM) or an (lo, hi) fp32 tuple."""
+    p = _pair(w, J)
+    if ASM:
+        return tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x70007000; mul.rn.f16x2 $0, $1, c; }",
+                                         "=r,r", [p], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        lo, hi = _halves(p)
+        return lo * 8192.0, hi * 8192.0
+
+
+@triton.jit
+def _h2_block(b_lo, b_hi, a_lo, a_hi, ASM: tl.constexpr):
+    """sum over one 16-block (uint32 words b_lo/b_hi of B, a_lo/a_hi of A) of w * a * 2**-15, exact, as fp32."""
+    a0 = _a_pair(a_lo, 0, ASM)
+    a1 = _a_pair(a_lo, 1, ASM)
+    a2 = _a_pair(a_lo, 2, ASM)
+    a3 = _a_pair(a_lo, 3, ASM)
+    a4 = _a_pair(a_hi, 0, ASM)
+    a5 = _a_pair(a_hi, 1, ASM)
+    a6 = _a_pair(a_hi, 2, ASM)
+    a7 = _a_pair(a_hi, 3, ASM)
+    if ASM:
+        acc = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [_pair(b_lo, 0), a0],
+                                        dtype=tl.uint32, is_pure=True, pack=1)
+        acc = _fma2(_pair(b_lo, 1), a1, acc)
+        acc = _fma2(_pair(b_lo, 2), a2, acc)
+        acc = _fma2(_pair(b_lo, 3), a3, acc)
+        acc = _fma2(_pair(b_hi, 0), a4, acc)
+        acc = _fma2(_pair(b_hi, 1), a5, acc)
+        acc = _fma2(_pair(b_hi, 2), a6, acc)
+        acc = _fma2(_pair(b_hi, 3), a7, acc)
+        return tl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
+            "add.f32 $0, fl, fh; }", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = _h2_term(_pair(b_lo, 0), a0)
+        s += _h2_term(_pair(b_lo, 1), a1)
+        s += _h2_term(_pair(b_lo, 2), a2)
+        s += _h2_term(_pair(b_lo, 3), a3)
+        s += _h2_term(_pair(b_hi, 0), a4)
+        s += _h2_term(_pair(b_hi, 1), a5)
+        s += _h2_term(_pair(b_hi, 2), a6)
+        s += _h2_term(_pair(b_hi, 3), a7)
+        return s
+
+
+@triton.jit
+def _fma2(x, y, acc):
+    return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [x, y, acc], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_term(p, a):
+    lo, hi = _halves(p)
+    return lo * a[0] + hi * a[1]
+
+
+@triton.jit
+def _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, KB, kb0, kb_hi, EVEN_K: tl.constexpr):
+    """Raw tiles of one K step at block kb0: B and A words (int64) and their scale bytes; all masked off (no memory
+    traffic) once kb0 >= kb_hi, which the prefetch past the last step relies on."""
+    kk = kb0 + t
+    if EVEN_K:  # a mask constant along K keeps the loads 16-byte vectors: past the end, no row is live
+        bmask = rn[:, None] < tl.where(kb0 < kb_hi, N, 0)
+        amask = rm[:, None] < tl.where(kb0 < kb_hi, M, 0)
+    else:
+        bmask = (rn[:, None] < N) & (kk[None, :] < kb_hi)
+        amask = (rm[:, None] < M) & (kk[None, :] < kb_hi)
+    xb = tl.load(b_ptr + rn[:, None].to(tl.int64) * KB + kk[None, :], mask=bmask, other=0)
+    sb = tl.load(sb_ptr + brow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=bmask, other=0)
+    xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kk[None, :], mask=amask, other=0)
+    sa = tl.load(sa_ptr + arow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=amask, other=0)
+    return xb, sb, xa, sa
+
+
 @triton.jit
 def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, blocks_per_split,
-                 MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr, ATOMIC: tl.constexpr):
+                 MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr, ATOMIC: tl.constexpr,
+                 H2: tl.constexpr = False, ASM: tl.constexpr = True, EVEN_K: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False):
     """CUDA-core GEMV over int64 words (a, b viewed as int64 [rows, K/16]; one word = one 16-block, so a [BN, BKB]
     tile loads as 16-byte vectors and its scales line up one per word). Per block: 16 exact fp32 products summed
-    exactly, one FMA with the B scale. MB == 1 stays 2-D; MB > 1 broadcasts [MB, 1, BKB] x [1, BN, BKB]."""
+    exactly, one FMA with the B scale. MB == 1 stays 2-D; MB > 1 broadcasts [MB, 1, BKB] x [1, BN, BKB].
+    H2: the products are formed two per instruction in fp16x2 (``_h2_block``), still exact; ASM=False is its
+    interpreter form. EVEN_K: every split is a whole number of BKB steps (the host checks), so no K mask.
+    PREFETCH: double-buffer the raw tiles in registers."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -236,31 +346,38 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
         acc = tl.zeros((BN, BKB), dtype=tl.float32)
     else:
         acc = tl.zeros((MB, BN, BKB), dtype=tl.float32)
+    # PREFETCH: the next K step's raw tiles are loaded before this step's math (register double buffer), so a
+    # warp keeps loads in flight while it decodes; Triton does not pipeline loads that feed no tl.dot
+    if PREFETCH:
+        nb, nsb, na, nsa = _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, KB, kb_lo,
+                                     kb_hi, EVEN_K)
     for kb0 in range(kb_lo, kb_hi, BKB):
-        kk = kb0 + t
-        bmask = (rn[:, None] < N) & (kk[None, :] < kb_hi)
-        xb = tl.load(b_ptr + rn[:, None].to(tl.int64) * KB + kk[None, :], mask=bmask, other=0)
-        sb = e4m3_to_f32(tl.load(sb_ptr + brow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=bmask, other=0))
-        amask = (rm[:, None] < M) & (kk[None, :] < kb_hi)
-        xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kk[None, :], mask=amask, other=0)
-        sa = e4m3_to_f32(tl.load(sa_ptr + arow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=amask,
-                                 other=0)) * TWO_64
+        if PREFETCH:
+            xb, sbr, xa, sar = nb, nsb, na, nsa
+            nb, nsb, na, nsa = _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, KB,
+                                         kb0 + BKB, kb_hi, EVEN_K)
+        else:
+            xb, sbr, xa, sar = _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, KB, kb0,
+                                         kb_hi, EVEN_K)
+        sb = e4m3_to_f32(sbr)
+        sa = e4m3_to_f32(sar)
         if MB > 1:
             xb = xb[None, :, :]
             sb = sb[None, :, :]
             xa = xa[:, None, :]
             sa = sa[:, None, :]
-        s = _dot8(xb.to(tl.uint32), xa.to(tl.uint32), sa, PAIR)
-        s += _dot8((xb >> 32).to(tl.uint32), (xa >> 32).to(tl.uint32), sa, PAIR)
-        acc += s * sb
+        if H2:
+            s = _h2_block(xb.to(tl.uint32), (xb >> 32).to(tl.uint32), xa.to(tl.uint32), (xa >> 32).to(tl.uint32),
+                          ASM)
+            acc += s * (sb * sa)
+        else:
+            sa = sa * TWO_64
+            s = _dot8(xb.to(tl.uint32), xa.to(tl.uint32), sa, PAIR)
+            s += _dot8((xb >> 32).to(tl.uint32), (xa >> 32).to(tl.uint32), sa, PAIR)
+            acc += s * sb
+    undo = H2_UNDO if H2 else TWO_62
     if MB == 1:
-        res = tl.sum(acc, axis=1)[None, :] * TWO_62
+        res = tl.sum(acc, axis=1)[None, :] * undo
     else:
-        res = tl.sum(acc, axis=2) * TWO_62
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + offs, res, mask=omask, sem="relaxed")
-    else:
-        res = res * tl.load(alpha_ptr)
-        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=omask)
+        res = tl.sum(acc, axis=2) * undo
+    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
