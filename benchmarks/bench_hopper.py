@@ -255,7 +255,7 @@ def run_variants(res: dict, bw: float) -> None:
 
 def sweep_configs(m: int) -> list[dict]:
     """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, register cap ``maxnreg``, register double buffer
-    ``prefetch``) at M <= 4, tensor-core variants (bf16 ``mma`` vs word-to-fp16 ``mma16``) above."""
+    ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
     g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
     out = []
     if m <= 4:
@@ -266,17 +266,9 @@ def sweep_configs(m: int) -> list[dict]:
         for bn, bkb, w, sp, h2, regs, pf in tiles:
             cfg = dict(g2, MB=mb, BN=bn, BKB=bkb, warps=w, split=sp, H2=h2, **({"maxnreg": regs} if regs else {}))
             out.append(dict(cfg, prefetch=True) if pf else cfg)
-    if m > 1:
-        bm = 16 if m <= 16 else 128
-        out.append({"kernel": "mma", "BM": bm, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1, "warps": 4,
-                    "stages": 3})
-        for bn, bkw, w, sp, join in ((64, 16, 4, 4, False), (64, 16, 4, 1, True), (64, 8, 4, 1, True),
-                                     (128, 8, 4, 1, True), (64, 8, 4, 4, True), (64, 16, 4, 4, True)):
-            out.append({"kernel": "mma16", "BM": bm, "BN": bn, "BKW": bkw, "split": sp if m <= 16 else 1,
-                        "warps": w, "stages": 3, "join": join})
-        if m > 16:
-            out.append({"kernel": "mma16", "BM": 64, "BN": 128, "BKW": 8, "split": 1, "warps": 4, "stages": 3,
-                        "join": True})
+    if m > 1:  # the tensor-core baseline (the mma16 variants of commit fe2e942 were slower and are gone)
+        out.append({"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1,
+                    "warps": 4, "stages": 3})
     return out
 
 

@@ -2,9 +2,10 @@
 
 Three kernels (``_fused.py``): ``gemv2`` (CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
 with ``H2`` the products are fp16x2 FMAs; the M <= 4 pick), ``gemv`` (the older byte-wise GEMV, M <= MB; still wins
-on some small shapes) and ``mma`` (bf16 tensor-core tiles, any M). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
-split-K through an fp32 workspace plus a finalize pass. A config is a JSON-able dict; ``configs_for`` keeps the list
-short per M so that tuning one key costs well under a few seconds on a GPU.
+on some small shapes) and ``mma`` (bf16 tensor-core tiles, any M). All take canonical operands (uint8 [rows, K/2],
+128x4-swizzled e4m3 scales) and support split-K through an fp32 workspace plus a finalize pass. A config is a
+JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
+GPU.
 """
 from __future__ import annotations
 
@@ -60,12 +61,6 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         out.append({"kernel": "mma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps,
                     "stages": stages})
 
-    def mma16(bm: int, bn: int, bkw: int, warps: int, stages: int, split: int | None = None) -> None:
-        if split is None:
-            split = _split_for(_cdiv(m, bm) * _cdiv(n, bn), kb, bkw // 2, sms)
-        out.append({"kernel": "mma16", "BM": bm, "BN": bn, "BKW": bkw, "split": split, "warps": warps,
-                    "stages": stages})
-
     def gemv2(mb: int, bn: int, bkb: int, warps: int, warps_per_sm: int = 32, split: int | None = None,
               **extra) -> None:
         # CUDA-core GEMV time is latency-bound until ~32 resident warps per SM (H200 sweep, notes_hopper.md): split K
@@ -79,9 +74,9 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             out.append(cfg)
 
     # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 4 the fp16x2 GEMV (gemv2 with H2) in one launch
-    # (split 1, small N tiles, the whole K per CTA); tensor-core tiles (mma16: words decoded to fp16; mma: the older
-    # bf16 path) above; from M ~ 128 on, triton:dequant+matmul (cuBLAS) wins. maxnreg/prefetch: the sweep's best
-    # register cap / register double buffering.
+    # (split 1, small N tiles, the whole K per CTA); bf16 tensor-core tiles of 16 rows up to M = 16; from M ~ 128
+    # on, triton:dequant+matmul (cuBLAS) wins. maxnreg/prefetch: the sweep's best register cap / register double
+    # buffering.
     h2 = {"H2": True}
     if m <= 2:
         gemv2(m, 4, 256, 4, split=1, maxnreg=64, **h2)
@@ -89,31 +84,24 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         gemv2(m, 16, 64, 4, split=1, prefetch=True, **h2)
         gemv2(m, 4, 128, 4, **h2)  # split-K sized for occupancy: short K or few N tiles
         gemv(m, 16, 32, warps=8)
-        mma16(16, 64, 16, 4, 3)
+        mma(16, 64, 8, 4, 3)
     elif m <= 4:
         gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2)
         gemv2(4, 8, 32, 2, split=1, prefetch=True, **h2)
         gemv2(4, 16, 32, 4, **h2)
-        mma16(16, 64, 16, 4, 3)
-        mma(16, 64, 8, 4, 3, split=4)
-    elif m <= 16:
-        mma16(16, 64, 16, 4, 3)
-        mma16(16, 128, 16, 4, 3)
-        mma16(16, 64, 16, 4, 3, split=4)
         mma(16, 64, 8, 4, 3)
         mma(16, 64, 8, 4, 3, split=4)
+    elif m <= 16:
+        mma(16, 64, 8, 4, 3)
+        mma(16, 64, 8, 4, 3, split=4)
+        mma(16, 128, 8, 4, 3)
     elif m <= 64:
-        mma16(32 if m <= 32 else 64, 64, 16, 4, 3)
-        mma16(64, 128, 16, 4, 3)
         mma(32 if m <= 32 else 64, 64, 8, 4, 3)
         mma(64, 128, 4, 4, 3)
     elif m <= 512:
-        mma16(128, 64, 16, 4, 3)
-        mma16(64, 128, 16, 4, 3)
         mma(128, 64, 8, 4, 3)
         mma(64, 128, 4, 4, 3)
     else:
-        mma16(128, 128, 16, 8, 3, split=1)
         mma(128, 256, 4, 8, 3, split=1)
     return out
 
@@ -124,8 +112,8 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "gemv2", "mma", "mma16"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma' or 'mma16'; got "
+    if config.get("kernel") not in ("gemv", "gemv2", "mma"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2' or 'mma'; got "
                          f"{config.get('kernel')!r}. Use a config from configs_for()")
     from . import _fused as kf
 
@@ -133,8 +121,6 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     n = b.shape[0]
     kb = k2 // 8
     cb = _cdiv(kb, 4)
-    if config["kernel"] == "mma16":
-        return _mma16(a, b, a_scale, b_scale, alpha, out, config, cb)
     bkb = int(config["BKB"])
     split = max(1, int(config.get("split", 1)))
     per = _cdiv(_cdiv(kb, split), bkb) * bkb  # K blocks per split, a whole number of K steps
@@ -165,33 +151,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         kf.mma_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, BM=bm, BN=bn, BKB=bkb,
                             GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1, DOT_F32=interpreting(),
                             num_warps=warps, num_stages=int(config.get("stages", 3)))
-    return _finalize(dst, alpha, out, split)
-
-
-def _finalize(dst: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
-    """Split-K: ``out = alpha * workspace`` (one more launch); nothing when the kernel wrote ``out`` itself."""
     if split > 1:
-        from . import _fused as kf
-
-        numel = out.numel()
+        numel = m * n
         kf.finalize_kernel[(_cdiv(numel, 1024),)](dst, alpha, out, numel, BLOCK=1024)
     return out
-
-
-def _mma16(a, b, a_scale, b_scale, alpha, out, config: dict, cb: int) -> torch.Tensor:
-    from ._mma16 import mma16_kernel
-
-    m, n, kw = a.shape[0], b.shape[0], a.shape[1] // 4
-    bkw = int(config["BKW"])
-    split = max(1, int(config.get("split", 1)))
-    per = _cdiv(_cdiv(kw, split), bkw) * bkw  # words per split, a whole number of K steps
-    split = _cdiv(kw, per)
-    dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=out.device)
-    bm, bn = int(config["BM"]), int(config["BN"])
-    # int32 views: one word = 8 nibbles of one 16-block; a misaligned view raises here, so the tuner skips it
-    mma16_kernel[(_cdiv(m, bm) * _cdiv(n, bn), split)](
-        a.view(torch.int32), b.view(torch.int32), a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, dst,
-        m, n, kw, cb, per, BM=bm, BN=bn, BKW=bkw, GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1,
-        ASM=not interpreting(), JOIN=bool(config.get("join", False)), num_warps=int(config.get("warps", DEFAULT_WARPS)),
-        num_stages=int(config.get("stages", 3)), **_launch_extras(config))
-    return _finalize(dst, alpha, out, split)
