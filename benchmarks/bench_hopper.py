@@ -5,8 +5,8 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
               inputs (fresh random inputs, NaN-poisoned out, M in {1,3,127,4096}, N and K off the block sizes),
               NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
   --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
-  --sweep     exactness of many gemv2 variants (fp32 and fp16x2 products; M in {1,3,16}), then their graph times at
-              M in {1,4,16} on the three large shapes next to mma and cuBLAS bf16; a short table last.
+  --sweep     exactness of the GEMV variants (M in {1,3,16,127}), then their graph times at M in {1,4,16,128} on the
+              three large shapes next to mma and cuBLAS bf16; a short table last (benchmarks/hopper_sweep.py).
   (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
               weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
 
@@ -253,79 +253,6 @@ def run_variants(res: dict, bw: float) -> None:
     res["variants"] = rows
 
 
-def sweep_configs(m: int) -> list[dict]:
-    """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, register cap ``maxnreg``, register double buffer
-    ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
-    g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
-    out = []
-    if m <= 4:
-        mb = 1 if m == 1 else 4
-        tiles = ([(64, 32, 4, 8, False, 0, False), (4, 256, 4, 1, True, 64, False), (4, 128, 2, 1, True, 0, True),
-                  (16, 64, 4, 1, True, 0, True)] if m == 1 else
-                 [(16, 32, 4, 1, True, 0, True), (8, 32, 2, 1, True, 0, True)])
-        for bn, bkb, w, sp, h2, regs, pf in tiles:
-            cfg = dict(g2, MB=mb, BN=bn, BKB=bkb, warps=w, split=sp, H2=h2, **({"maxnreg": regs} if regs else {}))
-            out.append(dict(cfg, prefetch=True) if pf else cfg)
-    if m > 1:  # the tensor-core baseline (the mma16 variants of commit fe2e942 were slower and are gone)
-        out.append({"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1,
-                    "warps": 4, "stages": 3})
-    return out
-
-
-def run_sweep(res: dict, bw: float) -> bool:
-    """Exactness of every sweep config (M in {1, 3, 16}, N, K off the tiles), then graph times at M in {1, 4, 16}."""
-    from fp4dispatch.kernels.fused import fused_mm
-
-    ok_all, rows, bad = True, [], set()
-    for m in (1, 3, 16, 127):
-        for cfg in sweep_configs(m):
-            # K = 2064: a partial last K step (masked); K = 4096: whole steps (EVEN_K, unmasked loads)
-            for odt, tol, k in ((torch.float32, 1e-5, 2064), (torch.float32, 1e-5, 4096)):
-                ops = rand_operands(m, 1000, k, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
-                try:
-                    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
-                    err = rel_err(ops.out, ref64(ops, m, 1000, k))
-                except Exception as e:  # noqa: BLE001
-                    err = math.inf
-                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:300]}")
-                rows.append({"m": m, "cfg": cfg, "out": str(odt), "rel_err": err})
-                if not err <= tol:
-                    ok_all = False
-                    bad.add(json.dumps(cfg, sort_keys=True))
-                    log(f"FAIL sweep m={m} {odt} {cfg}: {err:.3g}")
-    log(f"sweep check: {len(rows)} runs, {len(bad)} failing configs, worst fp32 "
-        f"{max(r['rel_err'] for r in rows if r['out'] == 'torch.float32'):.3g}")
-    table = []
-    for (n, k) in ((8192, 8192), (28672, 8192), (8192, 28672)):
-        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 4, 16, 128):
-            ops = rand_operands(m, n, k, seed=m)
-            wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = graph_ms(lambda: torch.mm(wa, wb.t())) * 1e3
-            times = []
-            for cfg in sweep_configs(m):
-                if json.dumps(cfg, sort_keys=True) in bad:
-                    continue
-                try:
-                    t = graph_ms(lambda c=cfg: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
-                                                        c))
-                except Exception as e:  # noqa: BLE001
-                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                times.append((t * 1e3, cfg))
-                log(f"  N={n} K={k} M={m} {json.dumps(cfg)} {t * 1e3:.1f} us")
-            times.sort(key=lambda x: x[0])
-            old = min((t for t, c in times if c["kernel"] == "mma" or c.get("H2") is False), default=math.nan)
-            table.append((n, k, m, t_bf16, old, times[0][0], times[0][1]))
-        del wb
-    log("| N | K | M | cuBLAS bf16 us | best old kernel us | best us | x bf16 | config |")
-    log("|---|---|---|---|---|---|---|---|")
-    for n, k, m, tb, to, tn, c in table:
-        log(f"| {n} | {k} | {m} | {tb:.1f} | {to:.1f} | {tn:.1f} | {tb / tn:.2f} | {json.dumps(c)} |")
-    res["sweep"] = {"check": rows, "table": [list(r) for r in table]}
-    return ok_all
-
-
 # ------------------------------------------------------------------------------------------------------------------
 def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
     from fp4dispatch.dispatcher import Dispatcher
@@ -335,8 +262,8 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
     cache = tempfile.mkdtemp(prefix="fp4c-bench-")
     d = Dispatcher(cache_dir=cache)
     rows = []
-    hdr = (f"| N | K | M | fp4_mm us | graph us | backend (config) | TFLOP/s | % roofline | x bf16 | cuBLAS bf16 us "
-           f"| torch dq+mm us | x torch |")
+    hdr = ("| N | K | M | fp4_mm us | graph us | backend (config) | TFLOP/s | % roofline | x bf16 | cuBLAS bf16 us "
+           "| torch dq+mm us | x torch |")
     log(hdr)
     log("|" + "---|" * 12)
     for (n, k) in shapes:
@@ -359,7 +286,6 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
 
             t_tdq = bench_ms(torch_dq, warmup=2, rep=10)
             roof_us = ((m + n) * k * 9 / 16 + 2 * m * n) / bw * 1e6
-            t_best = min(t_fp4, t_graph)
             r = {"n": n, "k": k, "m": m, "fp4_mm_us": t_fp4 * 1e3, "graph_us": t_graph * 1e3,
                  "backend": choice.backend.name, "config": choice.config, "bf16_us": t_bf16 * 1e3,
                  "torch_dq_us": t_tdq * 1e3, "roof_us": roof_us, "tune_s": tune_s}
@@ -409,7 +335,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="correctness checks (and quantize bit-identity)")
     ap.add_argument("--variants", action="store_true", help="time every fused config on a few shapes")
-    ap.add_argument("--sweep", action="store_true", help="check + time gemv2 variants at M in {1, 4, 16}")
+    ap.add_argument("--sweep", action="store_true", help="check + time GEMV variants at M in {1, 4, 16, 128}")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--quick", action="store_true", help="table on two shapes only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
@@ -434,6 +360,8 @@ def main() -> int:
         if args.variants:
             run_variants(res, bw)
         if args.sweep:
+            from hopper_sweep import run_sweep  # benchmarks/ is on sys.path when this file runs as a script
+
             ok &= run_sweep(res, bw)
             log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
         if args.table or not (args.check or args.variants or args.sweep):

@@ -25,3 +25,13 @@ def _fresh_cache(tmp_path, monkeypatch):
 def cache_dir(_fresh_cache):
     """The per-test cache directory (also in FP4DISPATCH_CACHE_DIR)."""
     return _fresh_cache
+
+
+@pytest.fixture
+def cc(monkeypatch):
+    """Make every native backend see a GPU of the given compute capability while running on CPU tensors."""
+    from fp4dispatch.backends import _native
+
+    def set_cc(value: int | None) -> None:
+        monkeypatch.setattr(_native.NativeBackend, "device_capability", lambda self, device: value)
+    return set_cc

@@ -1,0 +1,86 @@
+"""``bench_hopper.py --sweep``: GEMV variants at M <= 4 (gemv2 with fp32 or fp16x2 ``H2`` products, register cap
+``maxnreg``, register double buffer ``prefetch``, tile shape, split) next to the bf16 tensor-core ``mma``. Each variant
+is checked for exactness first (M in {1, 3, 16, 127}, N=1000, K in {2064, 4096}); then graph times at M in
+{1, 4, 16, 128} on the three large shapes, with cuBLAS bf16 graph-timed in the same run, and a short table.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from bench_hopper import graph_ms, log, rand_operands, ref64, rel_err
+
+
+def sweep_configs(m: int) -> list[dict]:
+    """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, register cap ``maxnreg``, register double buffer
+    ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
+    g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
+    out = []
+    if m <= 4:
+        mb = 1 if m == 1 else 4
+        tiles = ([(64, 32, 4, 8, False, 0, False), (4, 256, 4, 1, True, 64, False), (4, 128, 2, 1, True, 0, True),
+                  (16, 64, 4, 1, True, 0, True)] if m == 1 else
+                 [(16, 32, 4, 1, True, 0, True), (8, 32, 2, 1, True, 0, True)])
+        for bn, bkb, w, sp, h2, regs, pf in tiles:
+            cfg = dict(g2, MB=mb, BN=bn, BKB=bkb, warps=w, split=sp, H2=h2, **({"maxnreg": regs} if regs else {}))
+            out.append(dict(cfg, prefetch=True) if pf else cfg)
+    if m > 1:  # the tensor-core baseline (the mma16 variants of commit fe2e942 were slower and are gone)
+        out.append({"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1,
+                    "warps": 4, "stages": 3})
+    return out
+
+
+def run_sweep(res: dict, bw: float) -> bool:
+    """Exactness of every sweep config (M in {1, 3, 16}, N, K off the tiles), then graph times at M in {1, 4, 16}."""
+    from fp4dispatch.kernels.fused import fused_mm
+
+    ok_all, rows, bad = True, [], set()
+    for m in (1, 3, 16, 127):
+        for cfg in sweep_configs(m):
+            # K = 2064: a partial last K step (masked); K = 4096: whole steps (EVEN_K, unmasked loads)
+            for odt, tol, k in ((torch.float32, 1e-5, 2064), (torch.float32, 1e-5, 4096)):
+                ops = rand_operands(m, 1000, k, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
+                try:
+                    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+                    err = rel_err(ops.out, ref64(ops, m, 1000, k))
+                except Exception as e:  # noqa: BLE001
+                    err = math.inf
+                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                rows.append({"m": m, "cfg": cfg, "out": str(odt), "rel_err": err})
+                if not err <= tol:
+                    ok_all = False
+                    bad.add(json.dumps(cfg, sort_keys=True))
+                    log(f"FAIL sweep m={m} {odt} {cfg}: {err:.3g}")
+    log(f"sweep check: {len(rows)} runs, {len(bad)} failing configs, worst fp32 "
+        f"{max(r['rel_err'] for r in rows if r['out'] == 'torch.float32'):.3g}")
+    table = []
+    for (n, k) in ((8192, 8192), (28672, 8192), (8192, 28672)):
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in (1, 4, 16, 128):
+            ops = rand_operands(m, n, k, seed=m)
+            wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = graph_ms(lambda: torch.mm(wa, wb.t())) * 1e3
+            times = []
+            for cfg in sweep_configs(m):
+                if json.dumps(cfg, sort_keys=True) in bad:
+                    continue
+                try:
+                    t = graph_ms(lambda c=cfg: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
+                                                        c))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                times.append((t * 1e3, cfg))
+                log(f"  N={n} K={k} M={m} {json.dumps(cfg)} {t * 1e3:.1f} us")
+            times.sort(key=lambda x: x[0])
+            old = min((t for t, c in times if c["kernel"] == "mma" or c.get("H2") is False), default=math.nan)
+            table.append((n, k, m, t_bf16, old, times[0][0], times[0][1]))
+        del wb
+    log("| N | K | M | cuBLAS bf16 us | best old kernel us | best us | x bf16 | config |")
+    log("|---|---|---|---|---|---|---|---|")
+    for n, k, m, tb, to, tn, c in table:
+        log(f"| {n} | {k} | {m} | {tb:.1f} | {to:.1f} | {tn:.1f} | {tb / tn:.2f} | {json.dumps(c)} |")
+    res["sweep"] = {"check": rows, "table": [list(r) for r in table]}
+    return ok_all
