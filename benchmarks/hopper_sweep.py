@@ -1,5 +1,6 @@
-"""``bench_hopper.py --sweep``: GEMV variants at M <= 4 (gemv2 with fp32 or fp16x2 ``H2`` products, register cap
-``maxnreg``, register double buffer ``prefetch``, tile shape, split) next to the bf16 tensor-core ``mma``. Each variant
+"""``bench_hopper.py --sweep``: GEMV variants at M <= 4 (gemv2 with fp32 or fp16x2 ``H2`` products, decoded by bit
+placement or through e4m3 bytes and the hardware cvt (``CVT``), register cap ``maxnreg``, register double buffer
+``prefetch``, tile shape, split) next to the bf16 tensor-core ``mma``. Each variant
 is checked for exactness first (M in {1, 3, 16, 127}, N=1000, K in {2064, 4096}); then graph times at M in
 {1, 4, 16, 128} on the three large shapes, with cuBLAS bf16 graph-timed in the same run, and a short table.
 """
@@ -26,6 +27,8 @@ def sweep_configs(m: int) -> list[dict]:
         for bn, bkb, w, sp, h2, regs, pf in tiles:
             cfg = dict(g2, MB=mb, BN=bn, BKB=bkb, warps=w, split=sp, H2=h2, **({"maxnreg": regs} if regs else {}))
             out.append(dict(cfg, prefetch=True) if pf else cfg)
+            if h2:  # the same tile decoding through e4m3 bytes and the hardware cvt
+                out.append(dict(out[-1], CVT=True))
     if m > 1:  # the tensor-core baseline (the mma16 variants of commit fe2e942 were slower and are gone)
         out.append({"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1,
                     "warps": 4, "stages": 3})

@@ -228,3 +228,18 @@ def test_dequant_backend_configs():
     assert b.configs(Problem(4, 8, 16, torch.bfloat16, cpu)) == [{"alpha": "fold"}, {"alpha": "epilogue"}]
     assert b.configs(Problem(4, 8, 16, torch.float32, cpu)) == [{"alpha": "epilogue"}]
     assert TritonDequantBackend(cache_weight=True).name == "triton:dequant+matmul(cached)"
+
+
+@pytest.mark.parametrize("cap, want", [((9, 0), True), ((8, 9), True), ((8, 0), False)])
+def test_cvt_configs_only_where_the_instruction_exists(monkeypatch, cap, want):
+    from fp4dispatch.kernels import fused
+
+    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for m in (1, 3):
+        cfgs = fused.configs_for(m, 8192, 8192, torch.device("cuda", 0))
+        assert any(c.get("CVT") for c in cfgs) is want
+        assert not cfgs[0].get("CVT")  # the untuned default never needs SM89
+        assert len(cfgs) <= 7
+    assert not any(c.get("CVT") for c in fused.configs_for(1, 8192, 8192, torch.device("cpu")))

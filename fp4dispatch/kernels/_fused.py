@@ -273,9 +273,7 @@ def _h2_block(b_lo, b_hi, a_lo, a_hi, ASM: tl.constexpr):
         acc = _fma2(_pair(b_hi, 1), a5, acc)
         acc = _fma2(_pair(b_hi, 2), a6, acc)
         acc = _fma2(_pair(b_hi, 3), a7, acc)
-        return tl.inline_asm_elementwise(
-            "{ .reg .f16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
-            "add.f32 $0, fl, fh; }", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+        return _h2_sum(acc)
     else:
         s = _h2_term(_pair(b_lo, 0), a0)
         s += _h2_term(_pair(b_lo, 1), a1)
@@ -286,6 +284,52 @@ def _h2_block(b_lo, b_hi, a_lo, a_hi, ASM: tl.constexpr):
         s += _h2_term(_pair(b_hi, 2), a6)
         s += _h2_term(_pair(b_hi, 3), a7)
         return s
+
+
+# CVT: a word's nibbles become e4m3 bytes (s 0 0 e e m 0 0 = e2m1 * 2**-6) with one shift and two lop3 per 4 values,
+# and cvt.rn.f16x2.e4m3x2 (SM89+) turns two bytes into an fp16 pair. A and B use the same lane order, products are
+# w * a * 2**-12, and a 16-block's half-lane sums (8 products, grid 2**-14, below 2**-3) are exact in fp16.
+H2_UNDO_CVT = tl.constexpr(4096.0)  # 2**12
+_CVT_PTX = tl.constexpr(
+    "{ .reg .b32 x, y, t; .reg .b16 x0, x1, y0, y1; "
+    "shr.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 x, $4, 0x80808080; or.b32 x, x, t; "
+    "shl.b32 t, $4, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 y, $4, 4; and.b32 y, y, 0x80808080; or.b32 y, y, t; "
+    "mov.b32 {x0, x1}, x; mov.b32 {y0, y1}, y; "
+    "cvt.rn.f16x2.e4m3x2 $0, y0; cvt.rn.f16x2.e4m3x2 $1, x0; cvt.rn.f16x2.e4m3x2 $2, y1; "
+    "cvt.rn.f16x2.e4m3x2 $3, x1; }")
+
+
+@triton.jit
+def _cvt4(w):
+    """uint32 words -> 4 fp16x2 (bits) holding the 8 nibbles * 2**-6."""
+    return tl.inline_asm_elementwise(_CVT_PTX, "=r,=r,=r,=r,r", [w], dtype=(tl.uint32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _h2_block_cvt(b_lo, b_hi, a_lo, a_hi):
+    """sum over one 16-block of w * a * 2**-12, exact, as fp32 (GPU only: inline PTX, SM89+)."""
+    a0, a1, a2, a3 = _cvt4(a_lo)
+    a4, a5, a6, a7 = _cvt4(a_hi)
+    b0, b1, b2, b3 = _cvt4(b_lo)
+    b4, b5, b6, b7 = _cvt4(b_hi)
+    acc = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [b0, a0], dtype=tl.uint32, is_pure=True,
+                                    pack=1)
+    acc = _fma2(b1, a1, acc)
+    acc = _fma2(b2, a2, acc)
+    acc = _fma2(b3, a3, acc)
+    acc = _fma2(b4, a4, acc)
+    acc = _fma2(b5, a5, acc)
+    acc = _fma2(b6, a6, acc)
+    acc = _fma2(b7, a7, acc)
+    return _h2_sum(acc)
+
+
+@triton.jit
+def _h2_sum(acc):
+    """fp16x2 bits -> low + high as fp32 (exact for the sums formed here)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f16 l, h; .reg .f32 fl, fh; mov.b32 {l, h}, $1; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; "
+        "add.f32 $0, fl, fh; }", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -322,13 +366,14 @@ def _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, K
 def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, blocks_per_split,
                  MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr, ATOMIC: tl.constexpr,
                  H2: tl.constexpr = False, ASM: tl.constexpr = True, EVEN_K: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):
+                 PREFETCH: tl.constexpr = False, CVT: tl.constexpr = False):
     """CUDA-core GEMV over int64 words (a, b viewed as int64 [rows, K/16]; one word = one 16-block, so a [BN, BKB]
     tile loads as 16-byte vectors and its scales line up one per word). Per block: 16 exact fp32 products summed
     exactly, one FMA with the B scale. MB == 1 stays 2-D; MB > 1 broadcasts [MB, 1, BKB] x [1, BN, BKB].
     H2: the products are formed two per instruction in fp16x2 (``_h2_block``), still exact; ASM=False is its
     interpreter form. EVEN_K: every split is a whole number of BKB steps (the host checks), so no K mask.
-    PREFETCH: double-buffer the raw tiles in registers."""
+    PREFETCH: double-buffer the raw tiles in registers. CVT (with H2, on SM89+): decode through e4m3 bytes and the
+    hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -366,7 +411,10 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
             sb = sb[None, :, :]
             xa = xa[:, None, :]
             sa = sa[:, None, :]
-        if H2:
+        if H2 and CVT and ASM:
+            s = _h2_block_cvt(xb.to(tl.uint32), (xb >> 32).to(tl.uint32), xa.to(tl.uint32), (xa >> 32).to(tl.uint32))
+            acc += s * (sb * sa)
+        elif H2:
             s = _h2_block(xb.to(tl.uint32), (xb >> 32).to(tl.uint32), xa.to(tl.uint32), (xa >> 32).to(tl.uint32),
                           ASM)
             acc += s * (sb * sa)
@@ -375,7 +423,12 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
             s = _dot8(xb.to(tl.uint32), xa.to(tl.uint32), sa, PAIR)
             s += _dot8((xb >> 32).to(tl.uint32), (xa >> 32).to(tl.uint32), sa, PAIR)
             acc += s * sb
-    undo = H2_UNDO if H2 else TWO_62
+    if H2 and CVT and ASM:
+        undo = H2_UNDO_CVT
+    elif H2:
+        undo = H2_UNDO
+    else:
+        undo = TWO_62
     if MB == 1:
         res = tl.sum(acc, axis=1)[None, :] * undo
     else:

@@ -45,6 +45,14 @@ def _launch_extras(config: dict) -> dict:
     return {"maxnreg": int(config["maxnreg"])} if "maxnreg" in config and not interpreting() else {}
 
 
+def _has_fp8_cvt(device: torch.device) -> bool:
+    """cvt.rn.f16x2.e4m3x2 exists on SM89+ (Ada, Hopper, Blackwell); not on Ampere, not in the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx) >= (8, 9)
+
+
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     """Candidate configs for one problem, best guess first (the first is also the untuned default)."""
     kb = k // 16
@@ -78,15 +86,21 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     # on, triton:dequant+matmul (cuBLAS) wins. maxnreg/prefetch: the sweep's best register cap / register double
     # buffering.
     h2 = {"H2": True}
+    # CVT decodes through the e4m3x2 -> f16x2 conversion instruction (SM89+): 2-5 % faster on the H200
+    cvt = [{"CVT": True}] if _has_fp8_cvt(device) else []
     if m <= 2:
         gemv2(m, 4, 256, 4, split=1, maxnreg=64, **h2)
         gemv2(m, 4, 128, 2, split=1, prefetch=True, **h2)
+        for extra in cvt:
+            gemv2(m, 4, 128, 2, split=1, prefetch=True, **h2, **extra)
         gemv2(m, 16, 64, 4, split=1, prefetch=True, **h2)
         gemv2(m, 4, 128, 4, **h2)  # split-K sized for occupancy: short K or few N tiles
         gemv(m, 16, 32, warps=8)
         mma(16, 64, 8, 4, 3)
     elif m <= 4:
         gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2)
+        for extra in cvt:
+            gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2, **extra)
         gemv2(4, 8, 32, 2, split=1, prefetch=True, **h2)
         gemv2(4, 16, 32, 4, **h2)
         mma(16, 64, 8, 4, 3)
@@ -138,7 +152,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
                               MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), ATOMIC=split > 1,
                               H2=bool(config.get("H2", False)), ASM=not interpreting(), EVEN_K=kb % bkb == 0,
-                              PREFETCH=bool(config.get("prefetch", False)),
+                              PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
                               num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config))
     elif config["kernel"] == "gemv":
         bn = int(config["BN"])
