@@ -2,8 +2,8 @@
 quantize. Every module imports Triton lazily, so ``import fp4dispatch`` never needs it.
 
 ``_fused.py`` (with ``_h2.py``) / ``_dequant.py`` hold only ``@triton.jit`` code; ``fused.py`` / ``dequant.py`` /
-``quantize.py`` are the host wrappers. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter), which is how
-CI tests them.
+``quantize.py`` are the host wrappers. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's
+interpreter), which is how CI tests them.
 """
 from __future__ import annotations
 

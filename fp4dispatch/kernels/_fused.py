@@ -282,12 +282,13 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
             sb = sb[None, :, :]
             xa = xa[:, None, :]
             sa = sa[:, None, :]
-        if H2 and CVT and ASM:
-            s = h2_block_cvt(xb.to(tl.uint32), (xb >> 32).to(tl.uint32), xa.to(tl.uint32), (xa >> 32).to(tl.uint32))
-            acc += s * (sb * sa)
-        elif H2:
-            s = h2_block(xb.to(tl.uint32), (xb >> 32).to(tl.uint32), xa.to(tl.uint32), (xa >> 32).to(tl.uint32),
-                          ASM)
+        if H2:
+            b_lo, b_hi = xb.to(tl.uint32), (xb >> 32).to(tl.uint32)
+            a_lo, a_hi = xa.to(tl.uint32), (xa >> 32).to(tl.uint32)
+            if CVT and ASM:
+                s = h2_block_cvt(b_lo, b_hi, a_lo, a_hi)
+            else:
+                s = h2_block(b_lo, b_hi, a_lo, a_hi, ASM)
             acc += s * (sb * sa)
         else:
             sa = sa * TWO_64
