@@ -1,0 +1,148 @@
+"""Guard mode (CPU, fake backends): a backend that turns finite inputs into NaN/Inf output is caught, blacklisted for
+that key and the call recomputed; the check cadence (FP4DISPATCH_GUARD_EVERY) and its errors."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fp4dispatch
+from fp4dispatch import guard as guard_mod
+from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
+from fp4dispatch.config import read_settings
+from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.errors import InvalidInputError, NoUsableBackendError
+from fp4dispatch.guard import Guard, nonfinite_from_finite
+from fp4dispatch.problem import Operands, Problem
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+CPU = torch.device("cpu")
+
+
+def _guarded(tmp_path, *backends):
+    return Dispatcher(list(backends), cache_dir=tmp_path / "c", do_bench=fake_do_bench, guard=True)
+
+
+def _call(d, m, seed=0):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(m, 64, 128, seed=seed)
+    y = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+    ref = reference_mm(Problem(m, 64, 128, torch.float32, CPU), Operands(a, b, sa, sb, alpha, y))
+    return y, ref
+
+
+def test_guard_every_call_blacklists_and_recomputes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    good = FakeBackend("good", cost=1e-5)
+    d = _guarded(tmp_path, bad, good)
+    assert d.guard.every == 1
+    y, ref = _call(d, 6)  # tunes the M<=8 bucket at M=6, where "bad" is right and fastest
+    torch.testing.assert_close(y, ref)
+    assert d.choose(Problem(6, 64, 128, torch.float32, CPU)).backend.name == "bad"
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        y, ref = _call(d, 5, seed=1)  # same bucket; "bad" writes NaN rows here
+    torch.testing.assert_close(y, ref)  # recomputed with the next best
+    assert "bad returned non-finite values from finite inputs" in caplog.text
+    assert d.choose(Problem(5, 64, 128, torch.float32, CPU)).backend.name == "good"
+    banned = d.cache_for(CPU).shape_blacklist["m8-n64-k128-float32"]
+    assert "non-finite output from finite inputs" in banned["bad"]
+    calls = bad.calls
+    y, ref = _call(d, 5, seed=2)
+    torch.testing.assert_close(y, ref)
+    assert bad.calls == calls
+
+
+def test_guard_checks_every_n_calls_without_sync_in_between(tmp_path, monkeypatch):
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    d = _guarded(tmp_path, bad, FakeBackend("good", cost=1e-5))
+    d.guard = Guard(every=4)
+    checks = []
+    real = Guard._check
+    monkeypatch.setattr(Guard, "_check", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    _call(d, 6)
+    outs = [_call(d, 5, seed=i)[0] for i in range(2)]
+    assert checks == []  # calls 1-3: flags accumulate on the device, nobody reads them
+    assert all(bool(torch.isnan(o).any()) for o in outs)  # the documented lag: bad outputs until the check
+    y, ref = _call(d, 5, seed=9)  # call 4: check, blacklist, recompute
+    assert checks == [1]
+    torch.testing.assert_close(y, ref)
+    assert d.choose(Problem(5, 64, 128, torch.float32, CPU)).backend.name == "good"
+
+
+def test_guard_check_on_demand_and_default_dispatcher_from_env(monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_GUARD", "1")
+    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    fp4dispatch.set_dispatcher(Dispatcher([bad, FakeBackend("good", cost=1e-5)], do_bench=fake_do_bench))
+    d = fp4dispatch.get_dispatcher()
+    assert isinstance(d.guard, Guard) and d.guard.every == guard_mod.DEFAULT_EVERY
+    _call(d, 6)
+    y, _ = _call(d, 5)
+    assert bool(torch.isnan(y).any())
+    found = guard_mod.check()
+    assert found == [guard_mod.Finding("m8-n64-k128-float32", "bad", "good")]
+    y, ref = _call(d, 5, seed=3)
+    torch.testing.assert_close(y, ref)
+    assert guard_mod.check() == []
+
+
+def test_guard_ignores_non_finite_inputs(tmp_path):
+    d = _guarded(tmp_path, FakeBackend("ok"), ReferenceBackend())
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 64, 128)
+    sa = sa.clone()
+    sa[0, 0] = float("nan")  # a NaN block scale makes NaN outputs legitimately
+    y = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+    assert bool(torch.isnan(y).any())
+    assert d.guard.check(d) == []
+    assert d.cache_for(CPU).shape_blacklist == {}
+
+
+def test_guard_without_fallback_redecides_then_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    d = _guarded(tmp_path, FakeBackend("bad", nan_rows_for_m=(5,)))
+    _call(d, 6)
+    with pytest.raises(NoUsableBackendError, match=r"bad: .*non-finite output from finite inputs"):
+        _call(d, 5)
+
+
+@pytest.mark.parametrize("dtype, value, flagged", [
+    pytest.param(torch.bfloat16, float("nan"), True, id="bf16-nan"),
+    pytest.param(torch.bfloat16, float("inf"), True, id="bf16-inf"),
+    pytest.param(torch.float32, float("-inf"), True, id="fp32-ninf"),
+    pytest.param(torch.float16, float("inf"), False, id="fp16-inf-is-overflow"),
+    pytest.param(torch.float16, float("nan"), True, id="fp16-nan"),
+    pytest.param(torch.float32, 3.0, False, id="finite"),
+])
+def test_nonfinite_from_finite(dtype, value, flagged):
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 32, 64)
+    out = torch.ones((4, 32), dtype=dtype)
+    out[2, 3] = value
+    assert bool(nonfinite_from_finite(Operands(a, b, sa, sb, alpha, out), dtype)) is flagged
+    bad_alpha = torch.tensor([float("inf")])
+    assert not bool(nonfinite_from_finite(Operands(a, b, sa, sb, bad_alpha, out), dtype))
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3"])
+def test_guard_every_env_errors(monkeypatch, value):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", value)
+    with pytest.raises(InvalidInputError, match=rf"FP4DISPATCH_GUARD_EVERY must be a positive integer .*got "
+                                                rf"'{value}'\. Unset it for the default 64"):
+        read_settings()
+
+
+def test_guard_every_arg_error():
+    with pytest.raises(InvalidInputError, match=r"Guard: every must be a positive int .*got 0"):
+        Guard(every=0)
+
+
+def test_guard_check_refuses_during_capture(monkeypatch, tmp_path):
+    d = _guarded(tmp_path, ReferenceBackend())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(InvalidInputError, match=r"cannot run during CUDA graph capture .*between replays"):
+        guard_mod.check(d)
+
+
+def test_guard_check_is_empty_when_guard_is_off(tmp_path):
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    assert d.guard is None and guard_mod.check(d) == []
