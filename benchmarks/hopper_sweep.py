@@ -15,8 +15,8 @@ from bench_hopper import graph_ms, log, rand_operands, ref64, rel_err
 
 
 def sweep_configs(m: int) -> list[dict]:
-    """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, register cap ``maxnreg``, register double buffer
-    ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
+    """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, ``CVT`` decode, register cap ``maxnreg``, register double
+    buffer ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
     g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
     out = []
     if m <= 4:
@@ -36,7 +36,8 @@ def sweep_configs(m: int) -> list[dict]:
 
 
 def run_sweep(res: dict, bw: float) -> bool:
-    """Exactness of every sweep config (M in {1, 3, 16}, N, K off the tiles), then graph times at M in {1, 4, 16}."""
+    """Exactness of every sweep config (M in {1, 3, 16, 127}, N=1000, K in {2064, 4096}), then graph times at M in
+    {1, 4, 16, 128}."""
     from fp4dispatch.kernels.fused import fused_mm
 
     ok_all, rows, bad = True, [], set()

@@ -9,6 +9,8 @@ GPU.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import interpreting
@@ -40,14 +42,21 @@ def _split_for(ctas: int, kb: int, bkb: int, sms: int) -> int:
     return max(1, min(want, kb // (4 * bkb)))
 
 
+@functools.cache
+def _interpreted() -> bool:
+    # Triton fixes interpret-or-compile when the @triton.jit functions are defined, so the environment is read once
+    # here instead of on every call (fused_mm runs per layer, per token)
+    return interpreting()
+
+
 def _launch_extras(config: dict) -> dict:
     # maxnreg caps registers per thread (more resident warps); the interpreter has no such launch option
-    return {"maxnreg": int(config["maxnreg"])} if "maxnreg" in config and not interpreting() else {}
+    return {"maxnreg": int(config["maxnreg"])} if "maxnreg" in config and not _interpreted() else {}
 
 
 def _has_fp8_cvt(device: torch.device) -> bool:
     """cvt.rn.f16x2.e4m3x2 exists on SM89+ (Ada, Hopper, Blackwell); not on Ampere, not in the interpreter."""
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda" or _interpreted():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx) >= (8, 9)
@@ -151,7 +160,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
         kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
                               MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), ATOMIC=split > 1,
-                              H2=bool(config.get("H2", False)), ASM=not interpreting(), EVEN_K=kb % bkb == 0,
+                              H2=bool(config.get("H2", False)), ASM=not _interpreted(), EVEN_K=kb % bkb == 0,
                               PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
                               num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config))
     elif config["kernel"] == "gemv":
@@ -163,7 +172,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         bm, bn = int(config["BM"]), int(config["BN"])
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
         kf.mma_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, BM=bm, BN=bn, BKB=bkb,
-                            GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1, DOT_F32=interpreting(),
+                            GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1, DOT_F32=_interpreted(),
                             num_warps=warps, num_stages=int(config.get("stages", 3)))
     if split > 1:
         numel = m * n
