@@ -13,10 +13,6 @@ import types
 
 import torch
 
-from fp4dispatch.backends.reference import reference_mm
-from fp4dispatch.problem import Problem
-from fp4dispatch.testing import make_operands
-
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 # mm_fp4's @supported_compute_capability per backend (FlashInfer 0.7.4, notes/flashinfer.md section 2)
@@ -268,17 +264,3 @@ def fake_f_scaled_mm(calls: list):
 
     return scaled_mm
 
-
-# -- helpers shared by the native-backend test files ------------------------------------------------------------
-def run_backend(backend, m, n, k, out_dtype, seed=0):
-    """Run ``backend`` (its first config) on fresh CPU operands; returns (problem, ops, reference output)."""
-    problem = Problem(m, n, k, out_dtype, torch.device("cpu"))
-    ops = make_operands(problem, seed=seed)
-    assert backend.unsupported(problem) is None
-    backend.run(problem, ops, backend.configs(problem)[0])
-    return problem, ops, reference_mm(problem, ops)
-
-
-def assert_equals_reference(ops, ref, rtol=0.0):
-    expected = ref.to(ops.out.dtype).float()
-    torch.testing.assert_close(ops.out.float(), expected, rtol=rtol, atol=rtol * float(expected.abs().max()))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import _native_fakes as fakes
+import _native_helpers as helpers
 from fp4dispatch.backends.flashinfer import BACKENDS, FlashInferBackend, backends as flashinfer_backends
 from fp4dispatch.backends.flashinfer_trtllm import FlashInferTrtllmBackend
 from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
@@ -63,12 +64,12 @@ def test_flashinfer_adapter_matches_reference(cc, flashinfer, name, cap, m, n, k
     fi = flashinfer(cap)
     b = _backend(name)
     assert b.unavailable(torch.device("cuda", 0)) is None
-    _, ops, ref = fakes.run_backend(b, m, n, k, dt)
-    fakes.assert_equals_reference(ops, ref)
+    _, ops, ref = helpers.run_backend(b, m, n, k, dt)
+    helpers.assert_equals_reference(ops, ref)
     assert fi.mm_fp4.calls == [{"backend": name, "skip_check": False}]
     b.run(Problem(m, n, k, dt, CPU), ops, {})  # same shape class: FlashInfer's checks are skipped the second time
     assert fi.mm_fp4.calls[-1] == {"backend": name, "skip_check": True}
-    fakes.assert_equals_reference(ops, ref)
+    helpers.assert_equals_reference(ops, ref)
 
 
 @pytest.mark.parametrize("name", ["cutlass", "cutedsl_low_latency", "trtllm", "cake"])
@@ -261,17 +262,17 @@ def test_trtllm_prepares_each_weight_once_and_notices_changes(cc, flashinfer):
     for _ in range(3):
         b.run(problem, ops, {})
     assert (b.prepared.misses, b.prepared.hits, len(b.prepared)) == (1, 2, 1)
-    fakes.assert_equals_reference(ops, reference_mm(problem, ops))
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops))
 
     ops.b[:7] ^= 0x11  # in-place change of the weight: the version counter moves
     b.run(problem, ops, {})
     assert b.prepared.misses == 2
-    fakes.assert_equals_reference(ops, reference_mm(problem, ops))
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops))
 
     ops.b_scale.view(torch.uint8)[0, :4] = 0x38  # the scale alone changes (1.0 in e4m3)
     b.run(problem, ops, {})
     assert b.prepared.misses == 3
-    fakes.assert_equals_reference(ops, reference_mm(problem, ops))
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops))
 
 
 def test_trtllm_cache_is_bounded_and_drops_freed_weights(cc, flashinfer, caplog):
@@ -282,7 +283,7 @@ def test_trtllm_cache_is_bounded_and_drops_freed_weights(cc, flashinfer, caplog)
     weights = [make_operands(problem, seed=s) for s in range(3)]
     for ops in weights:
         b.run(problem, ops, {})
-        fakes.assert_equals_reference(ops, reference_mm(problem, ops))
+        helpers.assert_equals_reference(ops, reference_mm(problem, ops))
     assert len(b.prepared) == 2
     with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
         b.run(problem, weights[0], {})  # evicted earlier: the working set is larger than the cache

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import _native_fakes as fakes
+import _native_helpers as helpers
 from fp4dispatch.backends import names
 from fp4dispatch.backends.flashinfer import BACKENDS
 from fp4dispatch.backends.reference import reference_mm
@@ -32,8 +33,8 @@ def test_sgl_kernel_adapter_matches_reference(cc, monkeypatch, cap, dt):
     monkeypatch.setitem(sys.modules, "sgl_kernel", sk)
     b = SglKernelBackend()
     assert b.unavailable(torch.device("cuda", 0)) is None
-    _, ops, ref = fakes.run_backend(b, 130, 96, 160, dt)
-    fakes.assert_equals_reference(ops, ref)
+    _, ops, ref = helpers.run_backend(b, 130, 96, 160, dt)
+    helpers.assert_equals_reference(ops, ref)
     assert sk.calls == [dt]
 
 
@@ -110,7 +111,7 @@ def test_torch_scaled_mm_adapter_matches_reference(cc, scaled_mm_fakes, api, dt)
     ops = make_operands(problem, seed=2)
     b.run(problem, ops, {"api": api})
     # _scaled_mm rounds the unscaled product to bf16 before alpha: one extra bf16 rounding
-    fakes.assert_equals_reference(ops, reference_mm(problem, ops), rtol=0 if api == "scaled_mm_v2" else 2 ** -7)
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops), rtol=0 if api == "scaled_mm_v2" else 2 ** -7)
     assert scaled_mm_fakes == [api]
 
 
