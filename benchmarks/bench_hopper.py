@@ -5,8 +5,9 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
               inputs (fresh random inputs, NaN-poisoned out, M in {1,3,127,4096}, N and K off the block sizes),
               NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
   --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
-  --sweep     exactness of the GEMV variants (M in {1,3,16,127}), then their graph times at M in {1,4,16,128} on the
-              three large shapes next to mma and cuBLAS bf16; a short table last (benchmarks/hopper_sweep.py).
+  --sweep     exactness of the GEMV, mma and wmma variants (M in {1,3,16,127}), then their graph times at M in
+              --sweep-ms (default 1,4,16,128) on the three large shapes next to cuBLAS bf16; a short table last
+              (benchmarks/hopper_sweep.py). --sweep-kernels picks the families (default gemv2,mma,wmma).
   (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
               weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
 
@@ -336,6 +337,8 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="correctness checks (and quantize bit-identity)")
     ap.add_argument("--variants", action="store_true", help="time every fused config on a few shapes")
     ap.add_argument("--sweep", action="store_true", help="check + time GEMV variants at M in {1, 4, 16, 128}")
+    ap.add_argument("--sweep-kernels", default="gemv2,mma,wmma", help="kernel families in --sweep (comma list)")
+    ap.add_argument("--sweep-ms", default="1,4,16,128", help="M values timed in --sweep (comma list)")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--quick", action="store_true", help="table on two shapes only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
@@ -362,7 +365,8 @@ def main() -> int:
         if args.sweep:
             from hopper_sweep import run_sweep  # benchmarks/ is on sys.path when this file runs as a script
 
-            ok &= run_sweep(res, bw)
+            ok &= run_sweep(res, bw, tuple(args.sweep_kernels.split(",")),
+                            tuple(int(x) for x in args.sweep_ms.split(",")))
             log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
         if args.table or not (args.check or args.variants or args.sweep):
             shapes = SHAPES[:2] if args.quick else SHAPES

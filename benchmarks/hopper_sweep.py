@@ -1,8 +1,9 @@
 """``bench_hopper.py --sweep``: GEMV variants at M <= 4 (gemv2 with fp32 or fp16x2 ``H2`` products, decoded by bit
 placement or through e4m3 bytes and the hardware cvt (``CVT``), register cap ``maxnreg``, register double buffer
-``prefetch``, tile shape, split) next to the bf16 tensor-core ``mma``. Each variant
-is checked for exactness first (M in {1, 3, 16, 127}, N=1000, K in {2064, 4096}); then graph times at M in
-{1, 4, 16, 128} on the three large shapes, with cuBLAS bf16 graph-timed in the same run, and a short table.
+``prefetch``, tile shape, split) next to the bf16 tensor-core ``mma`` and the swapped-operand tensor-core ``wmma``
+(tile, K step, warps, stages, split). Each variant is checked for exactness first (M in {1, 3, 16, 127}, N=1000,
+K in {2064, 4096}); then graph times at M in {1, 4, 16, 128} (``--sweep-ms``) on the three large shapes, with cuBLAS
+bf16 graph-timed in the same run, and a short table. ``--sweep-kernels`` limits the kernel families.
 """
 from __future__ import annotations
 
@@ -14,12 +15,30 @@ import torch
 from bench_hopper import graph_ms, log, rand_operands, ref64, rel_err
 
 
-def sweep_configs(m: int) -> list[dict]:
+def _wmma_configs(m: int) -> list[dict]:
+    """Swapped-operand tensor-core tiles: (BM, BN, BKB, warps, stages, split, APRE) by M."""
+    if m <= 16:
+        tiles = [(16, 64, 16, 4, 3, 2, 1), (16, 64, 16, 4, 3, 4, 1), (16, 64, 16, 4, 3, 8, 1), (16, 64, 16, 4, 4, 4, 1),
+                 (16, 64, 32, 4, 3, 4, 1), (16, 64, 8, 4, 3, 4, 1), (16, 128, 16, 8, 3, 4, 1), (16, 64, 8, 4, 4, 4, 0)]
+    elif m <= 64:
+        bm = 32 if m <= 32 else 64
+        tiles = [(bm, 64, 16, 4, 3, 4, 1), (bm, 64, 8, 4, 4, 4, 1), (bm, 128, 8, 8, 4, 2, 1), (bm, 64, 16, 4, 3, 2, 1)]
+    elif m <= 256:
+        tiles = [(128, 128, 8, 8, 4, 2, 1), (128, 128, 8, 8, 4, 3, 1), (128, 128, 8, 8, 4, 4, 1),
+                 (128, 64, 8, 4, 4, 4, 1), (64, 128, 8, 8, 4, 2, 1), (128, 128, 8, 8, 3, 2, 1)]
+    else:
+        tiles = [(128, 128, 8, 8, 3, 1, 1), (256, 128, 4, 8, 3, 1, 1), (128, 128, 4, 8, 4, 1, 1),
+                 (128, 256, 4, 8, 3, 1, 1), (256, 128, 8, 8, 3, 1, 1)]
+    return [{"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "warps": w, "stages": st, "split": sp,
+             **({"APRE": True} if pre else {})} for bm, bn, bkb, w, st, sp, pre in tiles]
+
+
+def sweep_configs(m: int, kernels: tuple[str, ...] = ("gemv2", "mma", "wmma")) -> list[dict]:
     """GEMV variants (gemv2: fp32 vs fp16x2 ``H2`` products, ``CVT`` decode, register cap ``maxnreg``, register double
-    buffer ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma``."""
+    buffer ``prefetch``) at M <= 4, next to the bf16 tensor-core ``mma`` and the swapped-operand ``wmma``."""
     g2 = {"kernel": "gemv2", "stages": 3, "PAIR": True}
     out = []
-    if m <= 4:
+    if m <= 4 and "gemv2" in kernels:
         mb = 1 if m == 1 else 4
         tiles = ([(64, 32, 4, 8, False, 0, False), (4, 256, 4, 1, True, 64, False), (4, 128, 2, 1, True, 0, True),
                   (16, 64, 4, 1, True, 0, True)] if m == 1 else
@@ -29,20 +48,24 @@ def sweep_configs(m: int) -> list[dict]:
             out.append(dict(cfg, prefetch=True) if pf else cfg)
             if h2:  # the same tile decoding through e4m3 bytes and the hardware cvt
                 out.append(dict(out[-1], CVT=True))
-    if m > 1:  # the tensor-core baseline (the mma16 variants of commit fe2e942 were slower and are gone)
+    if m > 1 and "mma" in kernels:  # the older tensor-core kernel (mma16 of commit fe2e942 was slower, gone)
         out.append({"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4 if m <= 16 else 1,
                     "warps": 4, "stages": 3})
+    if "wmma" in kernels:
+        out += _wmma_configs(m)
     return out
 
 
-def run_sweep(res: dict, bw: float) -> bool:
+def run_sweep(res: dict, bw: float, kernels: tuple[str, ...] = ("gemv2", "mma", "wmma"),
+              ms: tuple[int, ...] = (1, 4, 16, 128)) -> bool:
     """Exactness of every sweep config (M in {1, 3, 16, 127}, N=1000, K in {2064, 4096}), then graph times at M in
-    {1, 4, 16, 128}."""
+    ``ms``."""
     from fp4dispatch.kernels.fused import fused_mm
 
     ok_all, rows, bad = True, [], set()
-    for m in (1, 3, 16, 127):
-        for cfg in sweep_configs(m):
+    # tiles for M > 256 are checked at that M + 3 (a partial M tile)
+    for m in sorted({1, 3, 16, 127} | {x + 3 for x in ms if x > 256}):
+        for cfg in sweep_configs(m, kernels):
             # K = 2064: a partial last K step (masked); K = 4096: whole steps (EVEN_K, unmasked loads)
             for odt, tol, k in ((torch.float32, 1e-5, 2064), (torch.float32, 1e-5, 4096)):
                 ops = rand_operands(m, 1000, k, seed=len(rows) + 11, out_dtype=odt, scale_lo=0x01, scale_hi=0x50)
@@ -62,12 +85,12 @@ def run_sweep(res: dict, bw: float) -> bool:
     table = []
     for (n, k) in ((8192, 8192), (28672, 8192), (8192, 28672)):
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in (1, 4, 16, 128):
+        for m in ms:
             ops = rand_operands(m, n, k, seed=m)
             wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_ms(lambda: torch.mm(wa, wb.t())) * 1e3
             times = []
-            for cfg in sweep_configs(m):
+            for cfg in sweep_configs(m, kernels):
                 if json.dumps(cfg, sort_keys=True) in bad:
                     continue
                 try:
@@ -79,6 +102,8 @@ def run_sweep(res: dict, bw: float) -> bool:
                 times.append((t * 1e3, cfg))
                 log(f"  N={n} K={k} M={m} {json.dumps(cfg)} {t * 1e3:.1f} us")
             times.sort(key=lambda x: x[0])
+            if not times:
+                continue
             old = min((t for t, c in times if c["kernel"] == "mma" or c.get("H2") is False), default=math.nan)
             table.append((n, k, m, t_bf16, old, times[0][0], times[0][1]))
         del wb

@@ -48,12 +48,16 @@ extra = [{"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3},
          {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 8, "split": 3, "PAIR": True},
          # fp16x2 products: whole K steps (EVEN_K when K/16 % BKB == 0), split-K and the register double buffer
          {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 4, "split": 2, "H2": True, "prefetch": True},
-         {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 1, "H2": False, "prefetch": True}]
+         {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 1, "H2": False, "prefetch": True},
+         # swapped-operand tensor-core tiles: A decoded in the kernel (no APRE), several M tiles, split-K
+         {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 2},
+         {"kernel": "wmma", "BM": 16, "BN": 32, "BKB": 8, "split": 1, "APRE": True}]
 seed = 0
 for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
     for odt in (torch.float32, torch.bfloat16, torch.float16):
         for cfg in configs_for(m, n, k, cpu) + extra:
-            if cfg["kernel"] == "gemv" and cfg["MB"] < m or cfg["kernel"] == "gemv2" and 8 * cfg["MB"] < m:
+            if (cfg["kernel"] == "gemv" and cfg["MB"] < m or cfg["kernel"] == "gemv2" and 8 * cfg["MB"] < m
+                    or cfg["kernel"] == "wmma" and 4 * cfg["BM"] < m):
                 continue  # gemv covers M <= MB only; gemv2 tiles M (kept to few M tiles: interpreter time)
             seed += 1
             ops = make_operands(Problem(m, n, k, odt, cpu), seed=seed)
@@ -64,7 +68,9 @@ for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20
 nan_cfgs = [(1, configs_for(1, 24, 64, cpu)[0]), (5, configs_for(5, 24, 64, cpu)[0]),
             (3, configs_for(3, 24, 64, cpu)[1]),
             (1, {"kernel": "gemv", "MB": 1, "BN": 16, "BKB": 2, "split": 1}),
-            (3, {"kernel": "gemv2", "MB": 2, "BN": 16, "BKB": 4, "split": 1, "PAIR": False})]
+            (3, {"kernel": "gemv2", "MB": 2, "BN": 16, "BKB": 4, "split": 1, "PAIR": False}),
+            (3, {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 1}),
+            (5, {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 1, "APRE": True})]
 for m, cfg in nan_cfgs:
     ops = make_operands(Problem(m, 24, 64, torch.float32, cpu), seed=99)
     lin = torch.randint(1, 8, (24, 4), dtype=torch.uint8)
@@ -144,7 +150,12 @@ def test_fused_configs_exact(child):
     rows = child["fused"]
     assert len(rows) >= 40
     kinds = {r["cfg"]["kernel"] for r in rows}
-    assert kinds == {"gemv", "gemv2", "mma"}
+    assert kinds == {"gemv", "gemv2", "mma", "wmma"}
+    wm = [r for r in rows if r["cfg"]["kernel"] == "wmma"]
+    assert {bool(r["cfg"].get("APRE")) for r in wm} == {True, False}
+    assert any(r["cfg"]["BM"] < r["m"] for r in wm)  # several M tiles (program_id(2))
+    # K in groups of 4 blocks: whole and partial last groups (APRE pads A's K order to whole groups)
+    assert {(r["k"] // 16) % 4 == 0 for r in wm if r["cfg"].get("APRE")} == {True, False}
     g2 = [r for r in rows if r["cfg"]["kernel"] == "gemv2"]
     assert {r["m"] for r in g2} >= {1, 3, 17} and {r["cfg"].get("PAIR", True) for r in g2} == {True, False}
     assert any(r["cfg"]["MB"] < r["m"] for r in g2)  # several M tiles (program_id(2))
@@ -160,7 +171,7 @@ def test_fused_configs_exact(child):
 
 
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):
-    assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "gemv2", "mma"}
+    assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "gemv2", "mma", "wmma"}
     assert {r["m"] for r in child["nan"]} == {1, 3, 5}
     for r in child["nan"]:
         assert r["nan_col"], r
@@ -203,10 +214,12 @@ def test_fused_mm_rejects_unknown_kernel():
     from fp4dispatch.kernels.fused import fused_mm
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2' or 'mma'; got 'nope'"):
+    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma' or 'wmma'; got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
+    with pytest.raises(ValueError, match=r"wmma needs BKB % 4 == 0"):
+        fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 6})
 
 
 def test_configs_are_short_and_json(child):
@@ -243,3 +256,20 @@ def test_cvt_configs_only_where_the_instruction_exists(monkeypatch, cap, want):
         assert not cfgs[0].get("CVT")  # the untuned default never needs SM89
         assert len(cfgs) <= 7
     assert not any(c.get("CVT") for c in fused.configs_for(1, 8192, 8192, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((12, 0), 1), ((8, 0), 0)])
+def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
+    from fp4dispatch.kernels import fused
+
+    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for m in (3, 16, 17, 128, 4096):
+        cfgs = fused.configs_for(m, 8192, 8192, torch.device("cuda", 0))
+        kinds = [c["kernel"] for c in cfgs]
+        assert ("wmma" in kinds) is (rank > 0) and len(cfgs) <= 7
+        assert (kinds[0] == "wmma") is (rank == 2)
+        assert all(c["BKB"] % 4 == 0 and c["split"] >= 1 for c in cfgs if c["kernel"] == "wmma")
+    # M <= 2 keeps the CUDA-core GEMV first everywhere
+    assert fused.configs_for(1, 8192, 8192, torch.device("cuda", 0))[0]["kernel"] == "gemv2"

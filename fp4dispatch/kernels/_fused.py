@@ -216,6 +216,14 @@ def _swz_row(r, CB):
 
 
 @triton.jit
+def grid_tile(BN: tl.constexpr, BM: tl.constexpr, BKB: tl.constexpr):
+    """Program ids of an (N tile, K split, M tile) grid -> (K split, N rows, M rows, block offsets of one K step)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
+    return tl.program_id(1), rn, rm, tl.arange(0, BKB)
+
+
+@triton.jit
 def _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, KB, kb0, kb_hi, EVEN_K: tl.constexpr):
     """Raw tiles of one K step at block kb0: B and A words (int64) and their scale bytes; all masked off (no memory
     traffic) once kb0 >= kb_hi, which the prefetch past the last step relies on."""
@@ -245,12 +253,7 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
     interpreter form. EVEN_K: every split is a whole number of BKB steps (the host checks), so no K mask.
     PREFETCH: double-buffer the raw tiles in registers. CVT (with H2, on SM89+): decode through e4m3 bytes and the
     hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * MB + tl.arange(0, MB)
-    t = tl.arange(0, BKB)
+    pid_k, rn, rm, t = grid_tile(BN, MB, BKB)
     # swizzled column offset of block t (kb0 % 4 == 0); written so that pairs of blocks look contiguous, like the
     # 2-word vectors of the data tile, so both loads get the same register layout
     scol = (t // 4) * 512 + ((t % 4) // 2) * 2 + t % 2

@@ -1,9 +1,11 @@
 """Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
 
-Three kernels (``_fused.py``): ``gemv2`` (CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
-with ``H2`` the products are fp16x2 FMAs; the M <= 4 pick), ``gemv`` (the older byte-wise GEMV, M <= MB; still wins
-on some small shapes) and ``mma`` (bf16 tensor-core tiles, any M). All take canonical operands (uint8 [rows, K/2],
-128x4-swizzled e4m3 scales) and support split-K through an fp32 workspace plus a finalize pass. A config is a
+Four kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
+with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick), ``wmma`` (``_wmma.py``: tensor-core tiles with the
+weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a
+small kernel first), ``gemv`` (the older byte-wise GEMV, M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the
+fallback before SM89). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
+split-K through an fp32 workspace plus a finalize pass. A config is a
 JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
 GPU.
 """
@@ -62,6 +64,28 @@ def _has_fp8_cvt(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (8, 9)
 
 
+# wmma tiles (BM, BN, BKB, warps, stages, split) by M bound, best first (H200 sweeps, benchmarks/notes_hopper.md)
+_WMMA_TILES = {
+    16: [(16, 64, 16, 4, 3, 4), (16, 128, 16, 8, 3, 4), (16, 64, 16, 4, 3, 2)],
+    32: [(32, 128, 8, 8, 4, 2), (32, 64, 16, 4, 3, 4)],
+    64: [(64, 128, 8, 8, 4, 2), (64, 64, 16, 4, 3, 4)],
+    512: [(128, 128, 8, 8, 3, 2), (128, 128, 8, 8, 4, 4), (64, 128, 8, 8, 4, 2)],
+    1 << 62: [(256, 128, 8, 8, 3, 1), (128, 256, 4, 8, 3, 1)],
+}
+
+
+def _wmma_rank(device: torch.device) -> int:
+    """0: no ``wmma`` (its scale decode needs cvt.rn.f16x2.e4m3x2, SM89+); 1: offered after the older kernels;
+    2: offered first (SM90: the weight stays in registers as the wgmma operand). The interpreter offers it (CI)."""
+    if device.type != "cuda":
+        return 1 if _interpreted() else 0
+    if _interpreted():
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(idx)
+    return 2 if cap[0] == 9 else 1 if cap >= (8, 9) else 0
+
+
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     """Candidate configs for one problem, best guess first (the first is also the untuned default)."""
     kb = k // 16
@@ -90,10 +114,17 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
 
-    # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 4 the fp16x2 GEMV (gemv2 with H2) in one launch
-    # (split 1, small N tiles, the whole K per CTA); bf16 tensor-core tiles of 16 rows up to M = 16; from M ~ 128
-    # on, triton:dequant+matmul (cuBLAS) wins. maxnreg/prefetch: the sweep's best register cap / register double
-    # buffering.
+    def wmma(bm: int, bn: int, bkb: int, warps: int, stages: int, split: int) -> dict:
+        # A decoded once up front (APRE) won every H200 sweep point; keep >= 2 K steps per split
+        split = max(1, min(split, kb // (2 * bkb)))
+        return {"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps, "stages": stages,
+                "APRE": True}
+
+    # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 the fp16x2 GEMV (gemv2 with H2) in one launch
+    # (split 1, small N tiles, the whole K per CTA); above, the swapped-operand tensor-core wmma (first on SM90; the
+    # older bf16 mma stays as the fallback); from M ~ 1024 on, triton:dequant+matmul (cuBLAS) usually wins.
+    # maxnreg/prefetch: the sweep's best register cap / register double buffering.
+    rank = _wmma_rank(device)
     h2 = {"H2": True}
     # CVT decodes through the e4m3x2 -> f16x2 conversion instruction (SM89+): 2-5 % faster on the H200
     cvt = [{"CVT": True}] if _has_fp8_cvt(device) else []
@@ -104,20 +135,21 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             gemv2(m, 4, 128, 2, split=1, prefetch=True, **h2, **extra)
         gemv2(m, 16, 64, 4, split=1, prefetch=True, **h2)
         gemv2(m, 4, 128, 4, **h2)  # split-K sized for occupancy: short K or few N tiles
-        gemv(m, 16, 32, warps=8)
-        mma(16, 64, 8, 4, 3)
-    elif m <= 4:
+        if rank:
+            out.append(wmma(*_WMMA_TILES[16][0]))
+        else:
+            gemv(m, 16, 32, warps=8)
+            mma(16, 64, 8, 4, 3)
+        return out
+    if m <= 4:
         gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2)
         for extra in cvt:
             gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2, **extra)
         gemv2(4, 8, 32, 2, split=1, prefetch=True, **h2)
-        gemv2(4, 16, 32, 4, **h2)
-        mma(16, 64, 8, 4, 3)
         mma(16, 64, 8, 4, 3, split=4)
     elif m <= 16:
         mma(16, 64, 8, 4, 3)
         mma(16, 64, 8, 4, 3, split=4)
-        mma(16, 128, 8, 4, 3)
     elif m <= 64:
         mma(32 if m <= 32 else 64, 64, 8, 4, 3)
         mma(64, 128, 4, 4, 3)
@@ -126,6 +158,10 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         mma(64, 128, 4, 4, 3)
     else:
         mma(128, 256, 4, 8, 3, split=1)
+    if rank:
+        bound = min(b for b in _WMMA_TILES if m <= b or b == max(_WMMA_TILES))
+        new = [wmma(*t) for t in _WMMA_TILES[bound]]
+        out = new + out if rank == 2 else out + new
     return out
 
 
@@ -135,8 +171,8 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "gemv2", "mma"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2' or 'mma'; got "
+    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma' or 'wmma'; got "
                          f"{config.get('kernel')!r}. Use a config from configs_for()")
     from . import _fused as kf
 
@@ -152,10 +188,23 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     sb = b_scale.view(torch.uint8)
     dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=out.device)
     warps = int(config.get("warps", DEFAULT_WARPS))
-    if config["kernel"] == "gemv2":
+    if config["kernel"] in ("gemv2", "wmma") and bkb % 4:
+        raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
+    if config["kernel"] == "wmma":
+        from . import _wmma
+
+        bn, bm = int(config["BN"]), int(config["BM"])
+        asm, a64 = not _interpreted(), a.view(torch.int64)
+        if config.get("APRE"):  # decode A once (fp16; fp32 in the interpreter), in wmma's K order
+            ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a.device)
+            _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm)
+            a64 = ad
+        grid = (_cdiv(n, bn), split, _cdiv(m, bm))
+        _wmma.wmma_kernel[grid](a64, b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
+                                BM=bm, BN=bn, BKB=bkb, ATOMIC=split > 1, ASM=asm, APRE=bool(config.get("APRE")),
+                                num_warps=warps, num_stages=int(config.get("stages", 3)))
+    elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
-        if bkb % 4:
-            raise ValueError(f"fused_mm: gemv2 needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))
         # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
         kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,

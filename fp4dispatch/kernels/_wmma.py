@@ -1,0 +1,136 @@
+"""``@triton.jit`` code of ``wmma``: the tensor-core NVFP4 GEMM with swapped operands (host side: ``fused.py``).
+
+``acc[BN, BM] = W @ A.T``: the weight tile is the first ``tl.dot`` operand, which Hopper's wgmma reads from
+registers, so the decoded weight never goes through shared memory; only the small activation tile does. For that to
+hold, the decode has to happen in the dot-operand register layout itself. The K order of a tile is free (A and W are
+decoded by the same function, and a dot sums over K), so ``_dec16`` lays out each group of 4 consecutive 16-blocks
+so that the 4 lanes sharing a row in the wgmma operand layout each get the 16 values of one block. Triton then
+propagates that layout back to the raw words (checked in the TTGIR: no ``local_alloc`` of the decoded weight).
+
+Values: a nibble pair becomes fp16x2 bits (``_pair``: e2m1 * 2**-14), one ``mul.rn.f16x2`` applies the block scale
+(e4m3 * 2**7, exact in fp16), so every operand is e2m1 * e4m3 * 2**-7, exact in fp16 (products are multiples of
+2**-17, below 21). The dot accumulates in fp32; the epilogue multiplies by 2**14 (exact), then alpha. Under the
+interpreter (no PTX) the same values are formed in fp32 and the dot runs in fp32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._fused import _swz_row, e4m3_to_f32, grid_tile, store_out
+from ._h2 import _halves, _pair
+
+WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
+
+
+@triton.jit
+def _scaled(p, sc, ASM: tl.constexpr):
+    """Pair bits p (e2m1 * 2**-14 each) times the block scale ``sc`` from ``_scale``: fp16x2 bits (ASM) or an
+    (lo, hi) fp32 tuple."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [p, sc], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        lo, hi = _halves(p)
+        return lo * sc, hi * sc
+
+
+@triton.jit
+def _join8(p0, p1, p2, p3, p4, p5, p6, p7):
+    return tl.join(tl.join(tl.join(p0, p1), tl.join(p2, p3)), tl.join(tl.join(p4, p5), tl.join(p6, p7)))
+
+
+@triton.jit
+def _scale(s, ASM: tl.constexpr):
+    """e4m3 scale bytes -> scale * 2**7: as fp16x2 bits (s, s) when ASM, else fp32."""
+    if ASM:
+        # cvt.rn.f16x2.e4m3x2 (SM89+; NaN stays NaN), * 2**7 and the copy to both halves: 4 instructions a scale
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 b; .reg .b32 h, c; cvt.u16.u32 b, $1; cvt.rn.f16x2.e4m3x2 h, b; mov.b32 c, 0x58005800; "
+            "mul.rn.f16x2 h, h, c; prmt.b32 $0, h, h, 0x1010; }",
+            "=r,r", [s.to(tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        return e4m3_to_f32(s) * 128.0
+
+
+@triton.jit
+def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
+    """int64 words [R, BKB] (one 16-block each) and their e4m3 scale bytes -> [R, BKB*16] operand values
+    (e2m1 * e4m3 * 2**-7; fp16 when ASM, else fp32) in this kernel's K order (a fixed permutation within each
+    group of 4 blocks; both operands use it)."""
+    R: tl.constexpr = x.shape[0]
+    sc = _scale(s, ASM)
+    lo = x.to(tl.uint32)
+    hi = (x >> 32).to(tl.uint32)
+    if ASM:
+        q = _join8(_scaled(_pair(lo, 0), sc, ASM), _scaled(_pair(lo, 1), sc, ASM),
+                   _scaled(_pair(lo, 2), sc, ASM), _scaled(_pair(lo, 3), sc, ASM),
+                   _scaled(_pair(hi, 0), sc, ASM), _scaled(_pair(hi, 1), sc, ASM),
+                   _scaled(_pair(hi, 2), sc, ASM), _scaled(_pair(hi, 3), sc, ASM))
+        # [R, BKB, 8 pairs] -> [R, BKB/4 groups, 8 pairs, 4 blocks]: the block index goes next to the pair's two
+        # halves, which is where the wgmma operand layout puts its 4 lanes of a row
+        q = tl.permute(tl.reshape(q, (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+        v_lo, v_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        l0, h0 = _scaled(_pair(lo, 0), sc, ASM)
+        l1, h1 = _scaled(_pair(lo, 1), sc, ASM)
+        l2, h2 = _scaled(_pair(lo, 2), sc, ASM)
+        l3, h3 = _scaled(_pair(lo, 3), sc, ASM)
+        l4, h4 = _scaled(_pair(hi, 0), sc, ASM)
+        l5, h5 = _scaled(_pair(hi, 1), sc, ASM)
+        l6, h6 = _scaled(_pair(hi, 2), sc, ASM)
+        l7, h7 = _scaled(_pair(hi, 3), sc, ASM)
+        v_lo = tl.permute(tl.reshape(_join8(l0, l1, l2, l3, l4, l5, l6, l7), (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+        v_hi = tl.permute(tl.reshape(_join8(h0, h1, h2, h3, h4, h5, h6, h7), (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+    return tl.reshape(tl.join(v_lo, v_hi), (R, BKB * 16))
+
+
+@triton.jit
+def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr):
+    """A decoded once into ad [M, ceil(KB/4)*64] (fp16, fp32 under the interpreter) in wmma's K order, so that wmma with
+    APRE streams A tiles straight into shared memory instead of decoding them again for every N tile."""
+    rm = tl.program_id(0) * BR + tl.arange(0, BR)
+    kb0 = tl.program_id(1) * BKB
+    t = tl.arange(0, BKB)
+    mask = (rm[:, None] < M) & (kb0 + t[None, :] < KB)
+    xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kb0 + t[None, :], mask=mask, other=0)
+    sa = tl.load(sa_ptr + _swz_row(rm, CB)[:, None] + (kb0 // 4) * 512 + (t // 4)[None, :] * 512 + (t % 4)[None, :],
+                 mask=mask, other=0)
+    # K is padded to whole groups of 4 blocks: the K order spreads a group's blocks over all of its 64 columns
+    KP = (KB + 3) // 4 * 64
+    kk = kb0 * 16 + tl.arange(0, BKB * 16)
+    omask = (rm[:, None] < M) & (kk[None, :] < KP)
+    tl.store(ad_ptr + rm[:, None].to(tl.int64) * KP + kk[None, :], _dec16(xa, sa, BKB, ASM), mask=omask)
+
+
+@triton.jit
+def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, blocks_per_split,
+                BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
+                APRE: tl.constexpr = False):
+    """Tensor-core GEMM over int64 words (a, b viewed as int64 [rows, K/16]), weight as the register operand:
+    tile [BN, BM] of out.T per CTA, K split by program_id(1) (fp32 atomics into a workspace when ATOMIC).
+    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order)."""
+    pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
+    scol = (t // 4) * 512 + t % 4  # swizzled scale column of block t (kb0 % 4 == 0)
+    brow = _swz_row(rn, CB)
+    arow = _swz_row(rm, CB)
+    kb_lo = pid_k * blocks_per_split
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for kb0 in range(kb_lo, kb_hi, BKB):
+        kk = kb0 + t
+        bmask = (rn[:, None] < N) & (kk[None, :] < kb_hi)
+        amask = (rm[:, None] < M) & (kk[None, :] < kb_hi)
+        xb = tl.load(b_ptr + rn[:, None].to(tl.int64) * KB + kk[None, :], mask=bmask, other=0)
+        sb = tl.load(sb_ptr + brow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=bmask, other=0)
+        if APRE:
+            k16 = kb0 * 16 + tl.arange(0, BKB * 16)
+            wa = tl.load(a_ptr + rm[:, None].to(tl.int64) * ((KB + 3) // 4 * 64) + k16[None, :],
+                         mask=(rm[:, None] < M) & (k16[None, :] < (kb_hi + 3) // 4 * 64), other=0)
+        else:
+            xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kk[None, :], mask=amask, other=0)
+            sa = tl.load(sa_ptr + arow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=amask, other=0)
+            wa = _dec16(xa, sa, BKB, ASM)
+        acc = tl.dot(_dec16(xb, sb, BKB, ASM), tl.trans(wa), acc)
+    store_out(tl.trans(acc) * WMMA_UNDO, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
