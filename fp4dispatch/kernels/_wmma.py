@@ -41,6 +41,19 @@ def _join8(p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _k_order(q, R: tl.constexpr, BKB: tl.constexpr):
+    """[R, BKB, 8 pairs] -> [R, BKB/4 groups, 8 pairs, 4 blocks]: the block index goes next to the pair's two halves,
+    which is where the wgmma operand layout puts its 4 lanes of a row."""
+    return tl.permute(tl.reshape(q, (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+
+
+@triton.jit
+def _scale_cols(t):
+    """Swizzled scale column of block t within a K step that starts on a whole group of 4 blocks."""
+    return (t // 4) * 512 + t % 4
+
+
+@triton.jit
 def _scale(s, ASM: tl.constexpr):
     """e4m3 scale bytes -> scale * 2**7: as fp16x2 bits (s, s) when ASM, else fp32."""
     if ASM:
@@ -67,10 +80,7 @@ def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
                    _scaled(_pair(lo, 2), sc, ASM), _scaled(_pair(lo, 3), sc, ASM),
                    _scaled(_pair(hi, 0), sc, ASM), _scaled(_pair(hi, 1), sc, ASM),
                    _scaled(_pair(hi, 2), sc, ASM), _scaled(_pair(hi, 3), sc, ASM))
-        # [R, BKB, 8 pairs] -> [R, BKB/4 groups, 8 pairs, 4 blocks]: the block index goes next to the pair's two
-        # halves, which is where the wgmma operand layout puts its 4 lanes of a row
-        q = tl.permute(tl.reshape(q, (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
-        v_lo, v_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q],
+        v_lo, v_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [_k_order(q, R, BKB)],
                                                dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     else:
         l0, h0 = _scaled(_pair(lo, 0), sc, ASM)
@@ -81,22 +91,21 @@ def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
         l5, h5 = _scaled(_pair(hi, 1), sc, ASM)
         l6, h6 = _scaled(_pair(hi, 2), sc, ASM)
         l7, h7 = _scaled(_pair(hi, 3), sc, ASM)
-        v_lo = tl.permute(tl.reshape(_join8(l0, l1, l2, l3, l4, l5, l6, l7), (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
-        v_hi = tl.permute(tl.reshape(_join8(h0, h1, h2, h3, h4, h5, h6, h7), (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+        v_lo = _k_order(_join8(l0, l1, l2, l3, l4, l5, l6, l7), R, BKB)
+        v_hi = _k_order(_join8(h0, h1, h2, h3, h4, h5, h6, h7), R, BKB)
     return tl.reshape(tl.join(v_lo, v_hi), (R, BKB * 16))
 
 
 @triton.jit
 def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr):
-    """A decoded once into ad [M, ceil(KB/4)*64] (fp16, fp32 under the interpreter) in wmma's K order, so that wmma with
-    APRE streams A tiles straight into shared memory instead of decoding them again for every N tile."""
+    """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
+    wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile."""
     rm = tl.program_id(0) * BR + tl.arange(0, BR)
     kb0 = tl.program_id(1) * BKB
     t = tl.arange(0, BKB)
     mask = (rm[:, None] < M) & (kb0 + t[None, :] < KB)
     xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kb0 + t[None, :], mask=mask, other=0)
-    sa = tl.load(sa_ptr + _swz_row(rm, CB)[:, None] + (kb0 // 4) * 512 + (t // 4)[None, :] * 512 + (t % 4)[None, :],
-                 mask=mask, other=0)
+    sa = tl.load(sa_ptr + _swz_row(rm, CB)[:, None] + (kb0 // 4) * 512 + _scale_cols(t)[None, :], mask=mask, other=0)
     # K is padded to whole groups of 4 blocks: the K order spreads a group's blocks over all of its 64 columns
     KP = (KB + 3) // 4 * 64
     kk = kb0 * 16 + tl.arange(0, BKB * 16)
@@ -112,7 +121,7 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, 
     tile [BN, BM] of out.T per CTA, K split by program_id(1) (fp32 atomics into a workspace when ATOMIC).
     APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order)."""
     pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
-    scol = (t // 4) * 512 + t % 4  # swizzled scale column of block t (kb0 % 4 == 0)
+    scol = _scale_cols(t)
     brow = _swz_row(rn, CB)
     arow = _swz_row(rm, CB)
     kb_lo = pid_k * blocks_per_split

@@ -159,7 +159,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     else:
         mma(128, 256, 4, 8, 3, split=1)
     if rank:
-        bound = min(b for b in _WMMA_TILES if m <= b or b == max(_WMMA_TILES))
+        bound = min(b for b in _WMMA_TILES if m <= b)  # the last bound, 2**62, holds every M
         new = [wmma(*t) for t in _WMMA_TILES[bound]]
         out = new + out if rank == 2 else out + new
     return out
