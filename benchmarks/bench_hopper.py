@@ -6,8 +6,8 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
               NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
   --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
   --sweep     exactness of the GEMV, mma and wmma variants (M in {1,3,16,127}), then their graph times at M in
-              --sweep-ms (default 1,4,16,128) on the three large shapes next to cuBLAS bf16; a short table last
-              (benchmarks/hopper_sweep.py). --sweep-kernels picks the families (default gemv2,mma,wmma).
+              --sweep-ms (default 1,4,16,128) on --sweep-shapes (default: the three large ones) next to cuBLAS bf16;
+              a short table last (benchmarks/hopper_sweep.py). --sweep-kernels picks the families (default gemv2,mma,wmma).
   (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
               weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
 
@@ -42,6 +42,8 @@ def bench_ms(fn, warmup: int = 5, rep: int = 25) -> float:
 
 def graph_ms(fn) -> float:
     """GPU time of ``fn`` without Python launch overhead: capture it in a CUDA graph, time the replays."""
+    from fp4dispatch.kernels import splitk
+
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -49,6 +51,7 @@ def graph_ms(fn) -> float:
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    splitk.prepare_capture(torch.device("cuda", torch.cuda.current_device()))  # as fp4dispatch.warmup() does
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
@@ -339,6 +342,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="check + time GEMV variants at M in {1, 4, 16, 128}")
     ap.add_argument("--sweep-kernels", default="gemv2,mma,wmma", help="kernel families in --sweep (comma list)")
     ap.add_argument("--sweep-ms", default="1,4,16,128", help="M values timed in --sweep (comma list)")
+    ap.add_argument("--sweep-shapes", default="8192x8192,28672x8192,8192x28672",
+                    help="NxK weight shapes timed in --sweep (comma list)")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--quick", action="store_true", help="table on two shapes only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
@@ -366,7 +371,8 @@ def main() -> int:
             from hopper_sweep import run_sweep  # benchmarks/ is on sys.path when this file runs as a script
 
             ok &= run_sweep(res, bw, tuple(args.sweep_kernels.split(",")),
-                            tuple(int(x) for x in args.sweep_ms.split(",")))
+                            tuple(int(x) for x in args.sweep_ms.split(",")),
+                            tuple(tuple(int(v) for v in s.split("x")) for s in args.sweep_shapes.split(",")))
             log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
         if args.table or not (args.check or args.variants or args.sweep):
             shapes = SHAPES[:2] if args.quick else SHAPES

@@ -8,7 +8,10 @@ allocate, and how to avoid it:
 * ``out``: pass a preallocated ``out=`` (else it is allocated from the graph's private pool, which is fine too);
 * ``alpha``: pass a float32 device tensor. A Python float becomes a new device tensor on every call, and
   ``alpha=None`` uses a per-device ones-tensor created on first use (``warmup(run=True)`` creates it);
-* scales: pass them swizzled (``scale_layout="linear"`` swizzles into a new tensor on every call).
+* scales: pass them swizzled (``scale_layout="linear"`` swizzles into a new tensor on every call);
+* split-K counters of the Triton kernels: ``warmup`` creates them for ``torch.cuda.graph``'s default capture stream;
+  a graph captured on another stream (``torch.cuda.graph(g, stream=s)``) should call
+  ``fp4dispatch.kernels.splitk.prepare(device, s)`` first, else each captured split-K launch adds a small memset.
 """
 from __future__ import annotations
 
@@ -75,6 +78,10 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
             d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        from .kernels import splitk
+
+        splitk.prepare_capture(dev)
     result = {s: c.backend.name for s, c in choices.items()}
     log.info("fp4dispatch: warmed up %s", result)
     return result

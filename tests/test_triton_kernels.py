@@ -30,7 +30,7 @@ from fp4dispatch.kernels.fused import configs_for, fused_mm
 from fp4dispatch.problem import Problem
 from fp4dispatch.testing import make_operands
 
-res = {"fused": [], "dequant": [], "quant": [], "nan": [], "dispatch": []}
+res = {"fused": [], "dequant": [], "quant": [], "nan": [], "dispatch": [], "split": []}
 cpu = torch.device("cpu")
 
 def ref64(ops):
@@ -63,6 +63,21 @@ for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20
             ops = make_operands(Problem(m, n, k, odt, cpu), seed=seed)
             fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
             res["fused"].append({"m": m, "n": n, "k": k, "out": str(odt), "cfg": cfg, "err": rel(ops.out, ref64(ops))})
+
+# split-K in one launch: the last CTA of a tile sums the partials in split order, so a repeated call gives the same
+# bits, and every counter is back at zero afterwards (the next launch on the stream relies on that)
+from fp4dispatch.kernels import splitk
+for cfg in ({"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 3, "APRE": True},
+            {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 4, "split": 3, "H2": True},
+            {"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3}):
+    ops = make_operands(Problem(20, 40, 192, torch.float32, cpu), seed=7)
+    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+    first = ops.out.clone()
+    ops.out.fill_(float("nan"))
+    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+    cnt = splitk._COUNTERS[("cpu", 0)]
+    res["split"].append({"cfg": cfg, "same": bool(torch.equal(first, ops.out)), "err": rel(ops.out, ref64(ops)),
+                         "zero": int(cnt.count_nonzero()) == 0, "counters": cnt.numel()})
 
 # NaN block scale -> NaN in exactly that output column; e4m3 subnormal scales stay exact
 nan_cfgs = [(1, configs_for(1, 24, 64, cpu)[0]), (5, configs_for(5, 24, 64, cpu)[0]),
@@ -163,11 +178,54 @@ def test_fused_configs_exact(child):
     assert {r["m"] for r in h2} >= {1, 3} and {bool(r["cfg"].get("prefetch")) for r in h2} == {True, False}
     # both load paths: whole K steps (no K mask) and a partial last step
     assert {(r["k"] // 16) % r["cfg"]["BKB"] == 0 for r in h2} == {True, False}
-    assert any(r["cfg"].get("split", 1) > 1 for r in rows)  # split-K (atomics + finalize) is covered
+    assert any(r["cfg"].get("split", 1) > 1 for r in rows)  # split-K (the last CTA sums) is covered
     bad = [r for r in rows if not r["err"] <= TOL[r["out"]]]
     assert not bad, bad[:3]
     worst32 = max(r["err"] for r in rows if r["out"] == "torch.float32")
     assert worst32 <= 1e-5
+
+
+def test_split_k_in_one_launch_deterministic_and_rearmed(child):
+    rows = child["split"]
+    assert {r["cfg"]["kernel"] for r in rows} == {"wmma", "gemv2", "mma"}
+    for r in rows:
+        assert r["same"] and r["zero"], r
+        assert r["err"] <= 1e-5, r
+        assert r["counters"] == 1 << 14  # one buffer for the stream, made once, reused
+
+
+def test_split_buffers_per_stream_and_under_capture(monkeypatch):
+    from fp4dispatch.kernels import splitk
+
+    monkeypatch.setattr(splitk, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    ws, cnt = splitk.buffers(3, 5, 2, 7, cpu)
+    assert ws.shape == (2, 3, 5) and ws.dtype == torch.float32
+    assert cnt.dtype == torch.int32 and cnt.numel() == splitk.MIN_COUNTERS and int(cnt.count_nonzero()) == 0
+    assert splitk.buffers(3, 5, 2, 7, cpu)[1] is cnt  # zeroed once, then reused
+    big = splitk.buffers(1, 1, 2, splitk.MIN_COUNTERS + 1, cpu)[1]
+    assert big.numel() == splitk.MIN_COUNTERS + 1 and splitk.buffers(1, 1, 2, 7, cpu)[1] is big  # grown, kept
+    # capturing with no buffer for the stream: a fresh zeroed one per launch, not kept (its zero-fill is captured)
+    monkeypatch.setattr(splitk, "_COUNTERS", {})
+    monkeypatch.setattr(splitk, "_capturing", lambda device: True)
+    c1, c2 = splitk.buffers(1, 1, 2, 9, cpu)[1], splitk.buffers(1, 1, 2, 9, cpu)[1]
+    assert c1 is not c2 and c1.numel() == 9 and int(c1.count_nonzero()) == 0 and splitk._COUNTERS == {}
+    splitk.prepare(cpu)  # prepared outside capture: captured launches reuse it
+    assert splitk.buffers(1, 1, 2, 9, cpu)[1] is splitk._COUNTERS[("cpu", 0)]
+
+
+def test_pdl_only_on_sm90_gpus(monkeypatch):
+    from fp4dispatch.kernels import fused
+
+    assert fused._pdl(torch.device("cpu"), {}) == {}
+    monkeypatch.setattr(fused, "_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for cap, want in (((9, 0), True), ((12, 0), True), ((8, 9), False)):
+        fused._pdl_capable.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None, cap=cap: cap)
+        assert bool(fused._pdl(torch.device("cuda", 0), {})) is want
+        assert fused._pdl(torch.device("cuda", 0), {"pdl": False}) == {}
+    fused._pdl_capable.cache_clear()
 
 
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):
@@ -270,6 +328,9 @@ def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
         kinds = [c["kernel"] for c in cfgs]
         assert ("wmma" in kinds) is (rank > 0) and len(cfgs) <= 7
         assert (kinds[0] == "wmma") is (rank == 2)
+        assert ("mma" in kinds) is (rank < 2)  # SM90 drops the older bf16 tiles; elsewhere they stay
+        if rank == 2 and m <= 16:  # the last M <= 16 tile decodes A in its loop (one launch for small shapes)
+            assert not cfgs[len([k for k in kinds if k == "wmma"]) - 1].get("APRE")
         assert all(c["BKB"] % 4 == 0 and c["split"] >= 1 for c in cfgs if c["kernel"] == "wmma")
     # M <= 2 keeps the CUDA-core GEMV first everywhere
     assert fused.configs_for(1, 8192, 8192, torch.device("cuda", 0))[0]["kernel"] == "gemv2"

@@ -13,6 +13,12 @@ import triton.language as tl
 
 from ._h2 import H2_UNDO, H2_UNDO_CVT, h2_block, h2_block_cvt
 
+try:  # griddepcontrol.wait (programmatic dependent launch, SM90+); Triton >= 3.4
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older Triton: the host never sets PDL
+    gdc_wait = None
+HAS_GDC = gdc_wait is not None
+
 TWO_120 = tl.constexpr(1.329227995784916e36)  # 2**120: e4m3 bits << 20 read as fp32 are value * 2**-120
 TWO_117 = tl.constexpr(1.6615349947311448e35)  # 2**(126-9): folds the nibble's 2**-126 and the operand shift 2**-9
 TWO_18 = tl.constexpr(262144.0)  # 2**(2*9): undoes the operand shifts of A and B
@@ -44,16 +50,50 @@ def nib_hi(u):
 
 
 @triton.jit
-def store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC: tl.constexpr):
-    """Epilogue of every fused kernel: fp32 atomics into the split-K workspace (ATOMIC; finalize applies alpha), or
-    alpha in fp32 and the cast to out's dtype."""
+def pdl_wait(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL) a kernel may start while the previous one on its stream is still
+    running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). No kernel
+    here triggers its dependents early: on the H200 an early trigger in the A-decode kernel let ``wmma`` CTAs be
+    placed unevenly (split 2 on N=8192: 68 -> 104 us)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _cast_store(acc, offs, omask, alpha_ptr, out_ptr):
+    acc = acc * tl.load(alpha_ptr)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT: tl.constexpr):
+    """Epilogue of every fused kernel: alpha in fp32 and the cast to out's dtype.
+
+    SPLIT (split-K over program_id(1), no extra launches): each CTA stores its fp32 partial tile to the workspace
+    ws [splits, M, N] and counts itself in on its tile's counter (cnt_ptr, int32, zero on entry); the CTA that
+    arrives last sums the partials in split order (so the result does not depend on arrival order), writes out and
+    sets the counter back to zero for the next launch, which is what lets the host zero the counters only once."""
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptr + offs, acc, mask=omask, sem="relaxed")
+    if SPLIT:
+        splits = tl.num_programs(1)
+        mn = (tl.program_id(0) * 0).to(tl.int64) + M  # int64 before the product: splits * M * N may pass 2**31
+        mn = mn * N
+        tl.store(ws_ptr + tl.program_id(1) * mn + offs, acc, mask=omask)
+        tile = tl.program_id(0) + tl.program_id(2) * tl.num_programs(0)
+        # every thread's partial stores come before the count: the barrier orders them within the CTA, the
+        # atomic's release publishes them to the GPU, its acquire makes the others' partials visible to the last
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, splits):
+                # .cg: read from L2, where the other SMs' partials are (never a stale L1 line)
+                total += tl.load(ws_ptr + s * mn + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            _cast_store(total, offs, omask, alpha_ptr, out_ptr)
     else:
-        acc = acc * tl.load(alpha_ptr)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        _cast_store(acc, offs, omask, alpha_ptr, out_ptr)
 
 
 @triton.jit
@@ -95,11 +135,11 @@ def _operands(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr, 
 
 
 @triton.jit
-def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, CB, blocks_per_split,
-               BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
-               ATOMIC: tl.constexpr, DOT_F32: tl.constexpr):
+def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K2, KB, CB,
+               blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
+               SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
     """Tiled tensor-core GEMM: decode both operands in registers, bf16 dot, fp32 accumulate; split-K by
-    program_id(1) with fp32 atomics into a workspace (ATOMIC) or a direct alpha+cast epilogue."""
+    program_id(1) (SPLIT: reduced by the tile's last CTA, see ``store_out``) or a direct alpha+cast epilogue."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
@@ -119,12 +159,12 @@ def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, C
         b_lo, b_hi = _operands(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB, DOT_F32)
         acc = tl.dot(a_lo, tl.trans(b_lo), acc)
         acc = tl.dot(a_hi, tl.trans(b_hi), acc)
-    store_out(acc * TWO_18, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
+    store_out(acc * TWO_18, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 
 
 @triton.jit
-def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, CB, blocks_per_split,
-                MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ATOMIC: tl.constexpr):
+def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K2, KB, CB,
+                blocks_per_split, MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr):
     """CUDA-core GEMV for M <= MB (no tensor-core padding to 16 rows): per 16-block, the exact fp32 sum of 16
     nibble products, times the B block scale, accumulated elementwise; one reduction after the K loop."""
     pid_n = tl.program_id(0)
@@ -146,19 +186,9 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, K2, KB, 
         part = tl.sum(tl.reshape(prod, (MB, BN, BKB, 8)), axis=3)
         acc += part * sb[None, :, :]
     res = tl.sum(acc, axis=2) * TWO_62
-    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
+    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 
 
-@triton.jit
-def finalize_kernel(ws_ptr, alpha_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    """out = alpha * workspace (split-K partial sums), cast to out's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < numel
-    v = tl.load(ws_ptr + offs, mask=m, other=0.0) * tl.load(alpha_ptr)
-    tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=m)
-
-
-# ---- gemv2: B streamed as int64 words (one word = one 16-block: 16 nibbles in k order, bits 4j..4j+3) ----------
 @triton.jit
 def _nib(x, J: tl.constexpr):
     """Nibble J (0..7) of uint32 words -> e2m1 * 2**-126 (fp32): sign to bit 31, e e m to bits 24..22."""
@@ -242,17 +272,18 @@ def _g2_tiles(a_ptr, b_ptr, sa_ptr, sb_ptr, rm, rn, arow, brow, scol, t, M, N, K
 
 
 @triton.jit
-def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, blocks_per_split,
-                 MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr, ATOMIC: tl.constexpr,
-                 H2: tl.constexpr = False, ASM: tl.constexpr = True, EVEN_K: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False, CVT: tl.constexpr = False):
+def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB,
+                 blocks_per_split, MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr,
+                 SPLIT: tl.constexpr, H2: tl.constexpr = False, ASM: tl.constexpr = True, EVEN_K: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False, CVT: tl.constexpr = False, PDL: tl.constexpr = False):
     """CUDA-core GEMV over int64 words (a, b viewed as int64 [rows, K/16]; one word = one 16-block, so a [BN, BKB]
     tile loads as 16-byte vectors and its scales line up one per word). Per block: 16 exact fp32 products summed
     exactly, one FMA with the B scale. MB == 1 stays 2-D; MB > 1 broadcasts [MB, 1, BKB] x [1, BN, BKB].
     H2: the products are formed two per instruction in fp16x2 (``h2_block``), still exact; ASM=False is its
     interpreter form. EVEN_K: every split is a whole number of BKB steps (the host checks), so no K mask.
     PREFETCH: double-buffer the raw tiles in registers. CVT (with H2, on SM89+): decode through e4m3 bytes and the
-    hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead."""
+    hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead. PDL: see ``pdl_wait``."""
+    pdl_wait(PDL)
     pid_k, rn, rm, t = grid_tile(BN, MB, BKB)
     # swizzled column offset of block t (kb0 % 4 == 0); written so that pairs of blocks look contiguous, like the
     # 2-word vectors of the data tile, so both loads get the same register layout
@@ -308,4 +339,4 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB,
         res = tl.sum(acc, axis=1)[None, :] * undo
     else:
         res = tl.sum(acc, axis=2) * undo
-    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
+    store_out(res, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import _swz_row, e4m3_to_f32, grid_tile, store_out
+from ._fused import _swz_row, e4m3_to_f32, grid_tile, pdl_wait, store_out
 from ._h2 import _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
@@ -97,9 +97,12 @@ def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr):
+def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
-    wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile."""
+    wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile.
+    PDL: see ``pdl_wait``."""
+    pdl_wait(PDL)
     rm = tl.program_id(0) * BR + tl.arange(0, BR)
     kb0 = tl.program_id(1) * BKB
     t = tl.arange(0, BKB)
@@ -114,12 +117,14 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
 
 
 @triton.jit
-def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, blocks_per_split,
-                BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ATOMIC: tl.constexpr, ASM: tl.constexpr,
-                APRE: tl.constexpr = False):
+def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB,
+                blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
+                ASM: tl.constexpr, APRE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Tensor-core GEMM over int64 words (a, b viewed as int64 [rows, K/16]), weight as the register operand:
-    tile [BN, BM] of out.T per CTA, K split by program_id(1) (fp32 atomics into a workspace when ATOMIC).
-    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order)."""
+    tile [BN, BM] of out.T per CTA, K split by program_id(1) (SPLIT: the tile's last CTA sums, see ``store_out``).
+    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order).
+    PDL: see ``pdl_wait``."""
+    pdl_wait(PDL)
     pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
     scol = _scale_cols(t)
     brow = _swz_row(rn, CB)
@@ -142,4 +147,4 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, 
             sa = tl.load(sa_ptr + arow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=amask, other=0)
             wa = _dec16(xa, sa, BKB, ASM)
         acc = tl.dot(_dec16(xb, sb, BKB, ASM), tl.trans(wa), acc)
-    store_out(tl.trans(acc) * WMMA_UNDO, rm, rn, M, N, alpha_ptr, out_ptr, ATOMIC)
+    store_out(tl.trans(acc) * WMMA_UNDO, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)

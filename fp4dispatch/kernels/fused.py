@@ -5,8 +5,8 @@ with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick), ``wmma`` (``_wmma.py
 weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a
 small kernel first), ``gemv`` (the older byte-wise GEMV, M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the
 fallback before SM89). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
-split-K through an fp32 workspace plus a finalize pass. A config is a
-JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
+split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``). A config is a JSON-able
+dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
 GPU.
 """
 from __future__ import annotations
@@ -15,11 +15,12 @@ import functools
 
 import torch
 
-from . import interpreting
+from . import interpreting, splitk
 
 __all__ = ["fused_mm", "configs_for", "DEFAULT_WARPS"]
 
 DEFAULT_WARPS = 4
+MAX_CONFIGS = 7  # candidates per problem: tuning one key stays well under a few seconds on a GPU
 _SMS: dict[int, int] = {}
 
 
@@ -56,6 +57,23 @@ def _launch_extras(config: dict) -> dict:
     return {"maxnreg": int(config["maxnreg"])} if "maxnreg" in config and not _interpreted() else {}
 
 
+@functools.cache
+def _pdl_capable(idx: int) -> bool:
+    from ._fused import HAS_GDC
+
+    return HAS_GDC and torch.cuda.get_device_capability(idx) >= (9, 0)
+
+
+def _pdl(device: torch.device, config: dict) -> dict:
+    """Launch option for programmatic dependent launch (SM90+): the kernel is launched while the previous one on the
+    stream finishes and waits for its writes in ``pdl_wait`` (H200: 0.1-0.4 us less per launch in a graph).
+    ``config["pdl"]`` False turns it off (benchmarks compare both)."""
+    if not config.get("pdl", True) or device.type != "cuda" or _interpreted():
+        return {}
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return {"launch_pdl": True, "PDL": True} if _pdl_capable(idx) else {}
+
+
 def _has_fp8_cvt(device: torch.device) -> bool:
     """cvt.rn.f16x2.e4m3x2 exists on SM89+ (Ada, Hopper, Blackwell); not on Ampere, not in the interpreter."""
     if device.type != "cuda" or _interpreted():
@@ -64,9 +82,11 @@ def _has_fp8_cvt(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (8, 9)
 
 
-# wmma tiles (BM, BN, BKB, warps, stages, split) by M bound, best first (H200 sweeps, benchmarks/notes_hopper.md)
+# wmma tiles (BM, BN, BKB, warps, stages, split[, APRE]) by M bound, best first (H200 sweeps, notes_hopper.md).
+# APRE (A decoded once by a small kernel first) won every same-tile pair on the large shapes; the last M <= 16 tile
+# decodes A in its loop instead, which saves that launch where the whole GEMM lasts a few microseconds.
 _WMMA_TILES = {
-    16: [(16, 64, 16, 4, 3, 4), (16, 128, 16, 8, 3, 4), (16, 64, 16, 4, 3, 2)],
+    16: [(16, 64, 16, 4, 3, 4), (16, 128, 16, 8, 3, 4), (16, 64, 16, 4, 3, 2), (16, 64, 16, 4, 3, 4, False)],
     32: [(32, 128, 8, 8, 4, 2), (32, 64, 16, 4, 3, 4)],
     64: [(64, 128, 8, 8, 4, 2), (64, 64, 16, 4, 3, 4)],
     512: [(128, 128, 8, 8, 3, 2), (128, 128, 8, 8, 4, 4), (64, 128, 8, 8, 4, 2)],
@@ -87,7 +107,8 @@ def _wmma_rank(device: torch.device) -> int:
 
 
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
-    """Candidate configs for one problem, best guess first (the first is also the untuned default)."""
+    """Candidate configs for one problem (at most ``MAX_CONFIGS``), best guess first (the first is also the untuned
+    default)."""
     kb = k // 16
     sms = _num_sms(device)
     out: list[dict] = []
@@ -114,11 +135,10 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
 
-    def wmma(bm: int, bn: int, bkb: int, warps: int, stages: int, split: int) -> dict:
-        # A decoded once up front (APRE) won every H200 sweep point; keep >= 2 K steps per split
-        split = max(1, min(split, kb // (2 * bkb)))
+    def wmma(bm: int, bn: int, bkb: int, warps: int, stages: int, split: int, apre: bool = True) -> dict:
+        split = max(1, min(split, kb // (2 * bkb)))  # keep >= 2 K steps per split
         return {"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps, "stages": stages,
-                "APRE": True}
+                **({"APRE": True} if apre else {})}
 
     # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 the fp16x2 GEMV (gemv2 with H2) in one launch
     # (split 1, small N tiles, the whole K per CTA); above, the swapped-operand tensor-core wmma (first on SM90; the
@@ -161,13 +181,24 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     if rank:
         bound = min(b for b in _WMMA_TILES if m <= b)  # the last bound, 2**62, holds every M
         new = [wmma(*t) for t in _WMMA_TILES[bound]]
-        out = new + out if rank == 2 else out + new
+        if rank == 2:  # SM90: wmma beat the older bf16 mma at every M of the H200 sweeps
+            out = new + [c for c in out if c["kernel"] != "mma"]
+        else:
+            out += new[:max(1, MAX_CONFIGS - len(out))]
     return out
+
+
+def _split_args(grid: tuple, m: int, n: int, out: torch.Tensor) -> tuple:
+    """(workspace, counters) of a split-K grid (N tiles, splits[, M tiles]); ``out`` twice when not split (unused)."""
+    if grid[1] == 1:
+        return out, out
+    tiles = grid[0] * (grid[2] if len(grid) > 2 else 1)
+    return splitk.buffers(m, n, grid[1], tiles, out.device)
 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
-    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (plus a finalize pass when split-K > 1).
+    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE: two).
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
@@ -186,8 +217,8 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     split = _cdiv(kb, per)
     sa = a_scale.view(torch.uint8)
     sb = b_scale.view(torch.uint8)
-    dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=out.device)
     warps = int(config.get("warps", DEFAULT_WARPS))
+    pdl = _pdl(out.device, config)
     if config["kernel"] in ("gemv2", "wmma") and bkb % 4:
         raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
     if config["kernel"] == "wmma":
@@ -197,33 +228,33 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         asm, a64 = not _interpreted(), a.view(torch.int64)
         if config.get("APRE"):  # decode A once (fp16; fp32 in the interpreter), in wmma's K order
             ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a.device)
-            _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm)
+            _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm,
+                                                                     **pdl)
             a64 = ad
         grid = (_cdiv(n, bn), split, _cdiv(m, bm))
-        _wmma.wmma_kernel[grid](a64, b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
-                                BM=bm, BN=bn, BKB=bkb, ATOMIC=split > 1, ASM=asm, APRE=bool(config.get("APRE")),
-                                num_warps=warps, num_stages=int(config.get("stages", 3)))
+        _wmma.wmma_kernel[grid](a64, b.view(torch.int64), sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n,
+                                kb, cb, per, BM=bm, BN=bn, BKB=bkb, SPLIT=split > 1, ASM=asm,
+                                APRE=bool(config.get("APRE")), num_warps=warps, num_stages=int(config.get("stages", 3)),
+                                **pdl)
     elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))
         # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
-        kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, dst, m, n, kb, cb, per,
-                              MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), ATOMIC=split > 1,
+        kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, out,
+                              *_split_args(grid, m, n, out), m, n, kb, cb, per,
+                              MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), SPLIT=split > 1,
                               H2=bool(config.get("H2", False)), ASM=not _interpreted(), EVEN_K=kb % bkb == 0,
                               PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
-                              num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config))
+                              num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl)
     elif config["kernel"] == "gemv":
         bn = int(config["BN"])
         grid = (_cdiv(n, bn), split)
-        kf.gemv_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, MB=int(config["MB"]), BN=bn,
-                             BKB=bkb, ATOMIC=split > 1, num_warps=warps)
+        kf.gemv_kernel[grid](a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+                             MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
     else:
         bm, bn = int(config["BM"]), int(config["BN"])
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
-        kf.mma_kernel[grid](a, b, sa, sb, alpha, dst, m, n, k2, kb, cb, per, BM=bm, BN=bn, BKB=bkb,
-                            GROUP_M=int(config.get("GROUP_M", 8)), ATOMIC=split > 1, DOT_F32=_interpreted(),
-                            num_warps=warps, num_stages=int(config.get("stages", 3)))
-    if split > 1:
-        numel = m * n
-        kf.finalize_kernel[(_cdiv(numel, 1024),)](dst, alpha, out, numel, BLOCK=1024)
+        kf.mma_kernel[grid](a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+                            BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
+                            DOT_F32=_interpreted(), num_warps=warps, num_stages=int(config.get("stages", 3)))
     return out
