@@ -235,7 +235,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         _wmma.wmma_kernel[grid](a64, b.view(torch.int64), sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n,
                                 kb, cb, per, BM=bm, BN=bn, BKB=bkb, SPLIT=split > 1, ASM=asm,
                                 APRE=bool(config.get("APRE")), num_warps=warps, num_stages=int(config.get("stages", 3)),
-                                **pdl)
+                                **_launch_extras(config), **pdl)
     elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))

@@ -1,0 +1,55 @@
+"""Where the host time of an eager call goes: cProfile over back-to-back ``fused_mm`` and ``fp4_mm`` calls (top
+functions by own time), for a one-launch and a two-launch config.
+
+    export PYTHONPATH=$PWD; python benchmarks/profile_host.py
+"""
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import torch
+from bench_hopper import rand_operands  # benchmarks/ is on sys.path when this file runs as a script
+
+from fp4dispatch.kernels.fused import fused_mm
+
+CASES = [
+    (1, 6144, 2048, {"kernel": "gemv2", "MB": 1, "BN": 4, "BKB": 128, "split": 1, "warps": 2, "stages": 3,
+                     "PAIR": True, "prefetch": True, "H2": True, "CVT": True}),
+    (16, 8192, 8192, {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3,
+                      "APRE": True}),
+]
+
+
+def _host_us(fn, reps: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / reps * 1e6
+
+
+def main(reps: int = 500) -> None:
+    import fp4dispatch
+
+    for m, n, k, cfg in CASES:
+        ops = rand_operands(m, n, k, seed=1)
+        calls = {"fused_mm": lambda c=cfg: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, c),
+                 "fp4_mm": lambda: fp4dispatch.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out=ops.out)}
+        for name, fn in calls.items():
+            fn()
+            print(f"--- M={m} N={n} K={k} {cfg['kernel']} {name}: {_host_us(fn, reps):.1f} us host per call", flush=True)
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(reps):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
