@@ -1,12 +1,15 @@
 """Where the host time of an eager call goes: cProfile over back-to-back ``fused_mm`` and ``fp4_mm`` calls (top
-functions by own time), for a one-launch and a two-launch config.
+functions by own time), for a one-launch and a two-launch config. ``--ab``: instead, host time per call with the
+direct launch of compiled kernels (``kernels/launch.py``) on and off, interleaved in one process (the lent machine's
+host speed moves between runs, so only same-run comparisons hold).
 
-    export PYTHONPATH=$PWD; python benchmarks/profile_host.py
+    export PYTHONPATH=$PWD; python benchmarks/profile_host.py [--ab]
 """
 from __future__ import annotations
 
 import cProfile
 import pstats
+import sys
 import time
 
 import torch
@@ -51,5 +54,27 @@ def main(reps: int = 500) -> None:
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
 
 
+def ab(reps: int = 500, rounds: int = 5) -> None:
+    from fp4dispatch.kernels import launch
+
+    for m, n, k, cfg in CASES:
+        ops = rand_operands(m, n, k, seed=1)
+
+        def call(c=cfg):
+            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, c)
+
+        call()
+        times = {True: [], False: []}
+        for _ in range(rounds):
+            for fast in (True, False):
+                launch._fast = fast
+                times[fast].append(_host_us(call, reps))
+        launch._fast = True
+        med = {f: sorted(t)[len(t) // 2] for f, t in times.items()}
+        print(f"M={m} N={n} K={k} {cfg['kernel']}: host us per fused_mm call, median of {rounds} rounds of {reps}: "
+              f"direct launch {med[True]:.1f}, kernel[grid] {med[False]:.1f} ({med[False] / med[True]:.2f}x)",
+              flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    ab() if "--ab" in sys.argv else main()

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from . import interpreting, splitk
+from .launch import launch
 
 __all__ = ["fused_mm", "configs_for", "DEFAULT_WARPS"]
 
@@ -228,33 +229,32 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         asm, a64 = not _interpreted(), a.view(torch.int64)
         if config.get("APRE"):  # decode A once (fp16; fp32 in the interpreter), in wmma's K order
             ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a.device)
-            _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm,
-                                                                     **pdl)
+            launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, 16), _cdiv(kb, 16)), a64, sa, ad, m, kb, cb, BR=16, BKB=16,
+                   ASM=asm, **pdl)
             a64 = ad
         grid = (_cdiv(n, bn), split, _cdiv(m, bm))
-        _wmma.wmma_kernel[grid](a64, b.view(torch.int64), sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n,
-                                kb, cb, per, BM=bm, BN=bn, BKB=bkb, SPLIT=split > 1, ASM=asm,
-                                APRE=bool(config.get("APRE")), num_warps=warps, num_stages=int(config.get("stages", 3)),
-                                **_launch_extras(config), **pdl)
+        launch(_wmma.wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out, *_split_args(grid, m, n, out),
+               m, n, kb, cb, per, BM=bm, BN=bn, BKB=bkb, SPLIT=split > 1, ASM=asm, APRE=bool(config.get("APRE")),
+               num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl)
     elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))
         # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
-        kf.gemv2_kernel[grid](a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, out,
-                              *_split_args(grid, m, n, out), m, n, kb, cb, per,
-                              MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), SPLIT=split > 1,
-                              H2=bool(config.get("H2", False)), ASM=not _interpreted(), EVEN_K=kb % bkb == 0,
-                              PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
-                              num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl)
+        launch(kf.gemv2_kernel, grid, a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, out,
+               *_split_args(grid, m, n, out), m, n, kb, cb, per,
+               MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), SPLIT=split > 1,
+               H2=bool(config.get("H2", False)), ASM=not _interpreted(), EVEN_K=kb % bkb == 0,
+               PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
+               num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl)
     elif config["kernel"] == "gemv":
         bn = int(config["BN"])
         grid = (_cdiv(n, bn), split)
-        kf.gemv_kernel[grid](a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
-                             MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
+        launch(kf.gemv_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+               MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
     else:
         bm, bn = int(config["BM"]), int(config["BN"])
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
-        kf.mma_kernel[grid](a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
-                            BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
-                            DOT_F32=_interpreted(), num_warps=warps, num_stages=int(config.get("stages", 3)))
+        launch(kf.mma_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+               BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
+               DOT_F32=_interpreted(), num_warps=warps, num_stages=int(config.get("stages", 3)))
     return out

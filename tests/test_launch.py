@@ -1,0 +1,103 @@
+"""CPU tests of ``fp4dispatch.kernels.launch``: a fake JIT function stands in for Triton's, so the cache key and the
+argument list of a direct launch are checked without a GPU."""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+from fp4dispatch.kernels import launch as L
+
+
+def _kernel(x_ptr, y_ptr, n, BLOCK: int, FLAG: bool = False, EXTRA: int = 7):
+    pass
+
+
+class FakeCompiled:
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def run(self):  # the attribute launch() looks for
+        pass
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise TypeError("function takes exactly 12 arguments")
+            self.log.append(("direct", grid, args))
+        return runner
+
+
+class FakeJIT:
+    signature = inspect.signature(_kernel)
+
+    def __init__(self, fail=False):
+        self.log, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.log, self.fail)
+        return call
+
+
+@pytest.fixture(autouse=True)
+def compiled_path(monkeypatch):
+    monkeypatch.setattr(L, "_interpreted", lambda: False)
+    monkeypatch.setattr(L, "_fast", True)
+    monkeypatch.setattr(L, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_second_call_launches_the_compiled_kernel_with_every_parameter():
+    fn = FakeJIT()
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32, num_warps=4)
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32, num_warps=4)
+    assert [e[0] for e in fn.log] == ["jit", "direct"]
+    # three grid dims (the compiled kernel's launcher reads grid[2]); signature order, defaults filled in
+    assert fn.log[0][1] == fn.log[1][1] == (4, 1, 1) and fn.log[1][2] == (x, y, 10, 32, False, 7)
+
+
+@pytest.mark.parametrize("change", ["int", "constexpr", "option", "grid", "alignment", "dtype"])
+def test_anything_triton_specializes_on_misses_the_cache(change):
+    fn = FakeJIT()
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32, num_warps=4)
+    args, kw, grid = [x, y, 10], {"BLOCK": 32, "num_warps": 4}, (4, 1)
+    if change == "int":
+        args[2] = 16
+    elif change == "constexpr":
+        kw["FLAG"] = True
+    elif change == "option":
+        kw["num_warps"] = 8
+    elif change == "grid":
+        grid = (8, 1)
+    elif change == "alignment":
+        args[0] = x[1:]  # address mod 16 differs: Triton may have assumed 16-byte alignment
+    else:
+        args[1] = y.view(torch.int32)
+    L.launch(fn, grid, *args, **kw)
+    assert [e[0] for e in fn.log] == ["jit", "jit"]
+
+
+def test_failed_direct_launch_switches_to_the_jit_path(caplog):
+    fn = FakeJIT(fail=True)
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+        L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "jit"]
+    assert caplog.text.count("direct launch of a compiled Triton kernel failed (TypeError") == 1
+
+
+def test_interpreter_always_takes_the_jit_path(monkeypatch):
+    monkeypatch.setattr(L, "_interpreted", lambda: True)
+    fn = FakeJIT()
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    for _ in range(2):
+        L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    assert [e[0] for e in fn.log] == ["jit", "jit"] and L._COMPILED == {}
