@@ -54,7 +54,7 @@ def pdl_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL) a kernel may start while the previous one on its stream is still
     running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). No kernel
     here triggers its dependents early: on the H200 an early trigger in the A-decode kernel let ``wmma`` CTAs be
-    placed unevenly (split 2 on N=8192: 68 -> 104 us)."""
+    placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
     if PDL:
         gdc_wait()
 
