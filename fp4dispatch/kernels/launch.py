@@ -9,6 +9,7 @@ dtype and its address mod 16, Triton's alignment specialization), the keyword ar
 options: scalars), the grid and the device. A later call with an equal key launches that compiled kernel directly,
 with the argument list ``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a
 direct launch raises, the fast path is switched off for the process and the call goes through ``kernel[grid]``.
+There is one entry per distinct key (e.g. per M a model runs with); the entries share the compiled kernels.
 """
 from __future__ import annotations
 
