@@ -258,6 +258,22 @@ def run_variants(res: dict, bw: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Ratios and roofline use the kernel's CUDA-graph time: eager fp4_mm times on the lent machine move with its host
+# (40-130 us per call at M <= 16, RESULTS.md, fourth session), the GPU work does not.
+TABLE_HEADER = ("| N | K | M | kernel us (graph) | fp4_mm us (eager) | pick | TFLOP/s | % roofline | x bf16 "
+                "| cuBLAS bf16 us | torch dq+mm us | x torch |")
+
+
+def table_row(r: dict) -> str:
+    """One markdown row of the table from a row of table.json."""
+    cfg = ",".join(f"{a}={b}" for a, b in r["config"].items() if a not in ("kernel", "PAIR", "stages"))
+    g = r["graph_us"]
+    return (f"| {r['n']} | {r['k']} | {r['m']} | {g:.1f} | {r['fp4_mm_us']:.1f} | {r['backend']} "
+            f"{r['config'].get('kernel', '')}({cfg}) | {2 * r['m'] * r['n'] * r['k'] / (g * 1e-6) / 1e12:.1f} | "
+            f"{r['roof_us'] / g * 100:.1f} | {r['bf16_us'] / g:.2f} | {r['bf16_us']:.1f} | {r['torch_dq_us']:.1f} | "
+            f"{r['torch_dq_us'] / g:.1f} |")
+
+
 def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
     from fp4dispatch.dispatcher import Dispatcher
     from fp4dispatch.format import dequantize_nvfp4
@@ -266,9 +282,7 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
     cache = tempfile.mkdtemp(prefix="fp4c-bench-")
     d = Dispatcher(cache_dir=cache)
     rows = []
-    hdr = ("| N | K | M | fp4_mm us | graph us | backend (config) | TFLOP/s | % roofline | x bf16 | cuBLAS bf16 us "
-           "| torch dq+mm us | x torch |")
-    log(hdr)
+    log(TABLE_HEADER)
     log("|" + "---|" * 12)
     for (n, k) in shapes:
         wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -294,19 +308,16 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
                  "backend": choice.backend.name, "config": choice.config, "bf16_us": t_bf16 * 1e3,
                  "torch_dq_us": t_tdq * 1e3, "roof_us": roof_us, "tune_s": tune_s}
             rows.append(r)
-            cfg = ",".join(f"{a}={b}" for a, b in choice.config.items() if a != "kernel")
-            kern = choice.config.get("kernel", "")
-            log(f"| {n} | {k} | {m} | {t_fp4 * 1e3:.1f} | {t_graph * 1e3:.1f} | {choice.backend.name} {kern}({cfg}) | "
-                f"{2 * m * n * k / (t_fp4 * 1e-3) / 1e12:.1f} | {roof_us / (t_fp4 * 1e3) * 100:.1f} | "
-                f"{t_bf16 / t_fp4:.2f} | {t_bf16 * 1e3:.1f} | {t_tdq * 1e3:.1f} | {t_tdq / t_fp4:.1f} |")
+            log(table_row(r))
             with open(os.path.join(out_dir, "table.json"), "w") as f:
                 json.dump(rows, f, indent=1)
         del wb
     res["table"] = rows
-    plot(rows, bw, os.path.join(out_dir, "bench_hopper.png"))
+    plot(rows, bw, os.path.join(out_dir, "bench_hopper.png"), res["gpu"])
 
 
-def plot(rows, bw: float, path: str) -> None:
+def plot(rows, bw: float, path: str, gpu: str) -> None:
+    """Time vs M per shape (log-log): the pick in a CUDA graph and eager, cuBLAS bf16, torch, the roofline."""
     try:
         import matplotlib
 
@@ -320,7 +331,8 @@ def plot(rows, bw: float, path: str) -> None:
     for ax, (n, k) in zip(axes.flat, shapes):
         rs = sorted((r for r in rows if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
         ms = [r["m"] for r in rs]
-        ax.loglog(ms, [r["fp4_mm_us"] for r in rs], "o-", label="fp4_mm (dispatcher)")
+        ax.loglog(ms, [r["graph_us"] for r in rs], "o-", label="fp4_mm pick (CUDA graph)")
+        ax.loglog(ms, [r["fp4_mm_us"] for r in rs], "o:", alpha=0.5, label="fp4_mm eager")
         ax.loglog(ms, [r["bf16_us"] for r in rs], "s-", label="cuBLAS bf16")
         ax.loglog(ms, [r["torch_dq_us"] for r in rs], "^-", label="torch dequant+mm")
         ax.loglog(ms, [r["roof_us"] for r in rs], "k--", label="FP4-byte roofline")
@@ -329,7 +341,7 @@ def plot(rows, bw: float, path: str) -> None:
         ax.set_ylabel("us")
         ax.grid(True, which="both", alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"NVFP4 GEMM on {torch.cuda.get_device_name()} (copy bw {bw / 1e12:.2f} TB/s)", fontsize=10)
+    fig.suptitle(f"NVFP4 GEMM on {gpu} (copy bw {bw / 1e12:.2f} TB/s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     log(f"plot: {path}")
