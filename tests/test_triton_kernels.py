@@ -214,6 +214,27 @@ def test_split_buffers_per_stream_and_under_capture(monkeypatch):
     assert splitk.buffers(1, 1, 2, 9, cpu)[1] is splitk._COUNTERS[("cpu", 0)]
 
 
+def test_prepare_capture_only_for_a_capture_stream_on_that_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from fp4dispatch.kernels import splitk
+
+    made = []
+    monkeypatch.setattr(splitk, "prepare", lambda device, stream=None, tiles=0: made.append((device, stream)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: SimpleNamespace(device=torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+    splitk.prepare_capture(torch.device("cuda", 1))  # not the current device: torch would capture elsewhere
+    assert torch.cuda.graph.default_capture_stream is None and made == []
+    splitk.prepare_capture(torch.device("cuda"))  # the current device: the stream is made the way torch makes it
+    stream = torch.cuda.graph.default_capture_stream
+    assert stream is not None and made == [(torch.device("cuda", 0), stream)]
+    splitk.prepare_capture(torch.device("cuda", 1))  # the existing capture stream lives on device 0
+    assert len(made) == 1
+    splitk.prepare_capture(torch.device("cpu"))
+    assert len(made) == 1
+
+
 def test_pdl_only_on_sm90_gpus(monkeypatch):
     from fp4dispatch.kernels import fused
 

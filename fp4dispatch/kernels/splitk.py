@@ -28,8 +28,9 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def _key(device: torch.device, stream: torch.cuda.Stream | None) -> tuple:
     if device.type != "cuda":
         return (str(device), 0)
-    s = stream if stream is not None else torch.cuda.current_stream(device)
-    return (str(device), s.cuda_stream)
+    idx = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" and "cuda:0" alike
+    s = stream if stream is not None else torch.cuda.current_stream(idx)
+    return (f"cuda:{idx}", s.cuda_stream)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -52,16 +53,17 @@ def prepare(device: torch.device, stream: torch.cuda.Stream | None = None, tiles
 
 
 def prepare_capture(device: torch.device) -> None:
-    """Create the counters of ``torch.cuda.graph``'s default capture stream (created here the way torch creates it,
-    if no graph made it yet), so that split-K launches captured there need no memset node."""
+    """Create the counters of ``torch.cuda.graph``'s default capture stream, so that split-K launches captured there
+    need no memset node. If no graph has made that stream yet, it is made here the way torch makes it (on the current
+    device, so only when ``device`` is the current one: torch would capture on it for every later graph)."""
     if device.type != "cuda":
         return
-    with torch.cuda.device(device):
-        if torch.cuda.graph.default_capture_stream is None:
-            torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
-        stream = torch.cuda.graph.default_capture_stream
-    if stream.device == device:
-        prepare(device, stream)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.graph.default_capture_stream is None and idx == torch.cuda.current_device():
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    stream = torch.cuda.graph.default_capture_stream
+    if stream is not None and stream.device.index == idx:
+        prepare(torch.device("cuda", idx), stream)
 
 
 def buffers(m: int, n: int, split: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
