@@ -51,7 +51,7 @@ def graph_ms(fn) -> float:
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
-    splitk.prepare_capture(torch.device("cuda", torch.cuda.current_device()))  # as fp4dispatch.warmup() does
+    splitk.prepare_capture(torch.device("cuda"))  # as fp4dispatch.warmup() does
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()

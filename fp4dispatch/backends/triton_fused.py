@@ -1,8 +1,9 @@
 """``triton:fused``: NVFP4 x NVFP4 in one Triton kernel for GPUs without FP4 tensor cores (Hopper, Ada, Ampere).
 
-Both operands are decoded in registers (bit placement, no lookup table), multiplied on bf16 tensor cores (``mma``
-configs, any M) or on CUDA cores (``gemv2``: int64 words = whole 16-blocks, M <= 4; ``gemv``: bytes, M <= 2),
-accumulated in fp32; alpha is applied in fp32 at the end.
+Both operands are decoded in registers (bit placement, no lookup table), multiplied on tensor cores (``wmma``: the
+weight as the wgmma register operand, SM89+, the H200's pick from M = 3; ``mma``: bf16 tiles, any M, the fallback
+before SM89) or on CUDA cores (``gemv2``: int64 words = whole 16-blocks, the M <= 2 pick; ``gemv``: bytes),
+accumulated in fp32; alpha is applied in fp32 at the end (kernels and configs: ``kernels/fused.py``).
 Exact up to fp32 summation order and the output cast. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations

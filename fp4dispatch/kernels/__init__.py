@@ -8,16 +8,29 @@ run on CPU tensors (Triton's interpreter), which is how CI tests them.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["triton_missing", "interpreting", "device_problem"]
+__all__ = ["triton_missing", "interpreting", "jit_interpreted", "cuda_index", "device_problem"]
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+@functools.cache
+def jit_interpreted() -> bool:
+    """``interpreting()`` read once: Triton fixes interpret-or-compile when the ``@triton.jit`` functions are defined,
+    so the launch paths (per layer, per token) need not read the environment again."""
+    return interpreting()
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` ("cuda" means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def triton_missing() -> str | None:

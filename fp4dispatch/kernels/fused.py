@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from . import interpreting, splitk
+from . import cuda_index, jit_interpreted, splitk
 from .launch import launch
 
 __all__ = ["fused_mm", "configs_for", "DEFAULT_WARPS"]
@@ -32,7 +32,7 @@ def _cdiv(a: int, b: int) -> int:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SMS[idx]
@@ -46,11 +46,7 @@ def _split_for(ctas: int, kb: int, bkb: int, sms: int) -> int:
     return max(1, min(want, kb // (4 * bkb)))
 
 
-@functools.cache
-def _interpreted() -> bool:
-    # Triton fixes interpret-or-compile when the @triton.jit functions are defined, so the environment is read once
-    # here instead of on every call (fused_mm runs per layer, per token)
-    return interpreting()
+_interpreted = jit_interpreted  # a module attribute, so that tests can patch it
 
 
 def _launch_extras(config: dict) -> dict:
@@ -71,16 +67,14 @@ def _pdl(device: torch.device, config: dict) -> dict:
     ``config["pdl"]`` False turns it off (benchmarks compare both)."""
     if not config.get("pdl", True) or device.type != "cuda" or _interpreted():
         return {}
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return {"launch_pdl": True, "PDL": True} if _pdl_capable(idx) else {}
+    return {"launch_pdl": True, "PDL": True} if _pdl_capable(cuda_index(device)) else {}
 
 
 def _has_fp8_cvt(device: torch.device) -> bool:
     """cvt.rn.f16x2.e4m3x2 exists on SM89+ (Ada, Hopper, Blackwell); not on Ampere, not in the interpreter."""
     if device.type != "cuda" or _interpreted():
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(idx) >= (8, 9)
+    return torch.cuda.get_device_capability(cuda_index(device)) >= (8, 9)
 
 
 # wmma tiles (BM, BN, BKB, warps, stages, split[, APRE]) by M bound, best first (H200 sweeps, notes_hopper.md).
@@ -102,8 +96,7 @@ def _wmma_rank(device: torch.device) -> int:
         return 1 if _interpreted() else 0
     if _interpreted():
         return 0
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(idx)
+    cap = torch.cuda.get_device_capability(cuda_index(device))
     return 2 if cap[0] == 9 else 1 if cap >= (8, 9) else 0
 
 

@@ -13,12 +13,11 @@ There is one entry per distinct key (e.g. per M a model runs with); the entries 
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from . import interpreting
+from . import jit_interpreted
 
 __all__ = ["launch"]
 
@@ -27,7 +26,7 @@ log = logging.getLogger("fp4dispatch")
 _COMPILED: dict[tuple, tuple[object, list]] = {}
 _PARAMS: dict[int, tuple[list[str], dict]] = {}
 _fast = True
-_interpreted = functools.cache(interpreting)  # fixed when the kernels are defined (see fused._interpreted)
+_interpreted = jit_interpreted  # a module attribute, so that tests can patch it
 
 
 def _params(fn) -> tuple[list[str], dict]:

@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from . import cuda_index
+
 __all__ = ["buffers", "prepare", "prepare_capture"]
 
 log = logging.getLogger("fp4dispatch")
@@ -28,7 +30,7 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 def _key(device: torch.device, stream: torch.cuda.Stream | None) -> tuple:
     if device.type != "cuda":
         return (str(device), 0)
-    idx = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" and "cuda:0" alike
+    idx = cuda_index(device)  # "cuda" and "cuda:0" alike
     s = stream if stream is not None else torch.cuda.current_stream(idx)
     return (f"cuda:{idx}", s.cuda_stream)
 
@@ -58,7 +60,7 @@ def prepare_capture(device: torch.device) -> None:
     device, so only when ``device`` is the current one: torch would capture on it for every later graph)."""
     if device.type != "cuda":
         return
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if torch.cuda.graph.default_capture_stream is None and idx == torch.cuda.current_device():
         torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
     stream = torch.cuda.graph.default_capture_stream
