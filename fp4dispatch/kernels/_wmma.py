@@ -9,8 +9,10 @@ propagates that layout back to the raw words (checked in the TTGIR: no ``local_a
 
 Values: a nibble pair becomes fp16x2 bits (``_pair``: e2m1 * 2**-14), one ``mul.rn.f16x2`` applies the block scale
 (e4m3 * 2**7, exact in fp16), so every operand is e2m1 * e4m3 * 2**-7, exact in fp16 (products are multiples of
-2**-17, below 21). The dot accumulates in fp32; the epilogue multiplies by 2**14 (exact), then alpha. Under the
-interpreter (no PTX) the same values are formed in fp32 and the dot runs in fp32.
+2**-17, below 21). The dot accumulates in fp32; the epilogue multiplies by 2**14 (exact), then alpha. With ``CVT``
+the nibbles go through e4m3 bytes and ``cvt.rn.f16x2.e4m3x2`` instead (``_h2._cvt4``: 11 instructions per 8 values
+instead of 16; e2m1 * 2**-6), so operands are e2m1 * e4m3 * 2 (at most 5376, exact in fp16) and the epilogue
+multiplies by 2**-2. Under the interpreter (no PTX) the same values are formed in fp32 and the dot runs in fp32.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import triton
 import triton.language as tl
 
 from ._fused import _swz_row, e4m3_to_f32, grid_tile, pdl_wait, store_out
-from ._h2 import _halves, _pair
+from ._h2 import _cvt4, _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
+WMMA_UNDO_CVT = tl.constexpr(0.25)  # 2**-2: undoes the factor 2 on each operand of the CVT decode
 
 
 @triton.jit
@@ -67,19 +70,25 @@ def _scale(s, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
+def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr = False):
     """int64 words [R, BKB] (one 16-block each) and their e4m3 scale bytes -> [R, BKB*16] operand values
-    (e2m1 * e4m3 * 2**-7; fp16 when ASM, else fp32) in this kernel's K order (a fixed permutation within each
-    group of 4 blocks; both operands use it)."""
+    (e2m1 * e4m3 * 2**-7, with CVT * 2; fp16 when ASM, else fp32) in this kernel's K order (a fixed permutation
+    within each group of 4 blocks; both operands use it, and CVT pairs other nibbles: A and W need the same CVT)."""
     R: tl.constexpr = x.shape[0]
     sc = _scale(s, ASM)
     lo = x.to(tl.uint32)
     hi = (x >> 32).to(tl.uint32)
     if ASM:
-        q = _join8(_scaled(_pair(lo, 0), sc, ASM), _scaled(_pair(lo, 1), sc, ASM),
-                   _scaled(_pair(lo, 2), sc, ASM), _scaled(_pair(lo, 3), sc, ASM),
-                   _scaled(_pair(hi, 0), sc, ASM), _scaled(_pair(hi, 1), sc, ASM),
-                   _scaled(_pair(hi, 2), sc, ASM), _scaled(_pair(hi, 3), sc, ASM))
+        if CVT:
+            c0, c1, c2, c3 = _cvt4(lo)
+            c4, c5, c6, c7 = _cvt4(hi)
+            q = _join8(_scaled(c0, sc, ASM), _scaled(c1, sc, ASM), _scaled(c2, sc, ASM), _scaled(c3, sc, ASM),
+                       _scaled(c4, sc, ASM), _scaled(c5, sc, ASM), _scaled(c6, sc, ASM), _scaled(c7, sc, ASM))
+        else:
+            q = _join8(_scaled(_pair(lo, 0), sc, ASM), _scaled(_pair(lo, 1), sc, ASM),
+                       _scaled(_pair(lo, 2), sc, ASM), _scaled(_pair(lo, 3), sc, ASM),
+                       _scaled(_pair(hi, 0), sc, ASM), _scaled(_pair(hi, 1), sc, ASM),
+                       _scaled(_pair(hi, 2), sc, ASM), _scaled(_pair(hi, 3), sc, ASM))
         v_lo, v_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [_k_order(q, R, BKB)],
                                                dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
     else:
@@ -98,7 +107,7 @@ def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, CVT: tl.constexpr = False):
     """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
     wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile.
     PDL: see ``pdl_wait``."""
@@ -113,17 +122,17 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
     KP = (KB + 3) // 4 * 64
     kk = kb0 * 16 + tl.arange(0, BKB * 16)
     omask = (rm[:, None] < M) & (kk[None, :] < KP)
-    tl.store(ad_ptr + rm[:, None].to(tl.int64) * KP + kk[None, :], _dec16(xa, sa, BKB, ASM), mask=omask)
+    tl.store(ad_ptr + rm[:, None].to(tl.int64) * KP + kk[None, :], _dec16(xa, sa, BKB, ASM, CVT), mask=omask)
 
 
 @triton.jit
 def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB,
                 blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
-                ASM: tl.constexpr, APRE: tl.constexpr = False, PDL: tl.constexpr = False):
+                ASM: tl.constexpr, APRE: tl.constexpr = False, PDL: tl.constexpr = False, CVT: tl.constexpr = False):
     """Tensor-core GEMM over int64 words (a, b viewed as int64 [rows, K/16]), weight as the register operand:
     tile [BN, BM] of out.T per CTA, K split by program_id(1) (SPLIT: the tile's last CTA sums, see ``store_out``).
-    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order).
-    PDL: see ``pdl_wait``."""
+    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order, the
+    same CVT). CVT (ASM only): the decode through e4m3 bytes. PDL: see ``pdl_wait``."""
     pdl_wait(PDL)
     pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
     scol = _scale_cols(t)
@@ -145,6 +154,10 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
         else:
             xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kk[None, :], mask=amask, other=0)
             sa = tl.load(sa_ptr + arow[:, None] + (kb0 // 4) * 512 + scol[None, :], mask=amask, other=0)
-            wa = _dec16(xa, sa, BKB, ASM)
-        acc = tl.dot(_dec16(xb, sb, BKB, ASM), tl.trans(wa), acc)
-    store_out(tl.trans(acc) * WMMA_UNDO, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
+            wa = _dec16(xa, sa, BKB, ASM, CVT)
+        acc = tl.dot(_dec16(xb, sb, BKB, ASM, CVT), tl.trans(wa), acc)
+    if CVT:
+        acc = acc * WMMA_UNDO_CVT
+    else:
+        acc = acc * WMMA_UNDO
+    store_out(tl.trans(acc), rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
