@@ -337,6 +337,32 @@ def test_cvt_configs_only_where_the_instruction_exists(monkeypatch, cap, want):
     assert not any(c.get("CVT") for c in fused.configs_for(1, 8192, 8192, torch.device("cpu")))
 
 
+@pytest.mark.parametrize("m, n, k, grown", [(16, 768, 6144, True), (128, 768, 6144, True), (16, 2048, 6144, True),
+                                            (128, 2048, 6144, True), (16, 8192, 8192, False),
+                                            (128, 8192, 8192, False), (128, 6144, 2048, False)])
+def test_wmma_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, grown):
+    from fp4dispatch.kernels import fused
+
+    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cfgs = [c for c in fused.configs_for(m, n, k, torch.device("cuda", 0)) if c["kernel"] == "wmma"]
+    assert len(cfgs) == len({json.dumps(c, sort_keys=True) for c in cfgs})  # no duplicates
+    for bm, bn, bkb, warps, stages, split, *apre in fused._WMMA_TILES[min(b for b in fused._WMMA_TILES if m <= b)]:
+        tiles = -(-n // bn) * -(-m // bm)
+        steps = k // 16 // bkb
+        if tiles * split < 132:  # under one wave: as many CTAs as the SMs hold, keeping >= 2 K steps per split
+            want = min(max(split, fused._wmma_resident(bm, warps) * 132 // tiles), steps // 2)
+        else:  # a full wave already: the tuned split stays
+            want = min(split, steps // 2)
+        got = [c["split"] for c in cfgs if (c["BM"], c["BN"], c["BKB"], c["warps"], c["stages"], c.get("APRE", False))
+               == (bm, bn, bkb, warps, stages, apre[0] if apre else True)]
+        assert want in got, (bm, bn, split, want, got)
+    # the small shapes get a larger split than the table's on some tile; the large ones keep the table's splits
+    tabled = {t[5] for t in fused._WMMA_TILES[min(b for b in fused._WMMA_TILES if m <= b)]}
+    assert any(c["split"] not in tabled for c in cfgs) is grown
+
+
 @pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((12, 0), 1), ((8, 0), 0)])
 def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
     from fp4dispatch.kernels import fused

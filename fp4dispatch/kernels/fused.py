@@ -89,6 +89,12 @@ _WMMA_TILES = {
 }
 
 
+def _wmma_resident(bm: int, warps: int) -> int:
+    """CTAs of a ``wmma`` tile resident per H200 SM (ncu): 4-warp tiles of BM <= 64 hold 4 (127 registers);
+    8-warp tiles 2; BM >= 128 one (117 KB of shared memory)."""
+    return 1 if bm >= 128 else max(1, 16 // warps)
+
+
 def _wmma_rank(device: torch.device) -> int:
     """0: no ``wmma`` (its scale decode needs cvt.rn.f16x2.e4m3x2, SM89+); 1: offered after the older kernels;
     2: offered first (SM90: the weight stays in registers as the wgmma operand). The interpreter offers it (CI)."""
@@ -130,6 +136,9 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             out.append(cfg)
 
     def wmma(bm: int, bn: int, bkb: int, warps: int, stages: int, split: int, apre: bool = True) -> dict:
+        tiles = _cdiv(n, bn) * _cdiv(m, bm)
+        if tiles * split < sms:  # under one wave (small N): split K until the SMs hold as many CTAs as they can
+            split = max(split, sms * _wmma_resident(bm, warps) // tiles)
         split = max(1, min(split, kb // (2 * bkb)))  # keep >= 2 K steps per split
         return {"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps, "stages": stages,
                 **({"APRE": True} if apre else {})}
@@ -174,7 +183,11 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         mma(128, 256, 4, 8, 3, split=1)
     if rank:
         bound = min(b for b in _WMMA_TILES if m <= b)  # the last bound, 2**62, holds every M
-        new = [wmma(*t) for t in _WMMA_TILES[bound]]
+        new = []
+        for t in _WMMA_TILES[bound]:
+            cfg = wmma(*t)
+            if cfg not in new:  # small shapes: tiles that differ only by split may get the same sized split
+                new.append(cfg)
         if rank == 2:  # SM90: wmma beat the older bf16 mma at every M of the H200 sweeps
             out = new + [c for c in out if c["kernel"] != "mma"]
         else:
