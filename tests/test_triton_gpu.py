@@ -105,6 +105,43 @@ def test_quantize_bit_identical(dtype, swizzled):
     assert torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
 
 
+def test_dequant_and_quantize_repeat_through_direct_launch(monkeypatch):
+    """dequant.py and quantize.py launch through kernels/launch.py: calls after the first reuse the compiled kernel
+    (with other data each time, an 8-byte-aligned input and a folded factor), and every result stays exact."""
+    from fp4dispatch.format import _quantize_torch, dequantize_nvfp4, swizzle_scales
+    from fp4dispatch.kernels import launch as L
+    from fp4dispatch.kernels import quantize as tq
+    from fp4dispatch.kernels.dequant import dequantize_rows
+
+    from fp4dispatch.kernels._dequant import dequant_kernel
+    from fp4dispatch.kernels._quantize import quant_kernel
+
+    monkeypatch.setattr(L, "_COMPILED", {})  # earlier tests may have compiled these keys already
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for i in range(3):
+        ops = _ops(127, torch.bfloat16, seed=100 + i)
+        b = ops.b
+        if i == 1:  # same shape, address 8 mod 16: a compiled variant of its own
+            b = torch.empty(ops.b.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(ops.b.shape)
+            b.copy_(ops.b)
+        want = dequantize_nvfp4(ops.b, ops.b_scale, dtype=torch.float32)
+        for _ in range(2):
+            got = dequantize_rows(b, ops.b_scale, torch.bfloat16)
+            assert torch.equal(got.float(), want)
+        f = torch.tensor([0.37], device="cuda")
+        got = dequantize_rows(b, ops.b_scale, torch.bfloat16, factor=f)
+        assert torch.equal(got, (want * f).to(torch.bfloat16))
+        x = (torch.randn(300, 4112, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        gs = torch.tensor([0.5 + i], device="cuda")
+        p0, s0 = _quantize_torch(x, gs)
+        for _ in range(2):
+            p1, s1 = tq.quantize(x, gs)
+            assert torch.equal(p0, p1) and torch.equal(swizzle_scales(s0).view(torch.uint8), s1.view(torch.uint8))
+    fns = [key[0] for key in L._COMPILED]
+    # dequant: aligned and shifted, each with and without the factor; quantize: one key (same shape each time)
+    assert fns.count(id(dequant_kernel)) == 4 and fns.count(id(quant_kernel)) == 1
+
+
 def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
     from fp4dispatch.dispatcher import Dispatcher
     from fp4dispatch.problem import Problem

@@ -3,8 +3,8 @@ quantize. Every module imports Triton lazily, so ``import fp4dispatch`` never ne
 
 ``_fused.py`` (with ``_h2.py``) / ``_dequant.py`` hold only ``@triton.jit`` code; ``fused.py`` / ``dequant.py`` /
 ``quantize.py`` are the host wrappers; ``splitk.py`` (split-K workspace and tile counters) and ``launch.py`` (direct
-launches of compiled kernels, less host time per call) serve ``fused.py``. Under ``TRITON_INTERPRET=1`` the kernels
-run on CPU tensors (Triton's interpreter), which is how CI tests them.
+launches of compiled kernels, less host time per call) serve them. Under ``TRITON_INTERPRET=1`` the kernels run on
+CPU tensors (Triton's interpreter), which is how CI tests them.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .launch import launch
+
 __all__ = ["dequantize_rows", "DEQUANT_BLOCK"]
 
 DEQUANT_BLOCK = (16, 16)  # (rows, 16-element blocks) per program: 16 x 256 values, 2 KB of packed input
@@ -24,6 +26,6 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     br, bkb = DEQUANT_BLOCK
     grid = (-(-r // br), -(-kb // bkb))
     f = factor if factor is not None else scale  # any pointer: unused when HAS_F is False
-    dequant_kernel[grid](packed, scale.view(torch.uint8), f, out, r, k2, kb, -(-kb // 4), BR=br, BKB=bkb,
-                         HAS_F=factor is not None, num_warps=4)
+    launch(dequant_kernel, grid, packed, scale.view(torch.uint8), f, out, r, k2, kb, -(-kb // 4), BR=br, BKB=bkb,
+           HAS_F=factor is not None, num_warps=4)
     return out

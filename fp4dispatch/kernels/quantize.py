@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import device_problem
+from .launch import launch
 
 __all__ = ["available", "quantize"]
 
@@ -38,6 +39,6 @@ def quantize(x: torch.Tensor, gs: torch.Tensor, swizzled: bool = True) -> tuple[
         sf = torch.empty((m, kb), dtype=torch.uint8, device=x.device)
     if m and kb:
         grid = (-(-m // _BM), -(-kb // _BKB))
-        quant_kernel[grid](x, gs.reshape(1).float(), packed, sf, m, k, kb, -(-kb // 4), BM=_BM, BKB=_BKB,
-                      SWIZZLED=swizzled, num_warps=4)
+        launch(quant_kernel, grid, x, gs.reshape(1).float(), packed, sf, m, k, kb, -(-kb // 4), BM=_BM, BKB=_BKB,
+               SWIZZLED=swizzled, num_warps=4)
     return packed, sf.view(torch.float8_e4m3fn)
