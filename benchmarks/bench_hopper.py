@@ -17,9 +17,11 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -313,6 +315,8 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
                 json.dump(rows, f, indent=1)
         del wb
     res["table"] = rows
+    for path in glob.glob(os.path.join(cache, "decisions-*.json")):  # every candidate's tuned time, per key
+        shutil.copy(path, os.path.join(out_dir, "decisions.json"))
     plot(rows, bw, os.path.join(out_dir, "bench_hopper.png"), res["gpu"])
 
 
@@ -358,6 +362,8 @@ def main() -> int:
                     help="NxK weight shapes timed in --sweep (comma list)")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--quick", action="store_true", help="table on two shapes only")
+    ap.add_argument("--table-shapes", default="", help="NxK shapes of the table (comma list; default: all six)")
+    ap.add_argument("--table-ms", default="", help="M values of the table (comma list; default: MS)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -388,7 +394,9 @@ def main() -> int:
             log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
         if args.table or not (args.check or args.variants or args.sweep):
             shapes = SHAPES[:2] if args.quick else SHAPES
-            run_table(res, bw, args.out, shapes, MS)
+            if args.table_shapes:
+                shapes = [tuple(int(v) for v in x.split("x")) for x in args.table_shapes.split(",")]
+            run_table(res, bw, args.out, shapes, [int(x) for x in args.table_ms.split(",")] if args.table_ms else MS)
     finally:
         with open(os.path.join(args.out, "bench_hopper.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
