@@ -111,10 +111,9 @@ def test_dequant_and_quantize_repeat_through_direct_launch(monkeypatch):
     from fp4dispatch.format import _quantize_torch, dequantize_nvfp4, swizzle_scales
     from fp4dispatch.kernels import launch as L
     from fp4dispatch.kernels import quantize as tq
-    from fp4dispatch.kernels.dequant import dequantize_rows
-
     from fp4dispatch.kernels._dequant import dequant_kernel
     from fp4dispatch.kernels._quantize import quant_kernel
+    from fp4dispatch.kernels.dequant import dequantize_rows
 
     monkeypatch.setattr(L, "_COMPILED", {})  # earlier tests may have compiled these keys already
     g = torch.Generator(device="cuda").manual_seed(11)

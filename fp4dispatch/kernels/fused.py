@@ -4,10 +4,10 @@ Four kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 
 with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick), ``wmma`` (``_wmma.py``: tensor-core tiles with the
 weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a
 small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
-M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales) and support
-split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``). A config is a JSON-able
-dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
-GPU.
+M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89). All take canonical operands (uint8
+[rows, K/2], 128x4-swizzled e4m3 scales) and support split-K in the same launch (the last CTA of a tile sums the
+fp32 partials: ``splitk.py``). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
+tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ _WMMA_TILES = {
 
 
 def _wmma_resident(bm: int, warps: int) -> int:
-    """CTAs of a ``wmma`` tile resident per H200 SM (ncu): 4-warp tiles of BM <= 64 hold 4 (127 registers);
-    8-warp tiles 2; BM >= 128 one (117 KB of shared memory)."""
+    """CTAs of a ``wmma`` tile resident per H200 SM (ncu): 4-warp tiles of BM <= 64 hold 4 (122-127 registers,
+    ~51 KB of shared memory); 8-warp tiles 2; BM >= 128 one (117 KB of shared memory)."""
     return 1 if bm >= 128 else max(1, 16 // warps)
 
 
