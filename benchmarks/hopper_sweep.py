@@ -20,13 +20,14 @@ def _wmma_configs(m: int) -> list[dict]:
     # fifth session: CVT (nibbles through e4m3 bytes and cvt.rn.f16x2.e4m3x2, 494 vs 558 loop instructions at M=16)
     # won every same-tile pair and is now the default; {"CVT": False} keeps the bit-placement decode for A/B runs
     cvt = {"CVT": False}
+    sk = {"stream": True}  # stream-K (wmma_sk_kernel): one wave of CTAs, each the same share of all K steps
     if m <= 16:
         # (fourth session: split 8, 4-5 stages, BKB 8/32, split 1, A decoded in the loop and maxnreg 96 all lost on
         # the large shapes)
         # (fifth session: with CVT, BKB 8 needs 66 registers instead of 122: up to 7 CTAs per SM instead of 4)
-        tiles = [(16, 64, 16, 4, 3, 2, 1), (16, 64, 16, 4, 3, 4, 1), (16, 128, 16, 8, 3, 4, 1),
-                 (16, 64, 8, 4, 4, 4, 1), (16, 64, 8, 4, 4, 6, 1), (16, 64, 8, 4, 4, 8, 1), (16, 64, 8, 4, 5, 6, 1),
-                 (16, 64, 8, 4, 4, 6, 0), (16, 128, 8, 8, 4, 4, 1)]
+        # (and lost: 27.9-54.1 vs 25.3 us on 8192², see RESULTS.md, fifth session, run 3; stream-K lost too:
+        # 32.8-35.1 / 75.3-81.8 / 73.7-75.6 us vs 25.4 / 60.3 / 58.6, run 6)
+        tiles = [(16, 64, 16, 4, 3, 2, 1), (16, 64, 16, 4, 3, 4, 1), (16, 128, 16, 8, 3, 4, 1)]
     elif m <= 64:
         bm = 32 if m <= 32 else 64
         tiles = [(bm, 64, 16, 4, 3, 4, 1), (bm, 64, 8, 4, 4, 4, 1), (bm, 128, 8, 8, 4, 2, 1), (bm, 64, 16, 4, 3, 2, 1)]
@@ -36,10 +37,11 @@ def _wmma_configs(m: int) -> list[dict]:
         # (fifth session: two stages, alone or with maxnreg 128 for 2 CTAs per SM, and a 256-wide K step all lost:
         # 59-71 / 165-252 / 164-221 us vs 47-48 / 158-160 / 128-131 on the three large shapes; split 3 too)
         tiles = [(128, 128, 8, 8, 4, 2, 1), (128, 128, 8, 8, 4, 4, 1), (64, 128, 8, 8, 4, 2, 1),
-                 (128, 128, 8, 8, 3, 2, 1), (128, 128, 8, 8, 3, 2, 1, cvt)]
+                 (128, 128, 8, 8, 3, 2, 1), (128, 128, 8, 8, 3, 2, 1, cvt), (128, 128, 8, 8, 3, 1, 1, sk),
+                 (128, 128, 8, 8, 4, 1, 1, sk)]
     else:
         tiles = [(128, 128, 8, 8, 3, 1, 1), (256, 128, 4, 8, 3, 1, 1), (128, 128, 4, 8, 4, 1, 1),
-                 (128, 256, 4, 8, 3, 1, 1), (256, 128, 8, 8, 3, 1, 1), (256, 128, 4, 8, 3, 1, 1, cvt)]
+                 (128, 256, 4, 8, 3, 1, 1), (256, 128, 8, 8, 3, 1, 1), (256, 128, 8, 8, 3, 1, 1, sk)]
     out = [{"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "warps": w, "stages": st, "split": sp,
             **({"APRE": True} if pre else {}), **(extra[0] if extra else {})}
            for bm, bn, bkb, w, st, sp, pre, *extra in tiles]

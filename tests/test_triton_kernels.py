@@ -51,7 +51,11 @@ extra = [{"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3},
          {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 4, "split": 1, "H2": False, "prefetch": True},
          # swapped-operand tensor-core tiles: A decoded in the kernel (no APRE), several M tiles, split-K
          {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 2},
-         {"kernel": "wmma", "BM": 16, "BN": 32, "BKB": 8, "split": 1, "APRE": True}]
+         {"kernel": "wmma", "BM": 16, "BN": 32, "BKB": 8, "split": 1, "APRE": True},
+         # stream-K: one K step per CTA (the interpreter's 8 "SMs" hold 32), and 3 CTAs that each run pieces of
+         # several tiles, with tiles cut between CTAs
+         {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 1, "stream": True},
+         {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 1, "stream": True, "ctas": 3, "APRE": True}]
 seed = 0
 for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20, 48)]:
     for odt in (torch.float32, torch.bfloat16, torch.float16):
@@ -68,6 +72,7 @@ for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20
 # bits, and every counter is back at zero afterwards (the next launch on the stream relies on that)
 from fp4dispatch.kernels import splitk
 for cfg in ({"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 3, "APRE": True},
+            {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 4, "split": 1, "stream": True, "ctas": 5},
             {"kernel": "gemv2", "MB": 2, "BN": 8, "BKB": 4, "split": 3, "H2": True},
             {"kernel": "mma", "BM": 16, "BN": 16, "BKB": 2, "split": 3}):
     ops = make_operands(Problem(20, 40, 192, torch.float32, cpu), seed=7)
@@ -168,6 +173,7 @@ def test_fused_configs_exact(child):
     assert kinds == {"gemv", "gemv2", "mma", "wmma"}
     wm = [r for r in rows if r["cfg"]["kernel"] == "wmma"]
     assert {bool(r["cfg"].get("APRE")) for r in wm} == {True, False}
+    assert {bool(r["cfg"].get("stream")) for r in wm} == {True, False}  # stream-K, incl. tiles cut between CTAs
     assert any(r["cfg"]["BM"] < r["m"] for r in wm)  # several M tiles (program_id(2))
     # K in groups of 4 blocks: whole and partial last groups (APRE pads A's K order to whole groups)
     assert {(r["k"] // 16) % 4 == 0 for r in wm if r["cfg"].get("APRE")} == {True, False}
@@ -192,6 +198,38 @@ def test_split_k_in_one_launch_deterministic_and_rearmed(child):
         assert r["same"] and r["zero"], r
         assert r["err"] <= 1e-5, r
         assert r["counters"] == 1 << 14  # one buffer for the stream, made once, reused
+
+
+@pytest.mark.parametrize("tiles, steps, ctas", [(6, 5, 3), (2, 2, 3), (224, 64, 132), (64, 32, 528), (7, 3, 40),
+                                                 (1, 1, 1), (3, 17, 5)])
+def test_stream_k_schedule_covers_every_step_once(tiles, steps, ctas):
+    """The CTA ranges of ``wmma_sk_kernel`` (CTA c: steps [c*T//P, (c+1)*T//P), walked tile piece by tile piece)
+    cover every K step of every tile once; each tile's pieces get part numbers 0..parts-1 from its first CTA on, and
+    ``_stream_parts`` is the workspace depth they need."""
+    from fp4dispatch.kernels.fused import _stream_parts
+
+    total = tiles * steps
+    ctas = min(ctas, total)
+    seen = {}
+    for c in range(ctas):
+        it, hi = c * total // ctas, (c + 1) * total // ctas
+        while it < hi:  # the kernel's loop, in Python
+            tile = it // steps
+            s1 = min(steps, it - tile * steps + hi - it)
+            first = ((tile * steps + 1) * ctas - 1) // total
+            last = ((tile + 1) * steps * ctas - 1) // total
+            seen.setdefault(tile, []).append((c - first, last - first + 1, it - tile * steps, s1))
+            it = tile * steps + s1
+    assert sorted(seen) == list(range(tiles))
+    depth = 0
+    for tile, pieces in seen.items():
+        parts = pieces[0][1]
+        assert [p[0] for p in pieces] == list(range(parts)) and all(p[1] == parts for p in pieces)
+        assert [(p[2], p[3]) for p in pieces] == [(a, b) for a, b in zip([0] + [p[3] for p in pieces[:-1]],
+                                                                          [p[3] for p in pieces])]
+        assert pieces[-1][3] == steps
+        depth = max(depth, parts)
+    assert _stream_parts(tiles, steps, ctas) == depth
 
 
 def test_split_buffers_per_stream_and_under_capture(monkeypatch):
@@ -346,8 +384,10 @@ def test_wmma_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, grown):
     monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    cfgs = [c for c in fused.configs_for(m, n, k, torch.device("cuda", 0)) if c["kernel"] == "wmma"]
-    assert len(cfgs) == len({json.dumps(c, sort_keys=True) for c in cfgs})  # no duplicates
+    every = [c for c in fused.configs_for(m, n, k, torch.device("cuda", 0)) if c["kernel"] == "wmma"]
+    assert len(every) == len({json.dumps(c, sort_keys=True) for c in every})  # no duplicates
+    assert [c.get("stream", False) for c in every].count(True) == (m > 16)  # stream-K: its split is unused
+    cfgs = [c for c in every if not c.get("stream")]
     for bm, bn, bkb, warps, stages, split, *apre in fused._WMMA_TILES[min(b for b in fused._WMMA_TILES if m <= b)]:
         tiles = -(-n // bn) * -(-m // bm)
         steps = k // 16 // bkb

@@ -70,30 +70,37 @@ def store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT: tl.
     """Epilogue of every fused kernel: alpha in fp32 and the cast to out's dtype.
 
     SPLIT (split-K over program_id(1), no extra launches): each CTA stores its fp32 partial tile to the workspace
-    ws [splits, M, N] and counts itself in on its tile's counter (cnt_ptr, int32, zero on entry); the CTA that
-    arrives last sums the partials in split order (so the result does not depend on arrival order), writes out and
-    sets the counter back to zero for the next launch, which is what lets the host zero the counters only once."""
+    ws [splits, M, N] and counts itself in on its tile's counter, see ``reduce_store``."""
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     if SPLIT:
-        splits = tl.num_programs(1)
-        mn = (tl.program_id(0) * 0).to(tl.int64) + M  # int64 before the product: splits * M * N may pass 2**31
-        mn = mn * N
-        tl.store(ws_ptr + tl.program_id(1) * mn + offs, acc, mask=omask)
         tile = tl.program_id(0) + tl.program_id(2) * tl.num_programs(0)
-        # every thread's partial stores come before the count: the barrier orders them within the CTA, the
-        # atomic's release publishes them to the GPU, its acquire makes the others' partials visible to the last
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, splits):
-                # .cg: read from L2, where the other SMs' partials are (never a stale L1 line)
-                total += tl.load(ws_ptr + s * mn + offs, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-            _cast_store(total, offs, omask, alpha_ptr, out_ptr)
+        reduce_store(acc, offs, omask, M, N, tl.program_id(1), tl.num_programs(1), tile, alpha_ptr, out_ptr, ws_ptr,
+                     cnt_ptr)
     else:
         _cast_store(acc, offs, omask, alpha_ptr, out_ptr)
+
+
+@triton.jit
+def reduce_store(acc, offs, omask, M, N, part, parts, tile, alpha_ptr, out_ptr, ws_ptr, cnt_ptr):
+    """One of ``parts`` partial sums of a tile: stored to ws [part, M, N]; the tile's counter (cnt_ptr[tile], int32,
+    zero on entry) counts the arrivals, and the CTA that arrives last sums the partials in part order (so the result
+    does not depend on arrival order), writes out and sets the counter back to zero for the next launch, which is
+    what lets the host zero the counters only once."""
+    mn = (tile * 0).to(tl.int64) + M  # int64 before the product: parts * M * N may pass 2**31
+    mn = mn * N
+    tl.store(ws_ptr + part * mn + offs, acc, mask=omask)
+    # every thread's partial stores come before the count: the barrier orders them within the CTA, the atomic's
+    # release publishes them to the GPU, its acquire makes the others' partials visible to the last
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        total = tl.zeros_like(acc)
+        for s in range(0, parts):
+            # .cg: read from L2, where the other SMs' partials are (never a stale L1 line)
+            total += tl.load(ws_ptr + s * mn + offs, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _cast_store(total, offs, omask, alpha_ptr, out_ptr)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import _swz_row, e4m3_to_f32, grid_tile, pdl_wait, store_out
+from ._fused import _cast_store, _swz_row, e4m3_to_f32, grid_tile, pdl_wait, reduce_store, store_out
 from ._h2 import _cvt4, _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
@@ -126,20 +126,13 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
 
 
 @triton.jit
-def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB,
-                blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
-                ASM: tl.constexpr, APRE: tl.constexpr = False, PDL: tl.constexpr = False, CVT: tl.constexpr = False):
-    """Tensor-core GEMM over int64 words (a, b viewed as int64 [rows, K/16]), weight as the register operand:
-    tile [BN, BM] of out.T per CTA, K split by program_id(1) (SPLIT: the tile's last CTA sums, see ``store_out``).
-    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order, the
-    same CVT). CVT (ASM only): the decode through e4m3 bytes. PDL: see ``pdl_wait``."""
-    pdl_wait(PDL)
-    pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
+def _wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, kb_lo, kb_hi, BM: tl.constexpr, BN: tl.constexpr,
+                BKB: tl.constexpr, ASM: tl.constexpr, APRE: tl.constexpr, CVT: tl.constexpr):
+    """acc [BN, BM] = W @ A.T over 16-blocks [kb_lo, kb_hi) (kb_lo a multiple of BKB), with the operand scale undone."""
+    t = tl.arange(0, BKB)
     scol = _scale_cols(t)
     brow = _swz_row(rn, CB)
     arow = _swz_row(rm, CB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):
         kk = kb0 + t
@@ -160,4 +153,54 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
         acc = acc * WMMA_UNDO_CVT
     else:
         acc = acc * WMMA_UNDO
+    return acc
+
+
+@triton.jit
+def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB,
+                blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
+                ASM: tl.constexpr, APRE: tl.constexpr = False, PDL: tl.constexpr = False, CVT: tl.constexpr = False):
+    """Tensor-core GEMM over int64 words (a, b viewed as int64 [rows, K/16]), weight as the register operand:
+    tile [BN, BM] of out.T per CTA, K split by program_id(1) (SPLIT: the tile's last CTA sums, see ``store_out``).
+    APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order, the
+    same CVT). CVT (ASM only): the decode through e4m3 bytes. PDL: see ``pdl_wait``."""
+    pdl_wait(PDL)
+    pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
+    kb_lo = pid_k * blocks_per_split
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    acc = _wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, kb_lo, kb_hi, BM, BN, BKB, ASM, APRE, CVT)
     store_out(tl.trans(acc), rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
+
+
+@triton.jit
+def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, NT, TILES,
+                   STEPS, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+                   APRE: tl.constexpr = False, PDL: tl.constexpr = False, CVT: tl.constexpr = False):
+    """``wmma_kernel`` with stream-K: the K steps of all TILES tiles (NT along N; STEPS per tile), laid end to end,
+    are cut into one equal range per CTA, so every CTA does the same work whatever the tile count (no partial
+    last wave). A CTA runs the tile pieces of its range in order; a tile cut between CTAs is summed by its last
+    CTA to arrive (``reduce_store``, pieces in CTA order: deterministic)."""
+    pdl_wait(PDL)
+    c = tl.program_id(0)
+    p = tl.num_programs(0)
+    total = TILES * STEPS
+    it = (c * total) // p
+    hi = ((c + 1) * total) // p
+    while it < hi:
+        tile = it // STEPS
+        s1 = tl.minimum(STEPS, it - tile * STEPS + hi - it)
+        rn = (tile % NT) * BN + tl.arange(0, BN)
+        rm = (tile // NT) * BM + tl.arange(0, BM)
+        acc = tl.trans(_wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, (it - tile * STEPS) * BKB,
+                                   tl.minimum(s1 * BKB, KB), BM, BN, BKB, ASM, APRE, CVT))
+        # the CTAs that hold this tile's first and last step (CTA c starts at step c * total // p)
+        first = ((tile * STEPS + 1) * p - 1) // total
+        last = ((tile + 1) * STEPS * p - 1) // total
+        omask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        if first == last:
+            _cast_store(acc, offs, omask, alpha_ptr, out_ptr)
+        else:
+            reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr,
+                         cnt_ptr)
+        it = tile * STEPS + s1

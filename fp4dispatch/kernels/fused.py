@@ -6,7 +6,8 @@ weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H2
 small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
 M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89). All take canonical operands (uint8
 [rows, K/2], 128x4-swizzled e4m3 scales) and support split-K in the same launch (the last CTA of a tile sums the
-fp32 partials: ``splitk.py``). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
+fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all
+tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
 tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
@@ -93,6 +94,14 @@ def _wmma_resident(bm: int, warps: int) -> int:
     """CTAs of a ``wmma`` tile resident per H200 SM (ncu): 4-warp tiles of BM <= 64 hold 4 (122-127 registers,
     ~51 KB of shared memory); 8-warp tiles 2; BM >= 128 one (117 KB of shared memory)."""
     return 1 if bm >= 128 else max(1, 16 // warps)
+
+
+@functools.lru_cache(maxsize=256)
+def _stream_parts(tiles: int, steps: int, ctas: int) -> int:
+    """Most CTAs that share one tile under ``wmma_sk_kernel``'s cut (CTA c starts at step c * total // ctas): the
+    depth of the split-K workspace."""
+    total = tiles * steps
+    return max(((t + 1) * steps * ctas - 1) // total - ((t * steps + 1) * ctas - 1) // total + 1 for t in range(tiles))
 
 
 def _wmma_rank(device: torch.device) -> int:
@@ -188,6 +197,8 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             cfg = wmma(*t)
             if cfg not in new:  # small shapes: tiles that differ only by split may get the same sized split
                 new.append(cfg)
+        if m > 16:  # stream-K of the first tile: no partial last wave whatever the tile count
+            new.append(dict(new[0], split=1, stream=True))
         if rank == 2:  # SM90: wmma beat the older bf16 mma at every M of the H200 sweeps
             out = new + [c for c in out if c["kernel"] != "mma"]
         else:
@@ -241,10 +252,20 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
             launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, 16), _cdiv(kb, 16)), a64, sa, ad, m, kb, cb, BR=16, BKB=16,
                    ASM=asm, **pdl, **cvt)
             a64 = ad
-        grid = (_cdiv(n, bn), split, _cdiv(m, bm))
-        launch(_wmma.wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out, *_split_args(grid, m, n, out),
-               m, n, kb, cb, per, BM=bm, BN=bn, BKB=bkb, SPLIT=split > 1, ASM=asm, APRE=bool(config.get("APRE")),
-               num_warps=warps, num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl, **cvt)
+        opts = dict(BM=bm, BN=bn, BKB=bkb, ASM=asm, APRE=bool(config.get("APRE")), num_warps=warps,
+                    num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl, **cvt)
+        if config.get("stream"):  # stream-K: one wave of CTAs, each the same number of K steps
+            nt, steps = _cdiv(n, bn), _cdiv(kb, bkb)
+            tiles = nt * _cdiv(m, bm)
+            ctas = min(tiles * steps, int(config.get("ctas") or _num_sms(out.device) * _wmma_resident(bm, warps)))
+            parts = _stream_parts(tiles, steps, ctas)
+            ws, cnt = splitk.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+            launch(_wmma.wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
+                   nt, tiles, steps, **opts)
+        else:
+            grid = (_cdiv(n, bn), split, _cdiv(m, bm))
+            launch(_wmma.wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out,
+                   *_split_args(grid, m, n, out), m, n, kb, cb, per, SPLIT=split > 1, **opts)
     elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))
