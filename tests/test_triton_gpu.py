@@ -157,8 +157,11 @@ def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
 @pytest.mark.parametrize("cfg", [
     {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3, "APRE": True},
     {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3, "pdl": False},
-    {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 32, "split": 3, "warps": 4, "stages": 3, "H2": True}],
-    ids=["wmma-apre", "wmma-nopdl", "gemv2"])
+    {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 32, "split": 3, "warps": 4, "stages": 3, "H2": True},
+    # stream-K: 16 tiles x 9 K steps over 7 CTAs, so tiles are cut between CTAs and summed by the last to arrive
+    {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 1, "warps": 4, "stages": 3, "APRE": True,
+     "stream": True, "ctas": 7}],
+    ids=["wmma-apre", "wmma-nopdl", "gemv2", "wmma-stream"])
 def test_split_k_one_launch_deterministic_eager_and_in_graphs(cfg):
     """The last CTA of a tile sums the split-K partials in split order: every call gives the same bits, the counters
     are back at zero after each launch (also in graph replays), and a graph captured on a stream with no prepared
