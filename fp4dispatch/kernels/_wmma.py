@@ -183,19 +183,21 @@ def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt
     pdl_wait(PDL)
     c = tl.program_id(0)
     p = tl.num_programs(0)
-    total = TILES * STEPS
+    total = TILES.to(tl.int64) * STEPS  # int64: step indices times the CTA count may pass 2**31
     it = (c * total) // p
     hi = ((c + 1) * total) // p
     while it < hi:
-        tile = it // STEPS
-        s1 = tl.minimum(STEPS, it - tile * STEPS + hi - it)
+        tile = (it // STEPS).to(tl.int32)
+        start = tile.to(tl.int64) * STEPS  # the tile's first step
+        s0 = (it - start).to(tl.int32)
+        s1 = tl.minimum(STEPS, s0 + (hi - it).to(tl.int32))  # this piece: the tile's steps [s0, s1)
         rn = (tile % NT) * BN + tl.arange(0, BN)
         rm = (tile // NT) * BM + tl.arange(0, BM)
-        acc = tl.trans(_wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, (it - tile * STEPS) * BKB,
+        acc = tl.trans(_wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, s0 * BKB,
                                    tl.minimum(s1 * BKB, KB), BM, BN, BKB, ASM, APRE, CVT))
         # the CTAs that hold this tile's first and last step (CTA c starts at step c * total // p)
-        first = ((tile * STEPS + 1) * p - 1) // total
-        last = ((tile + 1) * STEPS * p - 1) // total
+        first = (((start + 1) * p - 1) // total).to(tl.int32)
+        last = (((start + STEPS) * p - 1) // total).to(tl.int32)
         omask = (rm[:, None] < M) & (rn[None, :] < N)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
         if first == last:
@@ -203,4 +205,4 @@ def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt
         else:
             reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr,
                          cnt_ptr)
-        it = tile * STEPS + s1
+        it = start + s1
