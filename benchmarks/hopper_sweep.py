@@ -19,7 +19,7 @@ def _wmma_configs(m: int) -> list[dict]:
     """Swapped-operand tensor-core tiles: (BM, BN, BKB, warps, stages, split, APRE[, extra options]) by M."""
     # fifth session: CVT (nibbles through e4m3 bytes and cvt.rn.f16x2.e4m3x2, 494 vs 558 loop instructions at M=16)
     # won every same-tile pair and is now the default; {"CVT": False} keeps the bit-placement decode for A/B runs
-    cvt = {"CVT": False}
+    bits = {"CVT": False}  # the bit-placement decode
     sk = {"stream": True}  # stream-K (wmma_sk_kernel): one wave of CTAs, each the same share of all K steps
     if m <= 16:
         # (fourth session: split 8, 4-5 stages, BKB 8/32, split 1, A decoded in the loop and maxnreg 96 all lost on
@@ -37,7 +37,7 @@ def _wmma_configs(m: int) -> list[dict]:
         # (fifth session: two stages, alone or with maxnreg 128 for 2 CTAs per SM, and a 256-wide K step all lost:
         # 59-71 / 165-252 / 164-221 us vs 47-48 / 158-160 / 128-131 on the three large shapes; split 3 too)
         tiles = [(128, 128, 8, 8, 4, 2, 1), (128, 128, 8, 8, 4, 4, 1), (64, 128, 8, 8, 4, 2, 1),
-                 (128, 128, 8, 8, 3, 2, 1), (128, 128, 8, 8, 3, 2, 1, cvt), (128, 128, 8, 8, 3, 1, 1, sk),
+                 (128, 128, 8, 8, 3, 2, 1), (128, 128, 8, 8, 3, 2, 1, bits), (128, 128, 8, 8, 3, 1, 1, sk),
                  (128, 128, 8, 8, 4, 1, 1, sk)]
     else:
         tiles = [(128, 128, 8, 8, 3, 1, 1), (256, 128, 4, 8, 3, 1, 1), (128, 128, 4, 8, 4, 1, 1),

@@ -66,13 +66,18 @@ def _cast_store(acc, offs, omask, alpha_ptr, out_ptr):
 
 
 @triton.jit
+def out_tile(rm, rn, M, N):
+    """Offsets (int64) and mask of the output tile [rows rm, columns rn] of an [M, N] matrix."""
+    return rm[:, None].to(tl.int64) * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
+
+
+@triton.jit
 def store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT: tl.constexpr):
     """Epilogue of every fused kernel: alpha in fp32 and the cast to out's dtype.
 
     SPLIT (split-K over program_id(1), no extra launches): each CTA stores its fp32 partial tile to the workspace
     ws [splits, M, N] and counts itself in on its tile's counter, see ``reduce_store``."""
-    omask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    offs, omask = out_tile(rm, rn, M, N)
     if SPLIT:
         tile = tl.program_id(0) + tl.program_id(2) * tl.num_programs(0)
         reduce_store(acc, offs, omask, M, N, tl.program_id(1), tl.num_programs(1), tile, alpha_ptr, out_ptr, ws_ptr,

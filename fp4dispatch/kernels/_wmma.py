@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import _cast_store, _swz_row, e4m3_to_f32, grid_tile, pdl_wait, reduce_store, store_out
+from ._fused import _cast_store, _swz_row, e4m3_to_f32, grid_tile, out_tile, pdl_wait, reduce_store, store_out
 from ._h2 import _cvt4, _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
@@ -28,8 +28,8 @@ WMMA_UNDO_CVT = tl.constexpr(0.25)  # 2**-2: undoes the factor 2 on each operand
 
 @triton.jit
 def _scaled(p, sc, ASM: tl.constexpr):
-    """Pair bits p (e2m1 * 2**-14 each) times the block scale ``sc`` from ``_scale``: fp16x2 bits (ASM) or an
-    (lo, hi) fp32 tuple."""
+    """Pair bits p (two fp16 of e2m1 times a power of two: ``_pair``'s 2**-14, ``_cvt4``'s 2**-6) times the block
+    scale ``sc`` from ``_scale``: fp16x2 bits (ASM) or an (lo, hi) fp32 tuple."""
     if ASM:
         return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [p, sc], dtype=tl.uint32,
                                          is_pure=True, pack=1)
@@ -165,7 +165,7 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
     APRE: a_ptr is A already decoded by ``wmma_prep_a_kernel`` (K padded to groups of 4 blocks, this K order, the
     same CVT). CVT (ASM only): the decode through e4m3 bytes. PDL: see ``pdl_wait``."""
     pdl_wait(PDL)
-    pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
+    pid_k, rn, rm, _ = grid_tile(BN, BM, BKB)
     kb_lo = pid_k * blocks_per_split
     kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
     acc = _wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, kb_lo, kb_hi, BM, BN, BKB, ASM, APRE, CVT)
@@ -198,8 +198,7 @@ def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt
         # the CTAs that hold this tile's first and last step (CTA c starts at step c * total // p)
         first = (((start + 1) * p - 1) // total).to(tl.int32)
         last = (((start + STEPS) * p - 1) // total).to(tl.int32)
-        omask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        offs, omask = out_tile(rm, rn, M, N)
         if first == last:
             _cast_store(acc, offs, omask, alpha_ptr, out_ptr)
         else:

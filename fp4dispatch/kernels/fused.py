@@ -206,12 +206,11 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     return out
 
 
-def _split_args(grid: tuple, m: int, n: int, out: torch.Tensor) -> tuple:
-    """(workspace, counters) of a split-K grid (N tiles, splits[, M tiles]); ``out`` twice when not split (unused)."""
-    if grid[1] == 1:
+def _split_args(parts: int, tiles: int, m: int, n: int, out: torch.Tensor) -> tuple:
+    """(workspace, counters) for tiles summed from up to ``parts`` partials; ``out`` twice when none is (unused)."""
+    if parts == 1:
         return out, out
-    tiles = grid[0] * (grid[2] if len(grid) > 2 else 1)
-    return splitk.buffers(m, n, grid[1], tiles, out.device)
+    return splitk.buffers(m, n, parts, tiles, out.device)
 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
@@ -258,20 +257,19 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
             nt, steps = _cdiv(n, bn), _cdiv(kb, bkb)
             tiles = nt * _cdiv(m, bm)
             ctas = min(tiles * steps, int(config.get("ctas") or _num_sms(out.device) * _wmma_resident(bm, warps)))
-            parts = _stream_parts(tiles, steps, ctas)
-            ws, cnt = splitk.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
-            launch(_wmma.wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
-                   nt, tiles, steps, **opts)
+            launch(_wmma.wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out,
+                   *_split_args(_stream_parts(tiles, steps, ctas), tiles, m, n, out), m, n, kb, cb, nt, tiles, steps,
+                   **opts)
         else:
             grid = (_cdiv(n, bn), split, _cdiv(m, bm))
             launch(_wmma.wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out,
-                   *_split_args(grid, m, n, out), m, n, kb, cb, per, SPLIT=split > 1, **opts)
+                   *_split_args(split, grid[0] * grid[2], m, n, out), m, n, kb, cb, per, SPLIT=split > 1, **opts)
     elif config["kernel"] == "gemv2":
         bn, mb = int(config["BN"]), int(config["MB"])
         grid = (_cdiv(n, bn), split, _cdiv(m, mb))
         # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
         launch(kf.gemv2_kernel, grid, a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, out,
-               *_split_args(grid, m, n, out), m, n, kb, cb, per,
+               *_split_args(split, grid[0] * grid[2], m, n, out), m, n, kb, cb, per,
                MB=mb, BN=bn, BKB=bkb, PAIR=bool(config.get("PAIR", True)), SPLIT=split > 1,
                H2=bool(config.get("H2", False)), ASM=not _interpreted(), EVEN_K=kb % bkb == 0,
                PREFETCH=bool(config.get("prefetch", False)), CVT=bool(config.get("CVT", False)),
@@ -279,12 +277,14 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     elif config["kernel"] == "gemv":
         bn = int(config["BN"])
         grid = (_cdiv(n, bn), split)
-        launch(kf.gemv_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+        launch(kf.gemv_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(split, grid[0], m, n, out), m, n, k2, kb,
+               cb, per,
                MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
     else:
         bm, bn = int(config["BM"]), int(config["BN"])
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
-        launch(kf.mma_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(grid, m, n, out), m, n, k2, kb, cb, per,
+        launch(kf.mma_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(split, grid[0], m, n, out), m, n, k2, kb,
+               cb, per,
                BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
                DOT_F32=_interpreted(), num_warps=warps, num_stages=int(config.get("stages", 3)))
     return out
