@@ -27,6 +27,8 @@ def _wmma_configs(m: int) -> list[dict]:
         # (fifth session: with CVT, BKB 8 needs 66 registers instead of 122: up to 7 CTAs per SM instead of 4)
         # (and lost: 27.9-54.1 vs 25.3 us on 8192², see RESULTS.md, fifth session, run 3; stream-K lost too:
         # 32.8-35.1 / 75.3-81.8 / 73.7-75.6 us vs 25.4 / 60.3 / 58.6, run 6)
+        # (sixth session: one warpgroup over 128 weight rows at BKB 8, 427 instead of 494 loop instructions and
+        # 124 registers, lost: 28.6-36.6 / 75.9-77.6 / 72.9-93.3 us vs 25.1 / 60.3 / 58.3, RESULTS.md sixth session)
         tiles = [(16, 64, 16, 4, 3, 2, 1), (16, 64, 16, 4, 3, 4, 1), (16, 128, 16, 8, 3, 4, 1)]
     elif m <= 64:
         bm = 32 if m <= 32 else 64
@@ -36,6 +38,8 @@ def _wmma_configs(m: int) -> list[dict]:
         # 48 / 160 / 131 for 128x128 on the three large shapes)
         # (fifth session: two stages, alone or with maxnreg 128 for 2 CTAs per SM, and a 256-wide K step all lost:
         # 59-71 / 165-252 / 164-221 us vs 47-48 / 158-160 / 128-131 on the three large shapes; split 3 too)
+        # (sixth session: one-warpgroup CTAs, two per SM, 51-65 / 146-184 / 140-220 us; 128x256 tiles of 8 warps
+        # 58-59 / 178-182 / 134-142; 16-warp CTAs 55-82 / 171-253 / 131-211; against 47.2-47.4 / 157-159 / 127-128)
         tiles = [(128, 128, 8, 8, 4, 2, 1), (128, 128, 8, 8, 4, 4, 1), (64, 128, 8, 8, 4, 2, 1),
                  (128, 128, 8, 8, 3, 2, 1), (128, 128, 8, 8, 3, 2, 1, bits), (128, 128, 8, 8, 3, 1, 1, sk),
                  (128, 128, 8, 8, 4, 1, 1, sk)]
