@@ -1,0 +1,212 @@
+"""Gluon probe for issue 8 (sixth session; benchmarks/notes_hopper.md v10): the M <= 16 swapped-operand kernel
+(``kernels/_wmma.py``) rewritten in ``triton.experimental.gluon`` without Triton's pipeliner: TMA loads of the weight
+words and the pre-decoded A into an mbarrier ring, the weight decoded straight into the register operand of an async
+``warpgroup_mma`` (``convert_layout(..., assert_trivial=True)`` compiles: no shuffle), split-K by fp32 atomics.
+
+NOT EXACT YET: on the H200 it gave rel err 0.37 at 16x8192x8192 (every split, stage count and wait), so it is a
+timing probe and a starting point for a warp-specialized kernel, not a backend. It timed 26.3 / 62.3 / 61.8 us
+against the ``wmma`` pick's 24.9 / 59.0-61.8 / 59.8 (RESULTS.md, sixth session, run 5).
+
+    python3 benchmarks/gluon_probe.py --compile 64 16 16 3 1   # local sm_90a build (BN BM BKB STAGES WAIT), no GPU
+    python3 benchmarks/gluon_probe.py                          # H200: exactness, then graph us against the pick
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from fp4dispatch.kernels._h2 import _CVT_PTX
+
+
+@gluon.jit
+def _cvt4(w):
+    return gl.inline_asm_elementwise(_CVT_PTX, "=r,=r,=r,=r,r", [w], dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _mul2(p, sc):
+    return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [p, sc], dtype=gl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _scale(s):
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 b; .reg .b32 h, c; cvt.u16.u32 b, $1; cvt.rn.f16x2.e4m3x2 h, b; mov.b32 c, 0x58005800; "
+        "mul.rn.f16x2 h, h, c; prmt.b32 $0, h, h, 0x1010; }",
+        "=r,r", [s.to(gl.uint32)], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _dec16(x, s, R: gl.constexpr, BKB: gl.constexpr):
+    """``_wmma._dec16`` with CVT, in Gluon: int64 words [R, BKB] + scale bytes -> fp16 [R, BKB*16] in wmma's K order."""
+    sc = _scale(s)
+    lo = x.to(gl.uint32)
+    hi = (x >> 32).to(gl.uint32)
+    c0, c1, c2, c3 = _cvt4(lo)
+    c4, c5, c6, c7 = _cvt4(hi)
+    q = gl.join(gl.join(gl.join(_mul2(c0, sc), _mul2(c1, sc)), gl.join(_mul2(c2, sc), _mul2(c3, sc))),
+                gl.join(gl.join(_mul2(c4, sc), _mul2(c5, sc)), gl.join(_mul2(c6, sc), _mul2(c7, sc))))
+    q = gl.permute(gl.reshape(q, (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
+    v_lo, v_hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+    return gl.reshape(gl.join(v_lo, v_hi), (R, BKB * 16))
+
+
+@gluon.jit
+def probe_kernel(b_desc, a_desc, sb_ptr, out_ptr, M, N, KB, CB, steps_per_split, BN: gl.constexpr, BM: gl.constexpr,
+                 BKB: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr):
+    """acc [BN, BM] += W @ A.T over one K split; W words and pre-decoded A by TMA (STAGES-deep ring), WAIT wgmma
+    groups left in flight. RAW is the layout Triton 3.6 gives the raw words of this tile (read from its TTGIR): in it
+    the decoded weight is already the wgmma register operand, so the convert below is free."""
+    RAW: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[8, 0], [0, 4], [0, 8]],
+                                                   lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                                   warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    n0 = gl.program_id(0) * BN
+    st0 = gl.program_id(1) * steps_per_split
+    steps = gl.minimum(KB // BKB - st0, steps_per_split)
+    b_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], b_desc.layout)
+    a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], a_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    nbytes: gl.constexpr = BN * BKB * 8 + BM * BKB * 32
+    AHEAD: gl.constexpr = STAGES - 1 - WAIT  # loads in flight ahead of the step being decoded
+    for i in gl.static_range(AHEAD):
+        if i < steps:
+            mbarrier.expect(bars.index(i), nbytes)
+            tma.async_copy_global_to_shared(b_desc, [n0, (st0 + i) * BKB], bars.index(i), b_s.index(i))
+            tma.async_copy_global_to_shared(a_desc, [0, (st0 + i) * BKB * 16], bars.index(i), a_s.index(i))
+    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
+    t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
+    sptr = sb_ptr + ((rn // 128) * (CB * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None] + \
+        ((t // 4) * 512 + t % 4)[None, :]
+    smask = (rn < N)[:, None]
+    sb = gl.load(sptr + (st0 * BKB // 4) * 512, mask=smask, other=0)
+    acc = gl.zeros([BN, BM], gl.float32, MMA)
+    for it in range(steps):
+        s = it % STAGES
+        nxt = it + AHEAD
+        if nxt < steps:
+            ns = nxt % STAGES
+            mbarrier.expect(bars.index(ns), nbytes)
+            tma.async_copy_global_to_shared(b_desc, [n0, (st0 + nxt) * BKB], bars.index(ns), b_s.index(ns))
+            tma.async_copy_global_to_shared(a_desc, [0, (st0 + nxt) * BKB * 16], bars.index(ns), a_s.index(ns))
+        sb_next = gl.load(sptr + ((st0 + it + 1) * BKB // 4) * 512, mask=smask & (it + 1 < steps), other=0)
+        mbarrier.wait(bars.index(s), (it // STAGES) & 1)
+        x = b_s.index(s).load(RAW)
+        w = gl.convert_layout(_dec16(x, sb, BN, BKB), DOT, assert_trivial=True)
+        acc = warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
+        sb = sb_next
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = acc * 0.25
+    on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    om = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    gl.atomic_add(out_ptr + om[None, :] * N + on[:, None], acc, mask=(om[None, :] < M) & (on[:, None] < N),
+                  sem="relaxed")
+
+
+def compile_only(BN=64, BM=16, BKB=16, STAGES=3, WAIT=1):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+    bl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=2)
+    al = gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16)
+    bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
+    ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
+    sig = {"b_desc": mangle_type(bd), "a_desc": mangle_type(ad), "sb_ptr": "*u8", "out_ptr": "*fp32", "M": "i32",
+           "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32", "BN": "constexpr", "BM": "constexpr",
+           "BKB": "constexpr", "STAGES": "constexpr", "WAIT": "constexpr"}
+    consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "WAIT": WAIT}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("sb_ptr", "out_ptr", "KB", "CB", "N")}
+    src = GluonASTSource(probe_kernel, sig, consts, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out = os.environ.get("OUT", "/tmp/gluon_probe"); os.makedirs(out, exist_ok=True)
+    open(f"{out}/k.ttgir", "w").write(c.asm["ttgir"])
+    ptx = re.sub(r"\.version \d+\.\d+", ".version 8.7", c.asm["ptx"])
+    open(f"{out}/k.ptx", "w").write(ptx)
+    b = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    r = subprocess.run([f"{b}/ptxas", "-arch=sm_90a", "-v", f"{out}/k.ptx", "-o", f"{out}/k.cubin"],
+                       capture_output=True, text=True)
+    print(r.stderr.strip().splitlines()[-2:])
+    s = subprocess.run([f"{b}/cuobjdump", "-sass", f"{out}/k.cubin"], capture_output=True, text=True).stdout
+    open(f"{out}/k.sass", "w").write(s)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _setup(ops, m, n, k, BN, BKB, split):
+    """A launcher for one problem: A decoded by ``wmma_prep_a_kernel``, out zeroed (atomics), then the probe."""
+    from fp4dispatch.kernels import _wmma
+    kb, cb = k // 16, _cdiv(k // 16, 4)
+    ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16, device="cuda")
+    a64, b64 = ops.a.view(torch.int64), ops.b.view(torch.int64)
+    sa, sb = ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8)
+    bd = TensorDescriptor.from_tensor(b64, [BN, BKB], gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                                         element_bitwidth=64, rank=2))
+    add = TensorDescriptor.from_tensor(ad, [16, BKB * 16], gl.NVMMASharedLayout.get_default_for([16, BKB * 16],
+                                                                                              gl.float16))
+    out = torch.empty((m, n), dtype=torch.float32, device="cuda")
+    per = _cdiv(kb // BKB, split)
+    grid = (_cdiv(n, BN), _cdiv(kb // BKB, per))
+
+    def run(stages, wait):
+        _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=True,
+                                                                 CVT=True)
+        out.zero_()
+        probe_kernel[grid](bd, add, sb, out, m, n, kb, cb, per, BN=BN, BM=16, BKB=BKB, STAGES=stages, WAIT=wait,
+                           num_warps=4)
+        return out
+    return run
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_hopper import graph_ms, rand_operands, ref64, rel_err
+    from fp4dispatch.kernels.fused import fused_mm
+    BN, BKB = 64, 16
+    for m, n, k in ((16, 1024, 4096), (3, 512, 2048), (16, 8192, 8192)):
+        ops = rand_operands(m, n, k, seed=7, out_dtype=torch.float32, scale_lo=0x01, scale_hi=0x50)
+        ref = ref64(ops, m, n, k)
+        for split in (1, 3):
+            for stages, wait in ((3, 0), (3, 1), (4, 1)):
+                o = _setup(ops, m, n, k, BN, BKB, split)(stages, wait)
+                torch.cuda.synchronize()
+                print(f"check m={m} n={n} k={k} split={split} stages={stages} wait={wait}: rel err "
+                      f"{rel_err(o, ref):.3g}", flush=True)
+    pick = {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "warps": 4, "stages": 3, "split": 4, "APRE": True}
+    for n, k in ((8192, 8192), (28672, 8192), (8192, 28672)):
+        m = 16
+        ops = rand_operands(m, n, k, seed=m)
+        for sp in (2, 4):
+            c = dict(pick, split=sp)
+            t = graph_ms(lambda: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, c))
+            print(f"N={n} K={k} M={m} wmma pick split={sp}: {t * 1e3:.1f} us", flush=True)
+        for split in (2, 4, 6):
+            for stages, wait in ((3, 0), (3, 1), (4, 1), (4, 2), (5, 2)):
+                r = _setup(ops, m, n, k, BN, BKB, split)
+                t = graph_ms(lambda: r(stages, wait))
+                print(f"N={n} K={k} M={m} gluon split={split} stages={stages} wait={wait}: {t * 1e3:.1f} us",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--compile"]:
+        compile_only(*map(int, sys.argv[2:]))
+    else:
+        main()
