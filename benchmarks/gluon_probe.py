@@ -24,42 +24,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fp4dispatch.kernels._h2 import _CVT_PTX
+from fp4dispatch.kernels import _fused, _wmma
+from fp4dispatch.kernels.fused import decode_a
 
 
-@gluon.jit
-def _cvt4(w):
-    return gl.inline_asm_elementwise(_CVT_PTX, "=r,=r,=r,=r,r", [w], dtype=(gl.uint32,) * 4, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _mul2(p, sc):
-    return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [p, sc], dtype=gl.uint32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _scale(s):
-    return gl.inline_asm_elementwise(
-        "{ .reg .b16 b; .reg .b32 h, c; cvt.u16.u32 b, $1; cvt.rn.f16x2.e4m3x2 h, b; mov.b32 c, 0x58005800; "
-        "mul.rn.f16x2 h, h, c; prmt.b32 $0, h, h, 0x1010; }",
-        "=r,r", [s.to(gl.uint32)], dtype=gl.uint32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _dec16(x, s, R: gl.constexpr, BKB: gl.constexpr):
-    """``_wmma._dec16`` with CVT, in Gluon: int64 words [R, BKB] + scale bytes -> fp16 [R, BKB*16] in wmma's K order."""
-    sc = _scale(s)
-    lo = x.to(gl.uint32)
-    hi = (x >> 32).to(gl.uint32)
-    c0, c1, c2, c3 = _cvt4(lo)
-    c4, c5, c6, c7 = _cvt4(hi)
-    q = gl.join(gl.join(gl.join(_mul2(c0, sc), _mul2(c1, sc)), gl.join(_mul2(c2, sc), _mul2(c3, sc))),
-                gl.join(gl.join(_mul2(c4, sc), _mul2(c5, sc)), gl.join(_mul2(c6, sc), _mul2(c7, sc))))
-    q = gl.permute(gl.reshape(q, (R, BKB // 4, 4, 8)), (0, 1, 3, 2))
-    v_lo, v_hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [q],
-                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
-    return gl.reshape(gl.join(v_lo, v_hi), (R, BKB * 16))
+# the decode and the scale addressing are wmma's own: Gluon compiles a @triton.jit function's body with its semantics
+# (its tl builtins take the caller's), so the probe decodes exactly as wmma does
+_dec16 = gluon.jit(_wmma._dec16.fn)
+_scale_cols = gluon.jit(_wmma._scale_cols.fn)
+_swz_row = gluon.jit(_fused._swz_row.fn)
 
 
 @gluon.jit
@@ -90,8 +63,7 @@ def probe_kernel(b_desc, a_desc, sb_ptr, out_ptr, M, N, KB, CB, steps_per_split,
             tma.async_copy_global_to_shared(a_desc, [0, (st0 + i) * BKB * 16], bars.index(i), a_s.index(i))
     rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
     t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
-    sptr = sb_ptr + ((rn // 128) * (CB * 512) + (rn % 32) * 16 + ((rn % 128) // 32) * 4)[:, None] + \
-        ((t // 4) * 512 + t % 4)[None, :]
+    sptr = sb_ptr + _swz_row(rn, CB)[:, None] + _scale_cols(t)[None, :]
     smask = (rn < N)[:, None]
     sb = gl.load(sptr + (st0 * BKB // 4) * 512, mask=smask, other=0)
     acc = gl.zeros([BN, BM], gl.float32, MMA)
@@ -106,7 +78,7 @@ def probe_kernel(b_desc, a_desc, sb_ptr, out_ptr, M, N, KB, CB, steps_per_split,
         sb_next = gl.load(sptr + ((st0 + it + 1) * BKB // 4) * 512, mask=smask & (it + 1 < steps), other=0)
         mbarrier.wait(bars.index(s), (it // STAGES) & 1)
         x = b_s.index(s).load(RAW)
-        w = gl.convert_layout(_dec16(x, sb, BN, BKB), DOT, assert_trivial=True)
+        w = gl.convert_layout(_dec16(x, sb, BKB, True, True), DOT, assert_trivial=True)
         acc = warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
         sb = sb_next
@@ -146,28 +118,21 @@ def compile_only(BN=64, BM=16, BKB=16, STAGES=3, WAIT=1):
     open(f"{out}/k.sass", "w").write(s)
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def _setup(ops, m, n, k, BN, BKB, split):
-    """A launcher for one problem: A decoded by ``wmma_prep_a_kernel``, out zeroed (atomics), then the probe."""
-    from fp4dispatch.kernels import _wmma
-    kb, cb = k // 16, _cdiv(k // 16, 4)
-    ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16, device="cuda")
+    """A launcher for one problem: A decoded as wmma's APRE does, out zeroed (atomics), then the probe."""
+    kb, cb = k // 16, triton.cdiv(k // 16, 4)
     a64, b64 = ops.a.view(torch.int64), ops.b.view(torch.int64)
     sa, sb = ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8)
     bd = TensorDescriptor.from_tensor(b64, [BN, BKB], gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                                          element_bitwidth=64, rank=2))
-    add = TensorDescriptor.from_tensor(ad, [16, BKB * 16], gl.NVMMASharedLayout.get_default_for([16, BKB * 16],
-                                                                                              gl.float16))
+    a_layout = gl.NVMMASharedLayout.get_default_for([16, BKB * 16], gl.float16)
     out = torch.empty((m, n), dtype=torch.float32, device="cuda")
-    per = _cdiv(kb // BKB, split)
-    grid = (_cdiv(n, BN), _cdiv(kb // BKB, per))
+    per = triton.cdiv(kb // BKB, split)
+    grid = (triton.cdiv(n, BN), triton.cdiv(kb // BKB, per))
 
     def run(stages, wait):
-        _wmma.wmma_prep_a_kernel[(_cdiv(m, 16), _cdiv(kb, 16))](a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=True,
-                                                                 CVT=True)
+        ad = decode_a(a64, sa, m, kb, cb, True, CVT=True)
+        add = TensorDescriptor.from_tensor(ad, [16, BKB * 16], a_layout)
         out.zero_()
         probe_kernel[grid](bd, add, sb, out, m, n, kb, cb, per, BN=BN, BM=16, BKB=BKB, STAGES=stages, WAIT=wait,
                            num_warps=4)

@@ -213,6 +213,17 @@ def _split_args(parts: int, tiles: int, m: int, n: int, out: torch.Tensor) -> tu
     return splitk.buffers(m, n, parts, tiles, out.device)
 
 
+def decode_a(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, **opts) -> torch.Tensor:
+    """``wmma``'s APRE step: A (int64 words [m, kb], swizzled scale bytes ``sa``) decoded once into [m, ceil(kb/4)*64]
+    in wmma's K order, fp16 (fp32 in the interpreter, ``asm`` False); ``opts``: the PDL and CVT launch options."""
+    from . import _wmma
+
+    ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
+    launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, 16), _cdiv(kb, 16)), a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm,
+           **opts)
+    return ad
+
+
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
     """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE: two).
@@ -246,11 +257,8 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         # CVT (default): nibbles through e4m3 bytes and cvt.rn.f16x2.e4m3x2, 2-25 % faster on the H200 than the bit
         # placement ("CVT": False, kept for A/B runs); the interpreter forms the same values in fp32 either way
         cvt = {"CVT": True} if asm and config.get("CVT", True) else {}
-        if config.get("APRE"):  # decode A once (fp16; fp32 in the interpreter), in wmma's K order
-            ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a.device)
-            launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, 16), _cdiv(kb, 16)), a64, sa, ad, m, kb, cb, BR=16, BKB=16,
-                   ASM=asm, **pdl, **cvt)
-            a64 = ad
+        if config.get("APRE"):
+            a64 = decode_a(a64, sa, m, kb, cb, asm, **pdl, **cvt)
         opts = dict(BM=bm, BN=bn, BKB=bkb, ASM=asm, APRE=bool(config.get("APRE")), num_warps=warps,
                     num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl, **cvt)
         if config.get("stream"):  # stream-K: one wave of CTAs, each the same number of K steps
@@ -278,13 +286,11 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         bn = int(config["BN"])
         grid = (_cdiv(n, bn), split)
         launch(kf.gemv_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(split, grid[0], m, n, out), m, n, k2, kb,
-               cb, per,
-               MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
+               cb, per, MB=int(config["MB"]), BN=bn, BKB=bkb, SPLIT=split > 1, num_warps=warps)
     else:
         bm, bn = int(config["BM"]), int(config["BN"])
         grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
         launch(kf.mma_kernel, grid, a, b, sa, sb, alpha, out, *_split_args(split, grid[0], m, n, out), m, n, k2, kb,
-               cb, per,
-               BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
+               cb, per, BM=bm, BN=bn, BKB=bkb, GROUP_M=int(config.get("GROUP_M", 8)), SPLIT=split > 1,
                DOT_F32=_interpreted(), num_warps=warps, num_stages=int(config.get("stages", 3)))
     return out
