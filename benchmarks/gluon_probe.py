@@ -123,16 +123,27 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple) -> None:
     open(f"{out}/k.sass", "w").write(s)
 
 
-def compile_only(BN=64, BM=16, BKB=16, STAGES=3, WAIT=1):
+def layouts(BN: int, BM: int, BKB: int) -> tuple:
+    """Shared-memory layouts of a [BN, BKB] weight-word tile and a [BM, BKB*16] pre-decoded A tile (TMA and wgmma)."""
+    return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
+            gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))
+
+
+def signature(BN: int, BM: int, BKB: int) -> dict:
+    """The argument types of a kernel over (weight words, pre-decoded A) descriptors of these tiles, then sb_ptr,
+    alpha_ptr, out_ptr (fp32), M, N, KB, CB, steps_per_split, for ``build``."""
     from triton.runtime.jit import mangle_type
-    bl = gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64)
-    al = gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16)
+    bl, al = layouts(BN, BM, BKB)
     bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
     ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
-    sig = {"b_desc": mangle_type(bd), "a_desc": mangle_type(ad), "sb_ptr": "*u8", "alpha_ptr": "*fp32",
-           "out_ptr": "*fp32", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32"}
-    build(probe_kernel, sig, {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "WAIT": WAIT, "RAW": raw_layout(BKB)},
-          4, ("sb_ptr", "out_ptr", "KB", "CB", "N"))
+    return {"b_desc": mangle_type(bd), "a_desc": mangle_type(ad), "sb_ptr": "*u8", "alpha_ptr": "*fp32",
+            "out_ptr": "*fp32", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32"}
+
+
+def compile_only(BN=64, BM=16, BKB=16, STAGES=3, WAIT=1):
+    build(probe_kernel, signature(BN, BM, BKB),
+          {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "WAIT": WAIT, "RAW": raw_layout(BKB)}, 4,
+          ("sb_ptr", "out_ptr", "KB", "CB", "N"))
 
 
 def _setup(ops, m, n, k, BN, BKB, split):
@@ -140,8 +151,8 @@ def _setup(ops, m, n, k, BN, BKB, split):
     kb, cb = k // 16, triton.cdiv(k // 16, 4)
     a64, b64 = ops.a.view(torch.int64), ops.b.view(torch.int64)
     sa, sb = ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8)
-    bd = TensorDescriptor.from_tensor(b64, [BN, BKB], gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64))
-    a_layout = gl.NVMMASharedLayout.get_default_for([16, BKB * 16], gl.float16)
+    bl, a_layout = layouts(BN, 16, BKB)
+    bd = TensorDescriptor.from_tensor(b64, [BN, BKB], bl)
     out = torch.empty((m, n), dtype=torch.float32, device="cuda")
     per = triton.cdiv(kb // BKB, split)
     grid = (triton.cdiv(n, BN), triton.cdiv(kb // BKB, per))

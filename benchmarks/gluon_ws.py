@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import _dec16, _scale_cols, _swz_row, build, raw_layout  # noqa: E402
+from gluon_probe import _dec16, _scale_cols, _swz_row, build, layouts, raw_layout, signature  # noqa: E402
 
 
 @gluon.jit
@@ -149,28 +149,18 @@ def ws_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps_pe
         gl.warp_specialize([(_consume_wait0, args), (_producer, load)], [1], [40])
 
 
-def _layouts(BN, BM, BKB):
-    return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
-            gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))
-
-
 def compile_only(BN=128, BM=128, BKB=8, STAGES=4, WAIT=1):
-    from triton.runtime.jit import mangle_type
-    bl, al = _layouts(BN, BM, BKB)
-    bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
-    ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
-    sig = {"b_desc": mangle_type(bd), "a_desc": mangle_type(ad), "sb_ptr": "*u8", "alpha_ptr": "*fp32",
-           "out_ptr": "*fp32", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32",
-           "skip": "i32"}
-    build(ws_kernel, sig, {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "WAIT": WAIT}, BN // 16,
+    build(ws_kernel, dict(signature(BN, BM, BKB), skip="i32"),
+          {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "WAIT": WAIT}, BN // 16,
           ("sb_ptr", "out_ptr", "KB", "CB", "N"))
 
 
 def setup(ops, m, n, k, BN, BM, BKB, split):
-    """A launcher for one problem: A decoded as wmma's APRE does, out zeroed (atomics), then the kernel."""
+    """A launcher for one problem: A decoded as wmma's APRE does, then the kernel (split K: fp32 out, zeroed for its
+    atomics; whole K: out in ops.out's dtype)."""
     from fp4dispatch.kernels.fused import decode_a
     kb, cb = k // 16, triton.cdiv(k // 16, 4)
-    bl, al = _layouts(BN, BM, BKB)
+    bl, al = layouts(BN, BM, BKB)
     bd = TensorDescriptor.from_tensor(ops.b.view(torch.int64), [BN, BKB], bl)
     sa, sb = ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8)
     per = triton.cdiv(kb // BKB, split)
