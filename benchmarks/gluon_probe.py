@@ -6,7 +6,8 @@ words and the pre-decoded A into an mbarrier ring, the weight decoded straight i
 Exact since the seventh session (H200 run 1: rel err <= 7.4e-6 with fp32 out at every split, stage count and wait):
 the sixth session's errors (0.12-0.98) were alpha, which it did not apply (out / alpha: 1/alpha - 1). A timing probe,
 not a backend: it timed 26.3 / 62.3 / 61.8 us against the ``wmma`` pick's 24.9 / 59.0-61.8 / 59.8 (RESULTS.md,
-sixth session, run 5). ``build`` and ``raw_layout`` serve ``gluon_ws.py`` too.
+sixth session, run 5). Its loop step (``mma_step``), scale addressing, epilogue and build helpers serve
+``gluon_ws.py`` too.
 
     python3 benchmarks/gluon_probe.py --compile 64 16 16 3 1   # local sm_90a build (BN BM BKB STAGES WAIT), no GPU
     python3 benchmarks/gluon_probe.py [--check]                # H200: exactness, then graph us against the pick
@@ -50,8 +51,46 @@ def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
 
 
 @gluon.jit
-def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps_per_split, BN: gl.constexpr, BM: gl.constexpr,
-                 BKB: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, RAW: gl.constexpr):
+def scale_ptrs(sb_ptr, n0, CB, N, BN: gl.constexpr, BKB: gl.constexpr, RAW: gl.constexpr):
+    """Pointers (K step 0; step j adds (j * BKB // 4) * 512) and row mask of the e4m3 scale bytes of weight rows
+    [n0, n0 + BN), in RAW's layout."""
+    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
+    t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
+    return sb_ptr + _swz_row(rn, CB)[:, None] + _scale_cols(t)[None, :], (rn < N)[:, None]
+
+
+@gluon.jit
+def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
+    """Step ``it`` of the ring: wait for its slot, decode the weight words (scales ``sb``) straight into the wgmma
+    register operand (the convert is free in RAW) and issue the async wgmma with the slot's A tile."""
+    STAGES: gl.constexpr = w_s.type.shape[0]
+    BKB: gl.constexpr = w_s.type.shape[2]
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    w = gl.convert_layout(_dec16(w_s.index(s).load(RAW), sb, BKB, True, True), DOT, assert_trivial=True)
+    return warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, atomic):
+    """Wait for the last wgmma, apply alpha and write out.T's tile: fp32 atomics into a zeroed out (``atomic``: a
+    split of K) or a store in out's dtype."""
+    MMA: gl.constexpr = acc.type.layout
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
+    on = n0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, MMA))
+    om = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, MMA))
+    offs = om[None, :] * N + on[:, None]
+    mask = (om[None, :] < M) & (on[:, None] < N)
+    if atomic:
+        gl.atomic_add(out_ptr + offs, acc, mask=mask, sem="relaxed")
+    else:
+        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps_per_split, BN: gl.constexpr,
+                 BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, WAIT: gl.constexpr, RAW: gl.constexpr):
     """acc [BN, BM] += W @ A.T over one K split; W words and pre-decoded A by TMA (STAGES-deep ring), WAIT wgmma
     groups left in flight; alpha applied, then fp32 atomics."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -71,14 +110,10 @@ def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps
             mbarrier.expect(bars.index(i), nbytes)
             tma.async_copy_global_to_shared(b_desc, [n0, (st0 + i) * BKB], bars.index(i), b_s.index(i))
             tma.async_copy_global_to_shared(a_desc, [0, (st0 + i) * BKB * 16], bars.index(i), a_s.index(i))
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
-    t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
-    sptr = sb_ptr + _swz_row(rn, CB)[:, None] + _scale_cols(t)[None, :]
-    smask = (rn < N)[:, None]
+    sptr, smask = scale_ptrs(sb_ptr, n0, CB, N, BN, BKB, RAW)
     sb = gl.load(sptr + (st0 * BKB // 4) * 512, mask=smask, other=0)
     acc = gl.zeros([BN, BM], gl.float32, MMA)
     for it in range(steps):
-        s = it % STAGES
         nxt = it + AHEAD
         if nxt < steps:
             ns = nxt % STAGES
@@ -86,18 +121,10 @@ def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps
             tma.async_copy_global_to_shared(b_desc, [n0, (st0 + nxt) * BKB], bars.index(ns), b_s.index(ns))
             tma.async_copy_global_to_shared(a_desc, [0, (st0 + nxt) * BKB * 16], bars.index(ns), a_s.index(ns))
         sb_next = gl.load(sptr + ((st0 + it + 1) * BKB // 4) * 512, mask=smask & (it + 1 < steps), other=0)
-        mbarrier.wait(bars.index(s), (it // STAGES) & 1)
-        x = b_s.index(s).load(RAW)
-        w = gl.convert_layout(_dec16(x, sb, BKB, True, True), DOT, assert_trivial=True)
-        acc = warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
+        acc = mma_step(b_s, a_s, bars, it, sb, acc, RAW, DOT)
         acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
         sb = sb_next
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
-    on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-    om = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-    gl.atomic_add(out_ptr + om[None, :] * N + on[:, None], acc, mask=(om[None, :] < M) & (on[:, None] < N),
-                  sem="relaxed")
+    epilogue(acc, alpha_ptr, out_ptr, n0, 0, M, N, True)
 
 
 def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple) -> None:

@@ -14,8 +14,9 @@ puts before every mbarrier arrive (only thread 0 arrives), issue 21 %, tensor pi
 faster than the pick, 0.68-0.71x cuBLAS bf16. BM 256 with one group in flight across steps (WAIT 1) gives WRONG
 results (rel err 0.5-1.2): nothing keeps ptxas from reusing the register operand of a wgmma still in flight
 (its times, 0.87x cuBLAS on 8192x28672, only bound what a safe pipelining could give); with WAIT 0 it is exact and
-slower than the pick. BM 128 with WAIT 1 was exact in every check (operand tied to the next wait), but the same
-hazard is not ruled out there.
+slower than the pick. BM 128 with WAIT 1 passed run 2's checks after its BKB 4 tile failed run 1's with the same
+compiled loop (run 2 tied the old operand to the wait; the review found that leaves the SASS byte-identical and
+removed it), so it has the same race: its times are not a result either.
 Triton 3.6 limits met on the way: constexpr partition arguments arrive as i32 values (sizes come from buffer types,
 variants from wrapper functions); two 4-warp consumer partitions made ptxas serialize every wgmma (C7512
 "insufficient register resources", whatever the register split); one 8-warp partition does not.
@@ -33,11 +34,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import _dec16, _scale_cols, _swz_row, build, layouts, raw_layout, signature  # noqa: E402
+from gluon_probe import build, epilogue, layouts, mma_step, raw_layout, scale_ptrs, signature  # noqa: E402
 
 
 @gluon.jit
@@ -75,44 +76,22 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, n0, m0, st0, st
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BN // 16, 1],
                                                   instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
-    t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
-    sptr = sb_ptr + _swz_row(rn, CB)[:, None] + _scale_cols(t)[None, :]
-    smask = (rn < N)[:, None]
+    sptr, smask = scale_ptrs(sb_ptr, n0, CB, N, BN, BKB, RAW)
     sb = gl.load(sptr + (st0 * BKB // 4) * 512, mask=smask, other=0)
     acc = gl.zeros([BN, BM], gl.float32, MMA)
-    w_prev = gl.zeros([BN, BKB * 16], gl.float16, DOT)
     for it in range(steps):
-        s = it % STAGES
         sb_next = gl.load(sptr + ((st0 + it + 1) * BKB // 4) * 512, mask=smask & (it + 1 < steps), other=0)
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        x = w_s.index(s).load(RAW)
-        w = gl.convert_layout(_dec16(x, sb, BKB, True, True), DOT, assert_trivial=True)
-        acc = warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
-        # Now the group of step it-1 is done. Its register operand w_prev is a dependency of this wait, so its
-        # registers are not reused for w before here (without that, ptxas let the next decode overwrite the
-        # operand of a wgmma still in flight: rel err 4.5e-3 at BKB 4). Its slot (words read into registers before
-        # it, activation read by it) is free; the first step has nothing to free. No proxy fence: the words were
-        # read and used before this step's wgmma was issued (CUTLASS's TMA pipeline releases the same way), and
-        # a fence here compiles to MEMBAR.ALL.CTA, which would wait for the scale prefetch every step.
-        if BM <= 128:
-            acc, w_prev = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc, w_prev])
-        else:  # (experiment, seventh session run 4: without the tie, 32 registers fewer)
-            acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
+        acc = mma_step(w_s, a_s, ready, it, sb, acc, RAW, DOT)
+        # WAIT 1: the group of step it-1 is done, so its slot (words read into registers before it, activation read
+        # by it) is free. NOT SAFE: nothing keeps ptxas from giving the next step's decoded operand the registers of
+        # this step's, still in flight (BM 256 is wrong; BM 128 passed run 2's checks after failing run 1's, same
+        # SASS; tying the old operand to this wait left the SASS byte-identical). No proxy fence: the words were
+        # read before this step's wgmma was issued (CUTLASS's TMA pipeline releases the same way), and a fence here
+        # compiles to MEMBAR.ALL.CTA, which would wait for the scale prefetch every step.
+        acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
         mbarrier.arrive(empty.index((it + STAGES - WAIT) % STAGES), pred=it >= WAIT)
-        w_prev = w
         sb = sb_next
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
-    on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-    om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-    offs = om[None, :] * N + on[:, None]
-    mask = (om[None, :] < M) & (on[:, None] < N)
-    if gl.num_programs(2) == 1:  # whole K here: store in out's dtype (bf16 in the timings, like the pick)
-        gl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # split K: fp32 atomics into a zeroed out
-        gl.atomic_add(out_ptr + offs, acc, mask=mask, sem="relaxed")
-
+    epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, gl.num_programs(2) > 1)
 
 @gluon.jit
 def _consume_wait1(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, n0, m0, st0, steps, M, N, CB):
