@@ -48,6 +48,35 @@ def test_fused_every_config_exact(m, out_dtype):
         assert err <= TOL[out_dtype], (cfg, err)
 
 
+def _wgws_missing() -> str | None:
+    from fp4dispatch.kernels import gluon_missing
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        return f"wgws is SM90 only; this GPU is SM{''.join(map(str, torch.cuda.get_device_capability()))}"
+    return gluon_missing()
+
+
+@pytest.mark.parametrize("m", [1, 3, 127, 300, 4096])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_wgws_every_tile_exact(m, out_dtype):
+    """The Gluon kernel at every M (configs_for offers it from M = 129), K % 32 == 0 as its TMA needs, K/16 = 130
+    blocks: half a scale group and a last step past K; N off the tile."""
+    if _wgws_missing():
+        pytest.skip(_wgws_missing())
+    from fp4dispatch.kernels.fused import _WGWS_TILES, fused_mm
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    for i, (bm, bn, bkb, stages) in enumerate(_WGWS_TILES):
+        ops = make_operands(Problem(m, N, 2080, out_dtype, torch.device("cuda")), seed=77 * m + i)  # NaN-filled out
+        if out_dtype == torch.float16:
+            ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
+        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
+                 {"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages})
+        err = _rel(ops.out, _ref64(ops))
+        assert err <= TOL[out_dtype], (bm, err)
+
+
 @pytest.mark.parametrize("m", [1, 127, 4096])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_dequant_backend_exact(m, out_dtype):

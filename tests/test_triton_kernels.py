@@ -331,7 +331,7 @@ def test_fused_mm_rejects_unknown_kernel():
     from fp4dispatch.kernels.fused import fused_mm
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma' or 'wmma'; got 'nope'"):
+    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
@@ -407,6 +407,7 @@ def test_wmma_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, grown):
 def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
     from fp4dispatch.kernels import fused
 
+    monkeypatch.setattr(fused, "_wgws_ok", lambda device: False)  # the Gluon kernel: its own test below
     monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -421,3 +422,53 @@ def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
         assert all(c["BKB"] % 4 == 0 and c["split"] >= 1 for c in cfgs if c["kernel"] == "wmma")
     # M <= 2 keeps the CUDA-core GEMV first everywhere
     assert fused.configs_for(1, 8192, 8192, torch.device("cuda", 0))[0]["kernel"] == "gemv2"
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False)])
+def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch import kernels
+    from fp4dispatch.kernels import fused
+
+    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fused, "_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
+    cuda = torch.device("cuda", 0)
+    for m, tiles in ((64, []), (128, []), (129, [128]), (300, [256, 128]), (512, [256, 128]), (513, [256]),
+                     (8192, [256])):
+        cfgs = fused.configs_for(m, 8192, 8192, cuda)
+        ws = [c for c in cfgs if c["kernel"] == "wgws"]
+        assert [c["BM"] for c in ws] == (tiles if offered else []), (m, cfgs)
+        assert cfgs[:len(ws)] == ws and len(cfgs) <= 7  # first: the untuned default above M = 128
+        assert any(c["kernel"] == "wmma" for c in cfgs)  # the tuner still compares
+        assert all(c["BN"] == 128 and c["BKB"] % 4 == 0 for c in ws)
+    # TMA needs 16-byte weight rows (K % 32 == 0); a Triton without the Gluon it is written for offers none
+    assert not [c for c in fused.configs_for(1024, 8192, 8208, cuda) if c["kernel"] == "wgws"]
+    monkeypatch.setattr(kernels, "gluon_missing", lambda: "no gluon here")
+    assert not [c for c in fused.configs_for(1024, 8192, 8192, cuda) if c["kernel"] == "wgws"]
+    monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
+    monkeypatch.setattr(fused, "_interpreted", lambda: True)
+    assert not [c for c in fused.configs_for(1024, 8192, 8192, cuda) if c["kernel"] == "wgws"]
+
+
+def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
+    import triton
+
+    from fp4dispatch import kernels
+
+    kernels.gluon_missing.cache_clear()
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    try:
+        assert kernels.gluon_missing() == ("the wgws kernel is written for Triton 3.6's Gluon; this is Triton 3.9.0")
+    finally:
+        kernels.gluon_missing.cache_clear()
+
+
+def test_wgws_refuses_what_tma_cannot_describe():
+    from fp4dispatch.kernels.fused import _wgws
+
+    a = torch.zeros(4, 8 * 129, dtype=torch.uint8)  # K = 2064: K/16 = 129 words per row, 1032-byte rows
+    with pytest.raises(ValueError, match=r"wgws needs K % 32 == 0 and a 16-byte aligned b; got K=2064"):
+        _wgws(a, torch.zeros(8, 8 * 129, dtype=torch.uint8), a, a, a, a, {"BM": 256, "BN": 128, "BKB": 4,
+                                                                           "stages": 5}, {})

@@ -1,18 +1,21 @@
 """Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
 
-Four kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
+Five kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
 with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick), ``wmma`` (``_wmma.py``: tensor-core tiles with the
 weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a
 small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
-M <= MB) and ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89). All take canonical operands (uint8
-[rows, K/2], 128x4-swizzled e4m3 scales) and support split-K in the same launch (the last CTA of a tile sums the
-fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all
+M <= MB), ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s
+tiles as a warp-specialized Gluon kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from
+M = 1024 on the large shapes). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
+``wgws`` support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``); ``wmma``
+also as stream-K (``stream``: one wave of CTAs, each the same share of all
 tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
 tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -20,6 +23,8 @@ from . import cuda_index, jit_interpreted, splitk
 from .launch import launch
 
 __all__ = ["fused_mm", "configs_for", "DEFAULT_WARPS"]
+
+log = logging.getLogger("fp4dispatch")
 
 DEFAULT_WARPS = 4
 MAX_CONFIGS = 7  # candidates per problem: tuning one key stays well under a few seconds on a GPU
@@ -115,6 +120,27 @@ def _wmma_rank(device: torch.device) -> int:
     return 2 if cap[0] == 9 else 1 if cap >= (8, 9) else 0
 
 
+def _wgws_ok(device: torch.device) -> bool:
+    """``wgws`` needs SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none of them), compiled kernels and
+    a Triton whose Gluon has what it uses."""
+    from . import gluon_missing
+
+    if device.type != "cuda" or _interpreted():
+        return False
+    if torch.cuda.get_device_capability(cuda_index(device))[0] != 9:
+        return False
+    why = gluon_missing()
+    if why:
+        log.debug("fp4dispatch: no wgws configs: %s", why)
+    return why is None
+
+
+# wgws tiles (BM, BN, BKB, stages) for M > 128 (H200, benchmarks/RESULTS.md eighth session): BM 256 from M = 257
+# (0.89-0.99x cuBLAS bf16 at M = 1024 on the large shapes across runs), BM 128 up to M = 512; the largest rings that
+# fit 227 KB of shared memory
+_WGWS_TILES = ((256, 128, 4, 5), (128, 128, 8, 4))
+
+
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     """Candidate configs for one problem (at most ``MAX_CONFIGS``), best guess first (the first is also the untuned
     default)."""
@@ -154,7 +180,8 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
 
     # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 the fp16x2 GEMV (gemv2 with H2) in one launch
     # (split 1, small N tiles, the whole K per CTA); above, the swapped-operand tensor-core wmma (first on SM90; the
-    # older bf16 mma stays as the fallback); from M ~ 1024 on, triton:dequant+matmul (cuBLAS) usually wins.
+    # older bf16 mma stays as the fallback); from M ~ 1024 on, wgws (SM90) on the large shapes and
+    # triton:dequant+matmul (cuBLAS) on the small ones.
     # maxnreg/prefetch: the sweep's best register cap / register double buffering.
     rank = _wmma_rank(device)
     h2 = {"H2": True}
@@ -203,6 +230,11 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             out = new + [c for c in out if c["kernel"] != "mma"]
         else:
             out += new[:max(1, MAX_CONFIGS - len(out))]
+    # SM90, M > 128: the warp-specialized Gluon kernel first (its TMA needs 16-byte weight rows: K % 32 == 0)
+    if m > 128 and k % 32 == 0 and _wgws_ok(device):
+        ws = [{"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": st} for bm, bn, bkb, st in _WGWS_TILES
+              if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
+        out = (ws + out)[:MAX_CONFIGS]
     return out
 
 
@@ -224,14 +256,36 @@ def decode_a(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm:
     return ad
 
 
+def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
+          out: torch.Tensor, config: dict, pdl: dict) -> None:
+    """``wgws`` (``_gluon.py``, SM90): A decoded once (wmma's APRE step), then one launch over TMA descriptors of
+    the weight words and the decoded A."""
+    m, kb, n = a.shape[0], a.shape[1] // 8, b.shape[0]
+    if kb % 2 or b.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
+        raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned b; got K={kb * 16}, "
+                         f"b.data_ptr() % 16 = {b.data_ptr() % 16}. Use another config from configs_for()")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import _gluon
+
+    cb = _cdiv(kb, 4)
+    bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
+    ad = decode_a(a.view(torch.int64), sa, m, kb, cb, True, CVT=True, **pdl)
+    w_layout, a_layout = _gluon.layouts(bn, bm, bkb)
+    b_desc = TensorDescriptor.from_tensor(b.view(torch.int64), [bn, bkb], w_layout)
+    a_desc = TensorDescriptor.from_tensor(ad, [bm, bkb * 16], a_layout)
+    _gluon.wgws_kernel[(_cdiv(n, bn), _cdiv(m, bm), 1)](b_desc, a_desc, sb, alpha, out, m, n, kb, cb, _cdiv(kb, bkb),
+                                                        BN=bn, BM=bm, BKB=bkb, STAGES=stages, num_warps=bn // 16)
+
+
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
     """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE: two).
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma' or 'wmma'; got "
+    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma", "wgws"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got "
                          f"{config.get('kernel')!r}. Use a config from configs_for()")
     from . import _fused as kf
 
@@ -249,7 +303,9 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     pdl = _pdl(out.device, config)
     if config["kernel"] in ("gemv2", "wmma") and bkb % 4:
         raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
-    if config["kernel"] == "wmma":
+    if config["kernel"] == "wgws":
+        _wgws(a, b, sa, sb, alpha, out, config, pdl)
+    elif config["kernel"] == "wmma":
         from . import _wmma
 
         bn, bm = int(config["BN"]), int(config["BM"])
