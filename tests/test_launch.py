@@ -83,6 +83,30 @@ def test_anything_triton_specializes_on_misses_the_cache(change):
     assert [e[0] for e in fn.log] == ["jit", "jit"]
 
 
+class FakeDesc:
+    """Duck-typed like Triton's and Gluon's host ``TensorDescriptor``."""
+
+    def __init__(self, base, block_shape, layout="swizzle128"):
+        self.base, self.shape, self.strides = base, list(base.shape), list(base.stride())
+        self.block_shape, self.layout = block_shape, layout
+
+
+@pytest.mark.parametrize("change", [None, "base", "block", "layout", "dtype"])
+def test_tma_descriptors_key_by_what_types_the_kernel(change):
+    fn = FakeJIT()
+    x, y = torch.zeros(64, 32, dtype=torch.float16), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), FakeDesc(x, [16, 32]), y, 10, BLOCK=32)
+    d = {None: FakeDesc(x, [16, 32]),  # a new descriptor of the same tensor and type: the compiled kernel serves it
+         "base": FakeDesc(torch.zeros(128, 32, dtype=torch.float16), [16, 32]),  # the launcher reads base and shape
+         "block": FakeDesc(x, [32, 32]), "layout": FakeDesc(x, [16, 32], "swizzle64"),
+         "dtype": FakeDesc(x.view(torch.int16), [16, 32])}[change]
+    L.launch(fn, (4, 1), d, y, 10, BLOCK=32)
+    want = ["jit", "direct"] if change in (None, "base") else ["jit", "jit"]
+    assert [e[0] for e in fn.log] == want
+    if change in (None, "base"):
+        assert fn.log[1][2][0] is d  # the descriptor itself goes to the compiled kernel's launcher
+
+
 def test_failed_direct_launch_switches_to_the_jit_path(caplog):
     fn = FakeJIT(fail=True)
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)

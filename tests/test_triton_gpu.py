@@ -77,6 +77,26 @@ def test_wgws_every_tile_exact(m, out_dtype):
         assert err <= TOL[out_dtype], (bm, err)
 
 
+def test_wgws_repeats_through_direct_launch(monkeypatch):
+    """The second call of a key launches the compiled Gluon kernel directly (its TMA descriptors are new objects each
+    call); fresh operands each time, so a stale descriptor would show."""
+    if _wgws_missing():
+        pytest.skip(_wgws_missing())
+    from fp4dispatch.kernels import _gluon
+    from fp4dispatch.kernels import launch as L
+    from fp4dispatch.kernels.fused import fused_mm
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    monkeypatch.setattr(L, "_COMPILED", {})
+    cfg = {"kernel": "wgws", "BM": 256, "BN": 128, "BKB": 4, "stages": 5}
+    for i in range(3):
+        ops = make_operands(Problem(300, N, 2080, torch.bfloat16, torch.device("cuda")), seed=500 + i)
+        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+        assert _rel(ops.out, _ref64(ops)) <= TOL[torch.bfloat16], i
+    assert L._fast and [key[0] for key in L._COMPILED].count(id(_gluon.wgws_kernel)) == 1
+
+
 @pytest.mark.parametrize("m", [1, 127, 4096])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_dequant_backend_exact(m, out_dtype):

@@ -274,8 +274,8 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     w_layout, a_layout = _gluon.layouts(bn, bm, bkb)
     b_desc = TensorDescriptor.from_tensor(b.view(torch.int64), [bn, bkb], w_layout)
     a_desc = TensorDescriptor.from_tensor(ad, [bm, bkb * 16], a_layout)
-    _gluon.wgws_kernel[(_cdiv(n, bn), _cdiv(m, bm), 1)](b_desc, a_desc, sb, alpha, out, m, n, kb, cb, _cdiv(kb, bkb),
-                                                        BN=bn, BM=bm, BKB=bkb, STAGES=stages, num_warps=bn // 16)
+    launch(_gluon.wgws_kernel, (_cdiv(n, bn), _cdiv(m, bm)), b_desc, a_desc, sb, alpha, out, m, n, kb, cb,
+           _cdiv(kb, bkb), BN=bn, BM=bm, BKB=bkb, STAGES=stages, num_warps=bn // 16)
 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,

@@ -5,7 +5,8 @@ divisibility of each int), builds a cache key from that and only then finds the 
 host that was half to two thirds of an eager ``fused_mm`` call (benchmarks/RESULTS.md, fourth session, run 5).
 ``launch`` keeps the compiled kernel that the first call returns under a key that holds everything those steps
 read, so it never needs Triton's specialization rules: the value of every positional argument (of a tensor: its
-dtype and its address mod 16, Triton's alignment specialization), the keyword arguments (constexprs and launch
+dtype and its address mod 16, Triton's alignment specialization; of a TMA descriptor: the same of its base, its
+block shape and layout), the keyword arguments (constexprs and launch
 options: scalars), the grid and the device. A later call with an equal key launches that compiled kernel directly,
 with the argument list ``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a
 direct launch raises, the fast path is switched off for the process and the call goes through ``kernel[grid]``.
@@ -39,6 +40,16 @@ def _params(fn) -> tuple[list[str], dict]:
     return got
 
 
+def _desc_key(a):
+    """A host TMA descriptor (Triton's or Gluon's ``TensorDescriptor``) by what types the compiled kernel: dtype, base
+    alignment, block shape and layout (its launcher builds the tensor map from the rest on every call); any other
+    argument as itself."""
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):
+        return ("desc", base.dtype, base.data_ptr() % 16, tuple(a.block_shape), getattr(a, "layout", None))
+    return a
+
+
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``; from the second call with the same key on, without Triton's argument binding.
     ``args`` are the leading parameters; ``kwargs`` the keyword parameters (constexprs) and launch options
@@ -50,7 +61,8 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
         return
     # kwargs in call order: a call site passes them in one order (another order only misses the cache)
     key = (id(fn), torch.cuda.current_device(), grid, tuple(kwargs.items()),
-           *[(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args])
+           *[(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float))
+             else _desc_key(a) for a in args])
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = fn[grid](*args, **kwargs)
