@@ -5,8 +5,8 @@ Seventh session: as a benchmark it was not faster at M=128, and with one wgmma g
 wrong results at BM 256. Eighth session: the cause was the rolled loop (each step decoded into the registers the
 wgmma still in flight was reading: the SASS wrote them right after WARPGROUP.DEPBAR.LE 1); two steps per pass give
 each operand its own registers, and every check passes. A store from the wgmma layout cost ~50 us per 128x256 tile;
-through ``store_layout`` the kernel made 0.92-0.98x cuBLAS bf16 at M >= 1024 on the H200, and it became the
-dispatcher's ``wgws`` config (``fused.configs_for``).
+through ``store_layout`` the kernel made 0.89-0.99x cuBLAS bf16 at M = 1024 on the large shapes (H200, runs 3-6), and
+it became the dispatcher's ``wgws`` config (``fused.configs_for``).
 
     python3 benchmarks/gluon_ws.py --compile 128 256 4 5    # local sm_90a build (BN BM BKB STAGES), no GPU
     python3 benchmarks/gluon_ws.py [--no-check] [--large|--all]   # H200: exactness, then timings

@@ -9,7 +9,8 @@
   ``raw_layout``), leaves one wgmma group in flight while it decodes the next step, and frees the slot whose group
   is done (``empty`` mbarriers);
 - the epilogue applies alpha in fp32 and stores through ``store_layout`` (rows of out along n).
-H200 (benchmarks/RESULTS.md, eighth session): M=1024 0.92-0.97x cuBLAS bf16 where ``wmma`` made 0.62-0.67x.
+H200 (benchmarks/RESULTS.md, eighth session): M=1024 on the large shapes 0.89-0.99x cuBLAS bf16 across runs, where
+``wmma``'s 256x128 tile made 0.59-0.69x; the dispatcher's pick from M = 1024 on those shapes.
 
 Two things a correct version needed (benchmarks/notes_hopper.md v12):
 - the consumer loop runs two K steps per pass. A rolled loop decodes every step into the same registers, and with
