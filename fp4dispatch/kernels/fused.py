@@ -121,13 +121,11 @@ def _wmma_rank(device: torch.device) -> int:
 
 
 def _wgws_ok(device: torch.device) -> bool:
-    """``wgws`` needs SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none of them), compiled kernels and
-    a Triton whose Gluon has what it uses."""
+    """``wgws`` needs SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none of them), compiled kernels
+    (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what it uses."""
     from . import gluon_missing
 
-    if device.type != "cuda" or _interpreted():
-        return False
-    if torch.cuda.get_device_capability(cuda_index(device))[0] != 9:
+    if _wmma_rank(device) != 2:
         return False
     why = gluon_missing()
     if why:
