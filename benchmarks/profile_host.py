@@ -1,5 +1,6 @@
 """Where the host time of an eager call goes: cProfile over back-to-back ``fused_mm`` and ``fp4_mm`` calls (top
-functions by own time), for a one-launch and a two-launch config. ``--ab``: instead, host time per call with the
+functions by own time), for a one-launch and a two-launch config and the Gluon ``wgws`` (two launches, two TMA
+descriptors). ``--ab``: instead, host time per call with the
 direct launch of compiled kernels (``kernels/launch.py``) on and off, interleaved in one process (the lent machine's
 host speed moves between runs, so only same-run comparisons hold).
 
@@ -22,6 +23,7 @@ CASES = [
                      "PAIR": True, "prefetch": True, "H2": True, "CVT": True}),
     (16, 8192, 8192, {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3,
                       "APRE": True}),
+    (1024, 6144, 2048, {"kernel": "wgws", "BM": 256, "BN": 128, "BKB": 4, "stages": 5}),  # SM90, Triton 3.6
 ]
 
 
