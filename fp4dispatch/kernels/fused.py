@@ -135,7 +135,7 @@ def _wgws_ok(device: torch.device) -> bool:
 
 # wgws tiles (BM, BN, BKB, stages) for M > 128 (H200, benchmarks/RESULTS.md eighth session): BM 256 from M = 257
 # (0.89-0.99x cuBLAS bf16 at M = 1024 on the large shapes across runs; with BN 64, one consumer warpgroup and twice
-# the N tiles, 10-18 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest rings
+# the N tiles, 11-20 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest rings
 # that fit 227 KB of shared memory
 _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 
