@@ -335,6 +335,9 @@ def test_fused_mm_rejects_unknown_kernel():
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
+    with pytest.raises(ValueError, match=r"wgws needs BKB % 4 == 0 \(whole swizzled scale groups\); got 6"):
+        fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "wgws", "BM": 256, "BN": 128, "BKB": 6,
+                                                                 "stages": 5})
     with pytest.raises(ValueError, match=r"wmma needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "wmma", "BM": 16, "BN": 16, "BKB": 6})
 

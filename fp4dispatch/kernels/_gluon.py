@@ -50,10 +50,10 @@ def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
 
 
 @triton.constexpr_function
-def store_layout(bn: int, bm: int) -> gl.BlockedLayout:
-    """The out.T tile [bn, bm] (accumulated by bn // 16 warps) with 8 consecutive weight rows per thread: out's rows
-    run along n, so a thread writes 16 contiguous bytes of bf16 and a warp whole rows."""
-    bn, bm = getattr(bn, "value", bn), getattr(bm, "value", bm)
+def store_layout(bn: int) -> gl.BlockedLayout:
+    """The out.T tile [bn, BM] (accumulated by bn // 16 warps) with 8 consecutive weight rows per thread: out's rows
+    run along n, so a thread writes 16 contiguous bytes of bf16 and a warp whole rows (any BM: warps tile along m)."""
+    bn = getattr(bn, "value", bn)
     t0 = min(bn // 8, 32)
     return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[t0, 32 // t0], warps_per_cta=[1, bn // 16],
                             order=[0, 1])
@@ -90,7 +90,7 @@ def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr)
 def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, atomic):
     """Wait for the last wgmma, apply alpha and write out.T's tile through ``store_layout``: fp32 atomics into a
     zeroed out (``atomic``: a split of K) or a store in out's dtype."""
-    ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1])
+    ST: gl.constexpr = store_layout(acc.type.shape[0])
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
     on = n0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, ST))

@@ -8,9 +8,8 @@ M <= MB), ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89) and 
 tiles as a warp-specialized Gluon kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from
 M = 1024 on the large shapes). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
 ``wgws`` support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``); ``wmma``
-also as stream-K (``stream``: one wave of CTAs, each the same share of all
-tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that
-tuning one key costs well under a few seconds on a GPU.
+also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a JSON-able
+dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
@@ -300,7 +299,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     sb = b_scale.view(torch.uint8)
     warps = int(config.get("warps", DEFAULT_WARPS))
     pdl = _pdl(out.device, config)
-    if config["kernel"] in ("gemv2", "wmma") and bkb % 4:
+    if config["kernel"] in ("gemv2", "wmma", "wgws") and bkb % 4:
         raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
     if config["kernel"] == "wgws":
         _wgws(a, b, sa, sb, alpha, out, config, pdl)

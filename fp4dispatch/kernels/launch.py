@@ -6,10 +6,10 @@ host that was half to two thirds of an eager ``fused_mm`` call (benchmarks/RESUL
 ``launch`` keeps the compiled kernel that the first call returns under a key that holds everything those steps
 read, so it never needs Triton's specialization rules: the value of every positional argument (of a tensor: its
 dtype and its address mod 16, Triton's alignment specialization; of a TMA descriptor: the same of its base, its
-block shape and layout), the keyword arguments (constexprs and launch
-options: scalars), the grid and the device. A later call with an equal key launches that compiled kernel directly,
-with the argument list ``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a
-direct launch raises, the fast path is switched off for the process and the call goes through ``kernel[grid]``.
+block shape and layout), the keyword arguments (constexprs and launch options: scalars), the grid and the device.
+A later call with an equal key launches that compiled kernel directly, with the argument list ``kernel[grid]`` would
+pass it (every parameter in signature order, defaults filled in). If a direct launch raises, the fast path is
+switched off for the process and the call goes through ``kernel[grid]``.
 There is one entry per distinct key (e.g. per M a model runs with); the entries share the compiled kernels.
 """
 from __future__ import annotations
