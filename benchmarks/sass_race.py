@@ -50,6 +50,16 @@ def hot_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     return loops
 
 
+def loop_spills(sass: str) -> list[str]:
+    """Every local-memory access (a register spill: STL/LDL) in the innermost hot loops (the K loops; an outer loop
+    over tiles also holds the epilogue), as 'address instruction' lines."""
+    code = _parse(sass)
+    loops = hot_loops(code)
+    inner = [(f, l) for f, l in loops if not any((f, l) != (g, h) and f <= g and h <= l for g, h in loops)]
+    return [f"{a:#06x} {ins}" for first, last in inner for a, ins in code[first:last + 1]
+            if re.search(r"\b(STL|LDL)", ins)]
+
+
 def races(sass: str) -> list[str]:
     """Every write to an in-flight HGMMA A operand in the hot loops, as 'address instruction' lines."""
     code = _parse(sass)

@@ -56,11 +56,14 @@ def _wgws_missing() -> str | None:
     return gluon_missing()
 
 
+@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"swap": True}, {"persist": True, "swap": True}],
+                         ids=["tiles", "persist", "swap", "persist-swap"])
 @pytest.mark.parametrize("m", [1, 3, 127, 300, 4096])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_wgws_every_tile_exact(m, out_dtype):
+def test_wgws_every_tile_exact(m, out_dtype, variant):
     """The Gluon kernel at every M (configs_for offers it from M = 129), K % 32 == 0 as its TMA needs, K/16 = 130
-    blocks: half a scale group and a last step past K; N off the tile."""
+    blocks: half a scale group and a last step past K; N off the tile. Persistent (several tiles per CTA, the ring
+    running on across them) and swapped operands (the weight decoded first) alike."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
     from fp4dispatch.kernels.fused import _WGWS_TILES, fused_mm
@@ -72,9 +75,9 @@ def test_wgws_every_tile_exact(m, out_dtype):
         if out_dtype == torch.float16:
             ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
         fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
-                 {"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages})
+                 {"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages, **variant})
         err = _rel(ops.out, _ref64(ops))
-        assert err <= TOL[out_dtype], (bm, err)
+        assert err <= TOL[out_dtype], (bm, bn, err)
 
 
 def test_wgws_repeats_through_direct_launch(monkeypatch):

@@ -438,12 +438,16 @@ def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
     cuda = torch.device("cuda", 0)
-    big, narrow, small = (256, 128), (256, 64), (128, 128)  # (BM, BN)
-    for m, tiles in ((64, []), (128, []), (129, [small]), (300, [big, narrow, small]), (512, [big, narrow, small]),
-                     (513, [big, narrow]), (8192, [big, narrow])):
-        cfgs = fused.configs_for(m, 8192, 8192, cuda)
+    big, narrow, small = (256, 128, ""), (256, 64, ""), (128, 128, "")  # (BM, BN, variant)
+    persist, swap = (256, 128, "persist"), (256, 128, "swap")
+    for m, n, tiles in ((64, 8192, []), (128, 8192, []), (129, 8192, [small]),
+                        (300, 8192, [persist, big, narrow, small]), (512, 8192, [persist, big, narrow, small]),
+                        (513, 8192, [persist, big, narrow]), (8192, 8192, [persist, big, narrow]),
+                        (4096, 2048, [swap, persist, big, narrow]), (300, 256, [swap, persist, big, narrow, small])):
+        cfgs = fused.configs_for(m, n, 8192, cuda)
         ws = [c for c in cfgs if c["kernel"] == "wgws"]
-        assert [(c["BM"], c["BN"]) for c in ws] == (tiles if offered else []), (m, cfgs)
+        got = [(c["BM"], c["BN"], "persist" if c.get("persist") else "swap" if c.get("swap") else "") for c in ws]
+        assert got == (tiles if offered else []), (m, n, cfgs)
         assert cfgs[:len(ws)] == ws and len(cfgs) <= 7  # first: the untuned default above M = 128
         assert any(c["kernel"] == "wmma" for c in cfgs)  # the tuner still compares
         assert all(c["BKB"] % 4 == 0 for c in ws)

@@ -12,6 +12,12 @@
 H200 (benchmarks/RESULTS.md, eighth session): M=1024 on the large shapes 0.89-0.99x cuBLAS bf16 across runs, where
 ``wmma``'s 256x128 tile made 0.59-0.69x; the dispatcher's pick from M = 1024 on those shapes.
 
+Ninth session: a CTA runs a range of whole tiles (``_first_tile``), so a grid of one CTA per SM is persistent (the
+producer loads the next tile while the consumers finish one); and the two operands can swap roles (``SWAP``): the
+activation decoded in registers, the weight pre-decoded, out = acc instead of acc.T, which decodes fewer values where
+M > N. A stream-K cut with a workspace reduction was exact but slower in every cell measured, so it was removed
+(notes_hopper.md v13).
+
 Two things a correct version needed (benchmarks/notes_hopper.md v12):
 - the consumer loop runs two K steps per pass. A rolled loop decodes every step into the same registers, and with
   a group in flight the decode overwrote the operand that group was still reading (wrong results at BM 256);
@@ -50,10 +56,16 @@ def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
 
 
 @triton.constexpr_function
-def store_layout(bn: int) -> gl.BlockedLayout:
-    """The out.T tile [bn, BM] (accumulated by bn // 16 warps) with 8 consecutive weight rows per thread: out's rows
-    run along n, so a thread writes 16 contiguous bytes of bf16 and a warp whole rows (any BM: warps tile along m)."""
-    bn = getattr(bn, "value", bn)
+def store_layout(bn: int, bm: int, swap: bool) -> gl.BlockedLayout:
+    """The layout in which the [bn, bm] tile (accumulated by bn // 16 warps) is written, so that each thread writes
+    16 contiguous bytes of bf16 and a warp whole runs of a row of out: out's rows run along the tile's first dim
+    (8 consecutive rows of it per thread, warps along the second), or with ``swap`` (out = X @ Y.T, not its
+    transpose) along the second."""
+    bn, bm, swap = (getattr(v, "value", v) for v in (bn, bm, swap))
+    if swap:
+        t1 = min(bm // 8, 32)
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // t1, t1], warps_per_cta=[bn // 16, 1],
+                                order=[1, 0])
     t0 = min(bn // 8, 32)
     return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[t0, 32 // t0], warps_per_cta=[1, bn // 16],
                             order=[0, 1])
@@ -87,54 +99,78 @@ def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr)
 
 
 @gluon.jit
-def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, atomic):
-    """Wait for the last wgmma, apply alpha and write out.T's tile through ``store_layout``: fp32 atomics into a
-    zeroed out (``atomic``: a split of K) or a store in out's dtype."""
-    ST: gl.constexpr = store_layout(acc.type.shape[0])
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
-    on = n0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, ST))
-    om = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, ST))
-    offs = om[None, :].to(gl.int64) * N + on[:, None]
-    mask = (om[None, :] < M) & (on[:, None] < N)
-    if atomic:
-        gl.atomic_add(out_ptr + offs, gl.convert_layout(acc, ST), mask=mask, sem="relaxed")
-    else:
-        gl.store(out_ptr + offs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), ST), mask=mask)
+def _first_tile(c, TILES):
+    """The first of CTA c's tiles: TILES are shared out in order, TILES // grid per CTA and one more to the first
+    TILES % grid (a grid of TILES CTAs: one each)."""
+    return c * (TILES // gl.num_programs(0)) + gl.minimum(c, TILES % gl.num_programs(0))
 
 
 @gluon.jit
-def _producer(b_desc, a_desc, w_s, a_s, ready, empty, n0, m0, st0, steps):
-    """TMA loads of K steps [st0, st0 + steps) into the ring."""
+def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constexpr, SWAP: gl.constexpr):
+    """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
+    [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
+    ones."""
+    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    rm = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
+    if SWAP:
+        corner = n0.to(gl.int64) * M
+        offs = (rn - n0)[:, None] * M + rm[None, :]
+    else:
+        corner = m0.to(gl.int64) * N
+        offs = (rm - m0)[None, :] * N + rn[:, None]
+    return corner, offs, (rm < M)[None, :] & (rn < N)[:, None]
+
+
+@gluon.jit
+def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr):
+    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout``."""
+    ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1], SWAP)
+    corner, offs, mask = _tile_offsets(n0, m0, M, N, acc.type.shape[0], acc.type.shape[1], ST, SWAP)
+    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
+    gl.store(out_ptr + corner + offs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), ST), mask=mask)
+
+
+@gluon.jit
+def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS):
+    """TMA loads of this CTA's tiles, step after step, into the ring: it runs on into the next tile while the
+    consumers finish one."""
     # (Triton 3.6 passes a worker partition's constexpr arguments as i32 values: sizes come from the buffers' types)
     STAGES: gl.constexpr = w_s.type.shape[0]
+    BN: gl.constexpr = w_s.type.shape[1]
     BKB: gl.constexpr = w_s.type.shape[2]
-    NBYTES: gl.constexpr = w_s.type.shape[1] * BKB * 8 + a_s.type.shape[1] * BKB * 32
-    for it in range(steps):
-        s = it % STAGES
+    BM: gl.constexpr = a_s.type.shape[1]
+    NBYTES: gl.constexpr = BN * BKB * 8 + BM * BKB * 32
+    lo = _first_tile(gl.program_id(0), TILES)
+    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+        tile = lo + j // STEPS
+        ks = j % STEPS
+        s = j % STAGES
         # a fresh barrier counts as having finished the phase before phase 0: the first pass does not wait
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), NBYTES)
-        tma.async_copy_global_to_shared(b_desc, [n0, (st0 + it) * BKB], ready.index(s), w_s.index(s))
-        tma.async_copy_global_to_shared(a_desc, [m0, (st0 + it) * BKB * 16], ready.index(s), a_s.index(s))
+        tma.async_copy_global_to_shared(b_desc, [(tile % NT) * BN, ks * BKB], ready.index(s), w_s.index(s))
+        tma.async_copy_global_to_shared(a_desc, [(tile // NT) * BM, ks * BKB * 16], ready.index(s), a_s.index(s))
 
 
 @gluon.jit
-def _release(w_s, a_s, ready, empty, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
-    """Step ``it``: decode and issue its wgmma, wait until one group is left in flight, then free the slot of step
-    it - 1, whose group is done. No proxy fence: the words were read into registers before that group was issued
-    (CUTLASS's TMA pipeline releases the same way), and a fence here compiles to MEMBAR.ALL.CTA."""
+def _release(w_s, a_s, ready, empty, it, prev, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
+    """Ring step ``it``: decode and issue its wgmma, wait until one group is left in flight, then free the slot of
+    step it - 1 (``prev``: it is this tile's), whose group is done. No proxy fence: the words were read into
+    registers before that group was issued (CUTLASS's TMA pipeline releases the same way), and a fence here
+    compiles to MEMBAR.ALL.CTA."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     acc = mma_step(w_s, a_s, ready, it, sb, acc, RAW, DOT)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=it >= 1)
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=prev)
     return acc
 
 
 @gluon.jit
-def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, n0, m0, st0, steps, M, N, KB, CB):
-    """acc [BN, BM] = W @ A.T for the tile's BN = 16 * num_warps weight rows (a warpgroup per 64), then the
-    epilogue (atomics when the grid splits K)."""
+def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS,
+             SWAP: gl.constexpr):
+    """For each of this CTA's tiles: acc [BN, BM] = X @ Y.T (a warpgroup per 64 of the BN = 16 * num_warps rows),
+    then the epilogue."""
+    STAGES: gl.constexpr = w_s.type.shape[0]
     BN: gl.constexpr = w_s.type.shape[1]
     BKB: gl.constexpr = w_s.type.shape[2]
     BM: gl.constexpr = a_s.type.shape[1]
@@ -142,41 +178,59 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, n0, m0, st0, st
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BN // 16, 1],
                                                   instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    sptr, smask, t = scale_ptrs(sb_ptr, n0, CB, N, BN, BKB, RAW)
-    sb = load_scales(sptr, smask, t, st0 * BKB, KB)
-    acc = gl.zeros([BN, BM], gl.float32, MMA)
-    # Two steps per pass, so that two values hold the decoded operands: a step's decode runs while the step before's
-    # wgmma still reads its register operand. In a rolled loop both are one value with the same registers.
-    for p in range(steps // 2):
-        kb0 = (st0 + 2 * p) * BKB
-        sb1 = load_scales(sptr, smask, t, kb0 + BKB, KB)
-        acc = _release(w_s, a_s, ready, empty, 2 * p, sb, acc, RAW, DOT)
-        sb = load_scales(sptr, smask, t, kb0 + 2 * BKB, KB)
-        acc = _release(w_s, a_s, ready, empty, 2 * p + 1, sb1, acc, RAW, DOT)
-    if steps % 2 == 1:
-        acc = _release(w_s, a_s, ready, empty, steps - 1, sb, acc, RAW, DOT)
-    epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, gl.num_programs(2) > 1)
+    lo = _first_tile(gl.program_id(0), TILES)
+    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
+        j = (tile - lo) * STEPS  # the ring step of the tile's first K step
+        n0 = (tile % NT) * BN
+        m0 = (tile // NT) * BM
+        sptr, smask, t = scale_ptrs(sb_ptr, n0, CB, N, BN, BKB, RAW)
+        sb = load_scales(sptr, smask, t, 0, KB)
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
+        # Two steps per pass, so that two values hold the decoded operands: a step's decode runs while the step
+        # before's wgmma still reads its register operand. In a rolled loop both are one value, the same registers.
+        for i in range(STEPS // 2):
+            sb1 = load_scales(sptr, smask, t, (2 * i + 1) * BKB, KB)
+            acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb, acc, RAW, DOT)
+            sb = load_scales(sptr, smask, t, (2 * i + 2) * BKB, KB)
+            acc = _release(w_s, a_s, ready, empty, j + 2 * i + 1, True, sb1, acc, RAW, DOT)
+        if STEPS % 2 == 1:
+            acc = _release(w_s, a_s, ready, empty, j + STEPS - 1, STEPS > 1, sb, acc, RAW, DOT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(empty.index((j + STEPS - 1) % STAGES))  # the tile's last slot: the producer runs on
+        epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP)
 
 
 @gluon.jit
-def wgws_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps_per_split, BN: gl.constexpr,
-                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr):
-    """Tile of BN weight rows x BM tokens over one K split (program_id 2; fp32 atomics into a zeroed out when there
-    are several): the default partition (num_warps = BN / 16) consumes, one worker warp loads."""
-    n0 = gl.program_id(0) * BN
-    m0 = gl.program_id(1) * BM
-    st0 = gl.program_id(2) * steps_per_split
-    steps = gl.minimum(gl.cdiv(KB, BKB) - st0, steps_per_split)
-    w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], b_desc.layout)
-    a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], a_desc.layout)
+def _consume_out(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
+    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, False)
+
+
+@gluon.jit
+def _consume_swap(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
+    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, True)
+
+
+@gluon.jit
+def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TILES, STEPS, BN: gl.constexpr,
+                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr):
+    """acc [BN, BM] = X @ Y.T tiles: X the N rows of NVFP4 words (``x_desc``, block scales ``sx_ptr``), decoded in
+    registers; Y the M rows pre-decoded to fp16 (``y_desc``). out [M, N] = acc.T (X the weight), or with SWAP out
+    [N, M] = acc (X the activation). The TILES tiles (NT along N) of STEPS K steps each are shared out in order
+    (``_first_tile``): a grid of TILES CTAs is the plain tiled kernel, a smaller one persistent (the loads run on
+    across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads."""
+    w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], x_desc.layout)
+    a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([(_consume, (w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, n0, m0, st0, steps, M, N,
-                                    KB, CB)),
-                        (_producer, (b_desc, a_desc, w_s, a_s, ready, empty, n0, m0, st0, steps))], [1], [40])
+    args = (w_s, a_s, ready, empty, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS)
+    load = (x_desc, y_desc, w_s, a_s, ready, empty, TILES, NT, STEPS)
+    if SWAP:
+        gl.warp_specialize([(_consume_swap, args), (_producer, load)], [1], [40])
+    else:
+        gl.warp_specialize([(_consume_out, args), (_producer, load)], [1], [40])
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,7 @@ weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H2
 small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
 M <= MB), ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s
 tiles as a warp-specialized Gluon kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from
-M = 1024 on the large shapes). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
+M = 1024 on the large shapes; plain, persistent or with the operands' roles swapped). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
 ``wgws`` support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``); ``wmma``
 also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a JSON-able
 dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a GPU.
@@ -132,11 +132,24 @@ def _wgws_ok(device: torch.device) -> bool:
     return why is None
 
 
-# wgws tiles (BM, BN, BKB, stages) for M > 128 (H200, benchmarks/RESULTS.md eighth session): BM 256 from M = 257
-# (0.89-0.99x cuBLAS bf16 at M = 1024 on the large shapes across runs; with BN 64, one consumer warpgroup and twice
-# the N tiles, 11-20 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest rings
-# that fit 227 KB of shared memory
+# wgws tiles (BM, BN, BKB, stages) for M > 128 (H200, benchmarks/RESULTS.md eighth and ninth sessions): BM 256 from
+# M = 257 (0.89-0.99x cuBLAS bf16 at M = 1024 on the large shapes across runs; with BN 64, one consumer warpgroup and
+# twice the N tiles, 11-20 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest
+# rings that fit 227 KB of shared memory. From M = 257 the first tile is also offered persistent (one CTA per SM, the
+# loads run on across tile ends) and, where M > N, swapped (the weight is the operand decoded first, so fewer values
+# are: 2048x6144 and 768x6144 at M = 4096 0.82 -> 0.86-0.87x and 0.59 -> 0.70x, ninth session run 2).
 _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
+
+
+def _wgws_configs(m: int, n: int) -> list[dict]:
+    """The wgws candidates for M > 128, best guess first."""
+    out = [{"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": st} for bm, bn, bkb, st in _WGWS_TILES
+           if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
+    if m > 256:
+        out.insert(0, dict(out[0], persist=True))
+        if m > n:
+            out.insert(0, dict(out[1], swap=True))
+    return out
 
 
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
@@ -230,9 +243,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             out += new[:max(1, MAX_CONFIGS - len(out))]
     # SM90, M > 128: the warp-specialized Gluon kernel first (its TMA needs 16-byte weight rows: K % 32 == 0)
     if m > 128 and k % 32 == 0 and _wgws_ok(device):
-        ws = [{"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": st} for bm, bn, bkb, st in _WGWS_TILES
-              if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
-        out = (ws + out)[:MAX_CONFIGS]
+        out = (_wgws_configs(m, n) + out)[:MAX_CONFIGS]
     return out
 
 
@@ -256,24 +267,32 @@ def decode_a(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm:
 
 def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
           out: torch.Tensor, config: dict, pdl: dict) -> None:
-    """``wgws`` (``_gluon.py``, SM90): A decoded once (wmma's APRE step), then one launch over TMA descriptors of
-    the weight words and the decoded A."""
-    m, kb, n = a.shape[0], a.shape[1] // 8, b.shape[0]
-    if kb % 2 or b.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
-        raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned b; got K={kb * 16}, "
-                         f"b.data_ptr() % 16 = {b.data_ptr() % 16}. Use another config from configs_for()")
+    """``wgws`` (``_gluon.py``, SM90): one operand decoded once to fp16 (wmma's APRE step), then one launch over TMA
+    descriptors of the other's words and the decoded one. The decoded one is A, or with ``swap`` the weight (out =
+    A @ W.T tile by tile: fewer values to decode where M > N)."""
+    kb = a.shape[1] // 8
+    swap = bool(config.get("swap"))
+    x, sx, y, sy = (a, sa, b, sb) if swap else (b, sb, a, sa)  # x: decoded in registers, y: decoded first
+    if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
+        raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned {'a' if swap else 'b'}; got "
+                         f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from configs_for()")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import _gluon
 
     cb = _cdiv(kb, 4)
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
-    ad = decode_a(a.view(torch.int64), sa, m, kb, cb, True, CVT=True, **pdl)
+    nx, ny = x.shape[0], y.shape[0]
+    yd = decode_a(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
     w_layout, a_layout = _gluon.layouts(bn, bm, bkb)
-    b_desc = TensorDescriptor.from_tensor(b.view(torch.int64), [bn, bkb], w_layout)
-    a_desc = TensorDescriptor.from_tensor(ad, [bm, bkb * 16], a_layout)
-    launch(_gluon.wgws_kernel, (_cdiv(n, bn), _cdiv(m, bm)), b_desc, a_desc, sb, alpha, out, m, n, kb, cb,
-           _cdiv(kb, bkb), BN=bn, BM=bm, BKB=bkb, STAGES=stages, num_warps=bn // 16)
+    x_desc = TensorDescriptor.from_tensor(x.view(torch.int64), [bn, bkb], w_layout)
+    y_desc = TensorDescriptor.from_tensor(yd, [bm, bkb * 16], a_layout)
+    nt, steps = _cdiv(nx, bn), _cdiv(kb, bkb)
+    tiles = nt * _cdiv(ny, bm)
+    # persist: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on across
+    # a tile's epilogue; else one CTA per tile
+    ctas = min(tiles, _num_sms(out.device)) if config.get("persist") else tiles
+    launch(_gluon.wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cb, nt, tiles, steps, BN=bn, BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16)
 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
