@@ -480,3 +480,9 @@ def test_wgws_refuses_what_tma_cannot_describe():
     with pytest.raises(ValueError, match=r"wgws needs K % 32 == 0 and a 16-byte aligned b; got K=2064"):
         _wgws(a, torch.zeros(8, 8 * 129, dtype=torch.uint8), a, a, a, a, {"BM": 256, "BN": 128, "BKB": 4,
                                                                            "stages": 5}, {})
+    # swapped, the activation's words are the ones TMA loads: its base must be aligned
+    words = torch.zeros(4 * 1024 + 1, dtype=torch.uint8)[1:].view(4, 1024)  # K = 2048, base 1 byte off
+    with pytest.raises(ValueError, match=r"wgws needs K % 32 == 0 and a 16-byte aligned a; got K=2048, "
+                                         r"data_ptr\(\) % 16 = 1"):
+        _wgws(words, torch.zeros(8, 1024, dtype=torch.uint8), a, a, a, a,
+              {"BM": 256, "BN": 128, "BKB": 4, "stages": 5, "swap": True}, {})
