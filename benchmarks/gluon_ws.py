@@ -120,18 +120,23 @@ def exp_large() -> None:
 
 
 def exp_m128() -> None:
-    """M = 128..512: stream-K of the BM 128 tiles against the wmma pick."""
+    """M = 128: BM 128 tiles of one (BN 64) or two (BN 128) consumer warpgroups, plain and persistent, against the
+    wmma pick and cuBLAS bf16. BN 128 makes 64 tiles on 8192^2, under one wave; BN 64 makes 128."""
     from bench_hopper import graph_ms, rand_operands
     pick = {"kernel": "wmma", "BM": 128, "BN": 128, "BKB": 8, "warps": 8, "stages": 3, "split": 2, "APRE": True}
-    for n, k in ((8192, 8192), (28672, 8192), (2048, 6144)):
-        for m in (128, 256):
-            ops = rand_operands(m, n, k, seed=m)
-            res = [f"wmma pick {graph_ms(runner(ops, pick)) * 1e3:.1f}"]
-            for bn, bm, bkb, stages in TILES[2:]:
-                for sched in SCHEDS:
-                    t = graph_ms(runner(ops, wgws(bn, bm, bkb, stages, sched)))
-                    res.append(f"{bn}x{bm} {sched} {t * 1e3:.1f}")
-            print(f"N={n} K={k} M={m} us: " + ", ".join(res), flush=True)
+    for n, k in ((8192, 8192), (28672, 8192), (8192, 28672), (2048, 6144)):
+        m = 128
+        ops = rand_operands(m, n, k, seed=m)
+        wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        cub = graph_ms(lambda: torch.mm(wa, wb.t()))
+        res = [f"cuBLAS bf16 {cub * 1e3:.1f}", f"wmma pick {graph_ms(runner(ops, pick)) * 1e3:.1f}"]
+        for bn, bm, bkb, stages in ((128, 128, 8, 4), (64, 128, 8, 4), (64, 128, 8, 6), (64, 128, 4, 8),
+                                    (64, 128, 16, 3)):
+            for sched in SCHEDS:
+                t = graph_ms(runner(ops, wgws(bn, bm, bkb, stages, sched)))
+                res.append(f"{bn}x{bm}/{bkb}/{stages} {sched} {t * 1e3:.1f} ({cub / t:.2f}x)")
+        print(f"N={n} K={k} M={m} us: " + ", ".join(res), flush=True)
 
 
 def exp_k() -> None:
