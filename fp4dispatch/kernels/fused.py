@@ -6,10 +6,11 @@ weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H2
 small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
 M <= MB), ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s
 tiles as a warp-specialized Gluon kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from
-M = 1024 on the large shapes; plain, persistent or with the operands' roles swapped). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
-``wgws`` support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``); ``wmma``
-also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a JSON-able
-dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a GPU.
+M = 1024; plain, persistent or with the operands' roles swapped). All take canonical operands (uint8 [rows, K/2],
+128x4-swizzled e4m3 scales); all but ``wgws`` support split-K in the same launch (the last CTA of a tile sums the
+fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all
+tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key
+costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def _wgws_ok(device: torch.device) -> bool:
 # twice the N tiles, 11-20 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest
 # rings that fit 227 KB of shared memory. From M = 257 the first tile is also offered persistent (one CTA per SM, the
 # loads run on across tile ends) and, where M > N, swapped (the weight is the operand decoded first, so fewer values
-# are: 2048x6144 and 768x6144 at M = 4096 0.82 -> 0.86-0.87x and 0.59 -> 0.70x, ninth session run 2).
+# are: 2048x6144 and 768x6144 at M = 4096 156.6 -> 145.9 us and 90.6 -> 75.5 us, ninth session run 3).
 _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 
 
@@ -292,7 +293,8 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     # persist: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on across
     # a tile's epilogue; else one CTA per tile
     ctas = min(tiles, _num_sms(out.device)) if config.get("persist") else tiles
-    launch(_gluon.wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cb, nt, tiles, steps, BN=bn, BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16)
+    launch(_gluon.wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cb, nt, tiles, steps, BN=bn,
+           BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16)
 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
