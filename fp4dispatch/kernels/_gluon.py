@@ -200,6 +200,8 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, T
         epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP)
 
 
+# SWAP by wrapper: Triton 3.6 passes a partition's constexpr arguments as i32 values, so the default partition is one of
+# two functions that each call _consume with a literal
 @gluon.jit
 def _consume_out(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
     _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, False)
