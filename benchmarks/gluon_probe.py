@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4dispatch.kernels._gluon import layouts, load_scales, mma_step, raw_layout, scale_ptrs, store_layout
-from fp4dispatch.kernels.fused import decode_a
+from fp4dispatch.kernels.fused import predecode
 
 
 @gluon.jit
@@ -110,15 +110,21 @@ def report(built: dict) -> None:
     print(built["ptxas"].strip().splitlines()[-2:], f"shared memory {built['shared']} bytes")
 
 
-def signature(BN: int, BM: int, BKB: int) -> dict:
-    """The argument types of a kernel over (weight words, pre-decoded A) descriptors of these tiles, then sb_ptr,
-    alpha_ptr, out_ptr (fp32), M, N, KB, CB, steps_per_split, for ``build``."""
+def desc_types(BN: int, BM: int, BKB: int) -> tuple[str, str]:
+    """The argument types of the (words, pre-decoded operand) TMA descriptors of these tiles, for ``build``."""
     from triton.runtime.jit import mangle_type
     bl, al = layouts(BN, BM, BKB)
     bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
     ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
-    return {"b_desc": mangle_type(bd), "a_desc": mangle_type(ad), "sb_ptr": "*u8", "alpha_ptr": "*fp32",
-            "out_ptr": "*fp32", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32"}
+    return mangle_type(bd), mangle_type(ad)
+
+
+def signature(BN: int, BM: int, BKB: int) -> dict:
+    """The probe's argument types: the two descriptors, then sb_ptr, alpha_ptr, out_ptr (fp32), M, N, KB, CB,
+    steps_per_split, for ``build``."""
+    bd, ad = desc_types(BN, BM, BKB)
+    return {"b_desc": bd, "a_desc": ad, "sb_ptr": "*u8", "alpha_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32",
+            "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32"}
 
 
 def compile_only(BN=64, BM=16, BKB=16, STAGES=3, WAIT=1):
@@ -139,7 +145,7 @@ def _setup(ops, m, n, k, BN, BKB, split):
     grid = (triton.cdiv(n, BN), triton.cdiv(kb // BKB, per))
 
     def run(stages, wait):
-        ad = decode_a(a64, sa, m, kb, cb, True, CVT=True)
+        ad = predecode(a64, sa, m, kb, cb, True, CVT=True)
         add = TensorDescriptor.from_tensor(ad, [16, BKB * 16], a_layout)
         out.zero_()
         probe_kernel[grid](bd, add, sb, ops.alpha, out, m, n, kb, cb, per, BN=BN, BM=16, BKB=BKB, STAGES=stages,

@@ -21,21 +21,17 @@ import os
 import sys
 
 import torch
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import build, report  # noqa: E402
+from gluon_probe import build, desc_types, report  # noqa: E402
 
-from fp4dispatch.kernels._gluon import layouts, wgws_kernel  # noqa: E402
+from fp4dispatch.kernels._gluon import wgws_kernel  # noqa: E402
 
 
 def signature(BN: int, BM: int, BKB: int, out: str = "bf16") -> dict:
     """The argument types of ``wgws_kernel`` with descriptors of these tiles, for ``build``."""
-    from triton.runtime.jit import mangle_type
-    bl, al = layouts(BN, BM, BKB)
-    bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
-    ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
-    return {"x_desc": mangle_type(bd), "y_desc": mangle_type(ad), "sx_ptr": "*u8", "alpha_ptr": "*fp32",
+    bd, ad = desc_types(BN, BM, BKB)
+    return {"x_desc": bd, "y_desc": ad, "sx_ptr": "*u8", "alpha_ptr": "*fp32",
             "out_ptr": f"*{out}", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "NT": "i32", "TILES": "i32",
             "STEPS": "i32"}
 

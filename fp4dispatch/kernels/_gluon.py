@@ -2,7 +2,7 @@
 ``fused.py``. Only imported where :func:`gluon_missing` says it can be.
 
 ``acc[BN, BM] = W @ A.T``, as ``wmma`` (``_wmma.py``), but without Triton's pipeliner:
-- a producer warp streams the weight words and the pre-decoded activation (``fused.decode_a``) by TMA into a
+- a producer warp streams the weight words and the pre-decoded activation (``fused.predecode``) by TMA into a
   STAGES-deep shared-memory ring (``ready`` mbarriers, one per slot; zero-filled past N, M and K);
 - the default partition (a warpgroup per 64 weight rows) waits for a slot, decodes the words straight into the
   register operand of an async wgmma (``wmma``'s ``_dec16``, with CVT; the convert to the operand layout is free in
@@ -237,8 +237,8 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
 
 @functools.lru_cache(maxsize=None)
 def layouts(BN: int, BM: int, BKB: int) -> tuple:
-    """Shared-memory layouts of a [BN, BKB] weight-word tile and a [BM, BKB*16] pre-decoded A tile (TMA and wgmma).
-    The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building them
+    """Shared-memory layouts of a [BN, BKB] tile of words (X) and a [BM, BKB*16] tile of the pre-decoded Y (TMA and
+    wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building them
     took ~38 us of host time per call."""
     return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
             gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))

@@ -192,8 +192,8 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
 
     # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 the fp16x2 GEMV (gemv2 with H2) in one launch
     # (split 1, small N tiles, the whole K per CTA); above, the swapped-operand tensor-core wmma (first on SM90; the
-    # older bf16 mma stays as the fallback); from M ~ 1024 on, wgws (SM90) on the large shapes and
-    # triton:dequant+matmul (cuBLAS) on the small ones.
+    # older bf16 mma stays as the fallback); from M ~ 1024 on, wgws (SM90), except on the smallest shape (768x6144
+    # at M = 1024) and 28672x8192 at M = 8192, where triton:dequant+matmul (cuBLAS) wins.
     # maxnreg/prefetch: the sweep's best register cap / register double buffering.
     rank = _wmma_rank(device)
     h2 = {"H2": True}
@@ -255,9 +255,10 @@ def _split_args(parts: int, tiles: int, m: int, n: int, out: torch.Tensor) -> tu
     return splitk.buffers(m, n, parts, tiles, out.device)
 
 
-def decode_a(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, **opts) -> torch.Tensor:
-    """``wmma``'s APRE step: A (int64 words [m, kb], swizzled scale bytes ``sa``) decoded once into [m, ceil(kb/4)*64]
-    in wmma's K order, fp16 (fp32 in the interpreter, ``asm`` False); ``opts``: the PDL and CVT launch options."""
+def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, **opts) -> torch.Tensor:
+    """``wmma``'s APRE step, also ``wgws``'s: one operand (int64 words [m, kb], swizzled scale bytes ``sa``; A, or the
+    weight in a swapped ``wgws``) decoded once into [m, ceil(kb/4)*64] in wmma's K order, fp16 (fp32 in the
+    interpreter, ``asm`` False); ``opts``: the PDL and CVT launch options."""
     from . import _wmma
 
     ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
@@ -284,10 +285,10 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     cb = _cdiv(kb, 4)
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
     nx, ny = x.shape[0], y.shape[0]
-    yd = decode_a(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
-    w_layout, a_layout = _gluon.layouts(bn, bm, bkb)
-    x_desc = TensorDescriptor.from_tensor(x.view(torch.int64), [bn, bkb], w_layout)
-    y_desc = TensorDescriptor.from_tensor(yd, [bm, bkb * 16], a_layout)
+    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
+    x_layout, y_layout = _gluon.layouts(bn, bm, bkb)
+    x_desc = TensorDescriptor.from_tensor(x.view(torch.int64), [bn, bkb], x_layout)
+    y_desc = TensorDescriptor.from_tensor(yd, [bm, bkb * 16], y_layout)
     nt, steps = _cdiv(nx, bn), _cdiv(kb, bkb)
     tiles = nt * _cdiv(ny, bm)
     # persist: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on across
@@ -299,7 +300,8 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
-    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE: two).
+    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE and ``wgws``: two, the
+    first decoding one operand).
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
@@ -333,7 +335,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         # placement ("CVT": False, kept for A/B runs); the interpreter forms the same values in fp32 either way
         cvt = {"CVT": True} if asm and config.get("CVT", True) else {}
         if config.get("APRE"):
-            a64 = decode_a(a64, sa, m, kb, cb, asm, **pdl, **cvt)
+            a64 = predecode(a64, sa, m, kb, cb, asm, **pdl, **cvt)
         opts = dict(BM=bm, BN=bn, BKB=bkb, ASM=asm, APRE=bool(config.get("APRE")), num_warps=warps,
                     num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl, **cvt)
         if config.get("stream"):  # stream-K: one wave of CTAs, each the same number of K steps
