@@ -331,7 +331,8 @@ def test_fused_mm_rejects_unknown_kernel():
     from fp4dispatch.kernels.fused import fused_mm
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got 'nope'"):
+    with pytest.raises(ValueError,
+                       match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
