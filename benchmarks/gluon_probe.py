@@ -79,10 +79,11 @@ def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps
                   mask=(om[None, :] < M) & (on[:, None] < N), sem="relaxed")
 
 
-def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | None = None) -> dict:
+def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | None = None, **opts) -> dict:
     """Compile ``kernel`` for sm_90a on this machine (no GPU needed): {"sass", "ptxas" (its -v report), "shared"
     (bytes)}; with ``out``, also write its TTGIR, PTX, cubin and SASS there. ``div16`` names the arguments to
-    specialize as multiples of 16, as a launch with such values would."""
+    specialize as multiples of 16, as a launch with such values would; ``opts`` are further compile options
+    (``maxnreg``)."""
     import tempfile
 
     from triton.backends.compiler import GPUTarget
@@ -91,7 +92,7 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | 
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     c = triton.compile(GluonASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+                       options={"num_warps": warps, **opts})
     out = out or tempfile.mkdtemp(prefix="gluon_build")
     os.makedirs(out, exist_ok=True)
     open(f"{out}/k.ttgir", "w").write(c.asm["ttgir"])

@@ -5,13 +5,14 @@ benchmarks/gluon_probe.py is the checker's positive control. Runs only with the 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from fp4dispatch.kernels import gluon_missing
-from fp4dispatch.kernels.fused import _WGWS_TILES
+from fp4dispatch.kernels.fused import _GVWS_TILES, _WGWS_TILES
 
 pytestmark = pytest.mark.skipif(gluon_missing() is not None, reason=str(gluon_missing()))
 
@@ -48,3 +49,34 @@ def test_sass_race_flags_the_rolled_loop():
                         {"BN": 64, "BM": 16, "BKB": 16, "STAGES": 3, "WAIT": 1, "RAW": probe.raw_layout(16)}, 4,
                         ("sb_ptr", "out_ptr", "KB", "CB", "N"))
     assert race.races(built["sass"])  # one group in flight while the next step decodes into the same registers
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+@pytest.mark.parametrize("tile", _GVWS_TILES, ids=[f"R{t[0]}-BW{t[1]}-S{t[2]}-C{t[3]}" for t in _GVWS_TILES])
+def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb):
+    """In the consumer's step loop, the proxy fence (MEMBAR.ALL.CTA) comes before the arrive that frees the ring
+    slot: ptxas leaves uses of the slot's loaded values after the arrive, and without the fence the producer's next
+    TMA write overtook reads still in flight (wrong sums at 2-3 CTAs per SM on the H200, tenth session)."""
+    gv, race = _bench("gemv_ws"), _bench("sass_race")
+    r, bw, stages, ctas = tile
+    built = gv.build_gvws(r, bw, mb, stages, 4, ctas)
+    code = race._parse(built["sass"])
+    loops = [(f, last) for f, last in _backward_branches(code) if any("F2FP" in x for _, x in code[f:last])]
+    assert loops, "no decode loop found in the SASS"
+    first, last = min(loops, key=lambda fl: fl[1] - fl[0])
+    body = [x for _, x in code[first:last + 1]]
+    arrive = next(i for i, x in enumerate(body) if "SYNCS.ARRIVE" in x)
+    assert any("MEMBAR" in x for x in body[:arrive]), "no fence before the slot is freed"
+    assert not [x for x in body if "STL" in x or "LDL" in x]
+    assert built["shared"] * ctas <= SMEM_SM90
+
+
+def _backward_branches(code):
+    """(first, last) index pairs of the loops closed by a predicated backward branch."""
+    at = {a: i for i, (a, _) in enumerate(code)}
+    out = []
+    for i, (a, ins) in enumerate(code):
+        m = re.search(r"BRA 0x([0-9a-f]+)", ins)
+        if m and ins.startswith("@") and int(m.group(1), 16) < a:
+            out.append((at[int(m.group(1), 16)], i))
+    return out

@@ -332,7 +332,7 @@ def test_fused_mm_rejects_unknown_kernel():
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
     with pytest.raises(ValueError,
-                       match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got 'nope'"):
+                       match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws' or 'gvws'; got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
@@ -461,6 +461,41 @@ def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
     assert not [c for c in fused.configs_for(1024, 8192, 8192, cuda) if c["kernel"] == "wgws"]
 
 
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
+def test_gvws_first_at_m_le_2_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch import kernels
+    from fp4dispatch.kernels import fused
+
+    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(fused, "_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
+    cuda = torch.device("cuda", 0)
+    for m in (1, 2):
+        cfgs = fused.configs_for(m, 8192, 8192, cuda)
+        gv = [c for c in cfgs if c["kernel"] == "gvws"]
+        assert [(c["R"], c["BW"], c["stages"], c["ctas"]) for c in gv] == (list(fused._GVWS_TILES) if offered else [])
+        assert cfgs[:len(gv)] == gv and all(c["MB"] == m for c in gv)  # first: the untuned default
+        assert any(c["kernel"] == "gemv2" for c in cfgs) and len(cfgs) <= 7  # the tuner still compares
+    assert not [c for c in fused.configs_for(3, 8192, 8192, cuda) if c["kernel"] == "gvws"]
+    # its boxes need N % 32 == 0 (a box of a 32-row quarter) and K % 32 == 0 (16-byte rows)
+    assert not [c for c in fused.configs_for(1, 8200, 8192, cuda) if c["kernel"] == "gvws"]
+    assert not [c for c in fused.configs_for(1, 8192, 8208, cuda) if c["kernel"] == "gvws"]
+
+
+def test_gvws_refuses_what_tma_cannot_describe():
+    from fp4dispatch.kernels.fused import _gvws
+
+    cfg = {"kernel": "gvws", "MB": 1, "R": 16, "BW": 32, "stages": 5, "warps": 4, "ctas": 2}
+    a, s = torch.zeros(1, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"gvws needs M <= MB, N % 32 == 0, K % 32 == 0 and 16-byte aligned operands; "
+                                         r"got M=1, MB=1, N=1000, K=2048"):
+        _gvws(a, torch.zeros(1000, 1024, dtype=torch.uint8), s, s, s, s, cfg)
+    with pytest.raises(ValueError, match=r"got M=2, MB=1, N=256, K=2048"):
+        _gvws(torch.zeros(2, 1024, dtype=torch.uint8), torch.zeros(256, 1024, dtype=torch.uint8), s, s, s, s, cfg)
+
+
 def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     import triton
 
@@ -469,7 +504,8 @@ def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     kernels.gluon_missing.cache_clear()
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     try:
-        assert kernels.gluon_missing() == ("the wgws kernel is written for Triton 3.6's Gluon; this is Triton 3.9.0")
+        assert kernels.gluon_missing() == ("the Gluon kernels (wgws, gvws) are written for Triton 3.6's Gluon; this is "
+                                           "Triton 3.9.0")
     finally:
         kernels.gluon_missing.cache_clear()
 

@@ -43,22 +43,24 @@ def triton_missing() -> str | None:
     return None
 
 
-GLUON_TRITON = "3.6"  # the Triton release whose Gluon ``_gluon.py`` is written for (H200 runs: 3.6.0)
+GLUON_TRITON = "3.6"  # the Triton release whose Gluon ``_gluon.py`` and ``_gvws.py`` are written for (H200: 3.6.0)
 
 
 @functools.cache
 def gluon_missing() -> str | None:
-    """Why the Gluon kernel (``_gluon.py``: TMA, mbarriers, async wgmma, warp specialization) cannot be built with
-    this Triton, or None. Gluon is experimental and its API moves between releases, so only the release the kernel
-    was written for and measured with counts (Triton 3.9, for one, refuses 64-bit TMA descriptors)."""
+    """Why the Gluon kernels (``_gluon.py``'s wgws and ``_gvws.py``'s gvws: TMA, mbarriers, async wgmma, warp
+    specialization) cannot be built with this Triton, or None. Gluon is experimental and its API moves between
+    releases, so only the release the kernels were written for and measured with counts (Triton 3.9, for one, refuses
+    64-bit TMA descriptors)."""
     try:
         import triton
 
         if ".".join(triton.__version__.split(".")[:2]) != GLUON_TRITON:
-            return f"the wgws kernel is written for Triton {GLUON_TRITON}'s Gluon; this is Triton {triton.__version__}"
-        from . import _gluon  # noqa: F401
+            return (f"the Gluon kernels (wgws, gvws) are written for Triton {GLUON_TRITON}'s Gluon; this is Triton "
+                    f"{triton.__version__}")
+        from . import _gluon, _gvws  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-        return f"triton.experimental.gluon lacks what the wgws kernel uses ({type(e).__name__}: {e})"
+        return f"triton.experimental.gluon lacks what the Gluon kernels use ({type(e).__name__}: {e})"
     return None
 
 

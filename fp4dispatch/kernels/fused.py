@@ -121,15 +121,15 @@ def _wmma_rank(device: torch.device) -> int:
 
 
 def _wgws_ok(device: torch.device) -> bool:
-    """``wgws`` needs SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none of them), compiled kernels
-    (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what it uses."""
+    """The Gluon kernels (``wgws``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none
+    of them), compiled kernels (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what they use."""
     from . import gluon_missing
 
     if _wmma_rank(device) != 2:
         return False
     why = gluon_missing()
     if why:
-        log.debug("fp4dispatch: no wgws configs: %s", why)
+        log.debug("fp4dispatch: no wgws/gvws configs: %s", why)
     return why is None
 
 
@@ -140,6 +140,12 @@ def _wgws_ok(device: torch.device) -> bool:
 # loads run on across tile ends) and, where M > N, swapped (the weight is the operand decoded first, so fewer values
 # are: 2048x6144 and 768x6144 at M = 4096 156.6 -> 145.9 us and 90.6 -> 75.5 us, ninth session run 3).
 _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
+
+
+# gvws tiles (R, BW, stages, CTAs per SM) for M <= 2, 4 consumer warps (H200, benchmarks/RESULTS.md tenth session):
+# the two best of the sweep on the large shapes, 7-12 % faster than gemv2 at M = 1 and 17-22 % at M = 2; gemv2 stays
+# faster on the small shapes at M = 1 (one wave of short rows), which the tuner sees.
+_GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 
 
 def _wgws_configs(m: int, n: int) -> list[dict]:
@@ -190,16 +196,20 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         return {"kernel": "wmma", "BM": bm, "BN": bn, "BKB": bkb, "split": split, "warps": warps, "stages": stages,
                 **({"APRE": True} if apre else {})}
 
-    # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 the fp16x2 GEMV (gemv2 with H2) in one launch
-    # (split 1, small N tiles, the whole K per CTA); above, the swapped-operand tensor-core wmma (first on SM90; the
-    # older bf16 mma stays as the fallback); from M ~ 1024 on, wgws (SM90), except on the smallest shape (768x6144
-    # at M = 1024) and 28672x8192 at M = 8192, where triton:dequant+matmul (cuBLAS) wins.
+    # Picked from H200 sweeps (benchmarks/notes_hopper.md): at M <= 2 on SM90 the TMA-fed Gluon GEMV (gvws), then the
+    # fp16x2 GEMV (gemv2 with H2) in one launch (split 1, small N tiles, the whole K per CTA); above, the
+    # swapped-operand tensor-core wmma (first on SM90; the older bf16 mma stays as the fallback); from M ~ 1024 on,
+    # wgws (SM90), except on the smallest shape (768x6144 at M = 1024) and 28672x8192 at M = 8192, where
+    # triton:dequant+matmul (cuBLAS) wins. gemv2 keeps the small shapes at M <= 2 (tenth session's table).
     # maxnreg/prefetch: the sweep's best register cap / register double buffering.
     rank = _wmma_rank(device)
     h2 = {"H2": True}
     # CVT decodes through the e4m3x2 -> f16x2 conversion instruction (SM89+): 2-5 % faster on the H200
     cvt = [{"CVT": True}] if _has_fp8_cvt(device) else []
     if m <= 2:
+        if n % 32 == 0 and k % 32 == 0 and _wgws_ok(device):  # SM90: the TMA-fed GEMV first (its boxes: see _gvws)
+            out += [{"kernel": "gvws", "MB": m, "R": r, "BW": bw, "stages": st, "warps": 4, "ctas": c}
+                    for r, bw, st, c in _GVWS_TILES]
         gemv2(m, 4, 256, 4, split=1, maxnreg=64, **h2)
         gemv2(m, 4, 128, 2, split=1, prefetch=True, **h2)
         for extra in cvt:
@@ -211,7 +221,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         else:
             gemv(m, 16, 32, warps=8)
             mma(16, 64, 8, 4, 3)
-        return out
+        return out[:MAX_CONFIGS]
     if m <= 4:
         gemv2(4, 16, 32, 4, split=1, prefetch=True, **h2)
         for extra in cvt:
@@ -298,6 +308,18 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
            BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16)
 
 
+def _gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
+          out: torch.Tensor, config: dict) -> None:
+    """``gvws`` (``_gvws.py``, SM90, M <= MB <= 2), after the checks its TMA boxes need."""
+    m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
+    if m > int(config["MB"]) or n % 32 or kb % 2 or any(t.data_ptr() % 16 for t in (a, b, sa, sb)):
+        raise ValueError(f"fused_mm: gvws needs M <= MB, N % 32 == 0, K % 32 == 0 and 16-byte aligned operands; got "
+                         f"M={m}, MB={config['MB']}, N={n}, K={kb * 16}. Use another config from configs_for()")
+    from . import _gvws
+
+    _gvws.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device))
+
+
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
     """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE and ``wgws``: two, the
@@ -305,9 +327,12 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma", "wgws"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma' or 'wgws'; got "
+    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma", "wgws", "gvws"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws' or 'gvws'; got "
                          f"{config.get('kernel')!r}. Use a config from configs_for()")
+    if config["kernel"] == "gvws":
+        _gvws(a, b, a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, out, config)
+        return out
     from . import _fused as kf
 
     m, k2 = a.shape
