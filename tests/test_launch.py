@@ -107,6 +107,28 @@ def test_tma_descriptors_key_by_what_types_the_kernel(change):
         assert fn.log[1][2][0] is d  # the descriptor itself goes to the compiled kernel's launcher
 
 
+class PtrOnly:
+    """A descriptor base that is no tensor (``_gvws._Base``: cached descriptors hold no tensor): address and dtype."""
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype, self.shape = ptr, dtype, (64, 32)
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple:
+        return (32, 1)
+
+
+@pytest.mark.parametrize("ptr, want", [(1 << 20, ["jit", "direct"]), ((1 << 20) + 8, ["jit", "jit"])])
+def test_descriptors_over_a_bare_address_key_like_tensors(ptr, want):
+    fn = FakeJIT()
+    y = torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), FakeDesc(PtrOnly(1 << 20, torch.float16), [16, 32]), y, 10, BLOCK=32)
+    L.launch(fn, (4, 1), FakeDesc(PtrOnly(ptr, torch.float16), [16, 32]), y, 10, BLOCK=32)
+    assert [e[0] for e in fn.log] == want  # the same alignment: the compiled kernel; another: Triton's path
+
+
 def test_failed_direct_launch_switches_to_the_jit_path(caplog):
     fn = FakeJIT(fail=True)
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)

@@ -496,6 +496,27 @@ def test_gvws_refuses_what_tma_cannot_describe():
         _gvws(torch.zeros(2, 1024, dtype=torch.uint8), torch.zeros(256, 1024, dtype=torch.uint8), s, s, s, s, cfg)
 
 
+def test_gvws_descriptors_are_cached_and_hold_no_tensor():
+    import gc
+    import weakref
+
+    from fp4dispatch.kernels import gluon_missing
+    if gluon_missing():
+        pytest.skip(gluon_missing())
+    from fp4dispatch.kernels import _gvws
+
+    a, sa = torch.zeros(1, 4096, dtype=torch.uint8), torch.zeros(128, 512, dtype=torch.uint8)
+    b, sb = torch.zeros(8192, 4096, dtype=torch.uint8), torch.zeros(8192, 512, dtype=torch.uint8)
+    first = _gvws.descriptors(a, b, sa, sb, 16, 32, 1)
+    assert all(x is y for x, y in zip(first, _gvws.descriptors(a, b, sa, sb, 16, 32, 1)))  # a hit: no rebuilding
+    assert [d.block_shape for d in first] == [[4, 16, 32], [1, 8, 64], [1, 32], [1, 8, 4]]
+    assert first[0].shape == [256, 32, 512] and first[1].shape == [64, 128, 128] and first[1].strides == [16384, 128, 1]
+    gone = weakref.ref(b)
+    del b, first
+    gc.collect()
+    assert gone() is None  # the cache keeps an address, not the weight
+
+
 def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     import triton
 

@@ -12,9 +12,12 @@ four ``q``. TMA needs 16-byte rows, so a tile is R rows ``i0..i0+R`` of each of 
 128-row group (BN = 4R rows), and every operand arrives as one box per step:
 
 - weight words (``b`` as int64 [N/32, 32, KB]): box [4, R, BW] -> read as [4, R, BW/4, 4] (q, i, j, b);
-- weight scales (int32 view (g, i, j, q) of the swizzled bytes): box [1, R, BW/4, 4] -> bytes (i, j, q, b), read
+- weight scales (int32 view (g, j, 4i + q) of the swizzled bytes): box [1, BW/4, 4R] -> bytes (j, i, q, b), read
   permuted to (q, i, j, b), so each thread's scale bytes sit beside its words;
 - activation words [MB, BW] and scales (the same view, i < MB, q = 0 used).
+
+Each consumer step ends with a proxy fence before it frees its slot: without it the producer's next TMA write
+overtook reads still in flight (wrong sums at 2-3 CTAs per SM on the H200, tenth session).
 
 Past N and K the boxes are zero-filled; that is why N % 32 == 0 (a box must not run past a quarter into the next
 group's rows) and K % 32 == 0 (16-byte rows). A CTA runs a range of whole tiles (``_gluon._first_tile``), so the
@@ -186,28 +189,44 @@ def _layouts() -> tuple:
     return nv(64, 3), nv(32, 3), nv(64, 2), nv(32, 3)
 
 
-def scale_view(s: torch.Tensor, cb: int) -> torch.Tensor:
-    """The 128x4-swizzled scale bytes (CB = padded K blocks / 4) as int32 (g, j, 4i + q): the 4 bytes of row
-    g*128 + q*32 + i, blocks 4j..4j+3. A box of consecutive i is one contiguous run of 16 bytes per i."""
-    g = s.numel() // (512 * cb)
-    return s.view(torch.int32).as_strided((g, cb, 128), (128 * cb, 128, 1))
+class _Base:
+    """What a host TMA descriptor reads of its tensor (Triton's launcher and ``launch``: ``data_ptr()``, ``dtype``),
+    so that a cached descriptor holds no reference to the tensor and cannot keep a freed weight alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@functools.lru_cache(maxsize=4096)
+def _desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, which: int):
+    """A host TMA descriptor over ``shape``/``strides`` (elements of ``dtype``) at address ``ptr``. Cached by what it
+    describes (the same address and view make the same tensor map, whatever tensor lies there now): building one
+    with its view took ~12 us of host time, four per call."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(_Base(ptr, dtype), list(shape), list(strides), list(block), _layouts()[which])
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, R: int, BW: int,
                 MB: int) -> tuple:
-    """The four TMA descriptors of ``gvws_kernel`` (weight words, weight scales, activation words, activation
-    scales) over canonical operands (uint8 data, swizzled scale bytes); N % 32 == 0, K % 32 == 0, 16-byte aligned
-    (the caller checks)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    n, kb = b.shape[0], b.shape[1] // 8
+    """The four TMA descriptors of ``gvws_kernel`` over contiguous canonical operands (uint8 data, swizzled scale
+    bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned: the caller checks):
+    - weight words: int64 (N/32, 32, KB);
+    - weight scales: int32 (g, j, 4i + q), the 4 bytes of row g*128 + q*32 + i and blocks 4j..4j+3, so a box of
+      consecutive i is one contiguous run of 16 bytes per i;
+    - activation words: int64 [M, KB]; activation scales: as the weight's."""
+    n, kb, m = b.shape[0], b.shape[1] // 8, a.shape[0]
     cb = -(-kb // 4)
-    wl, wsl, al, asl = _layouts()
-    w = b.view(torch.int64).as_strided((n // 32, 32, kb), (32 * kb, kb, 1))
-    return (TensorDescriptor.from_tensor(w, [4, R, BW], wl),
-            TensorDescriptor.from_tensor(scale_view(sb, cb), [1, BW // 4, 4 * R], wsl),
-            TensorDescriptor.from_tensor(a.view(torch.int64), [MB, BW], al),
-            TensorDescriptor.from_tensor(scale_view(sa, cb), [1, BW // 4, 4 * MB], asl))
+    return (_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, R, BW), 0),
+            _desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
+                  (1, BW // 4, 4 * R), 1),
+            _desc(a.data_ptr(), torch.int64, (m, kb), (kb, 1), (MB, BW), 2),
+            _desc(sa.data_ptr(), torch.int32, (sa.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
+                  (1, BW // 4, 4 * MB), 3))
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,

@@ -45,7 +45,7 @@ def _desc_key(a):
     alignment, block shape and layout (its launcher builds the tensor map from the rest on every call); any other
     argument as itself."""
     base = getattr(a, "base", None)
-    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):
+    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or _gvws's _Base
         return ("desc", base.dtype, base.data_ptr() % 16, tuple(a.block_shape), getattr(a, "layout", None))
     return a
 
