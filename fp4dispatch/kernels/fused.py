@@ -1,15 +1,16 @@
 """Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
 
-Five kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
-with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick), ``wmma`` (``_wmma.py``: tensor-core tiles with the
-weight as the register operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a
-small kernel first; nibbles go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV,
-M <= MB), ``mma`` (bf16 tensor-core tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s
-tiles as a warp-specialized Gluon kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from
-M = 1024; plain, persistent or with the operands' roles swapped). All take canonical operands (uint8 [rows, K/2],
-128x4-swizzled e4m3 scales); all but ``wgws`` support split-K in the same launch (the last CTA of a tile sums the
-fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all
-tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key
+Six kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
+with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick before SM90 and on the H200's small shapes), ``gvws``
+(``_gvws.py``: the same products in a warp-specialized Gluon GEMV fed by TMA, SM90 with Triton 3.6, M <= 2; the
+H200's pick at M <= 2 on the large shapes), ``wmma`` (``_wmma.py``: tensor-core tiles with the weight as the register
+operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a small kernel first; nibbles
+go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV, M <= MB), ``mma`` (bf16 tensor-core
+tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s tiles as a warp-specialized Gluon
+kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from M = 1024; plain, persistent or with
+the operands' roles swapped). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
+the Gluon ones support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``);
+``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key
 costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
@@ -143,8 +144,8 @@ _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 
 
 # gvws tiles (R, BW, stages, CTAs per SM) for M <= 2, 4 consumer warps (H200, benchmarks/RESULTS.md tenth session):
-# the two best of the sweep on the large shapes, 7-12 % faster than gemv2 at M = 1 and 17-22 % at M = 2; gemv2 stays
-# faster on the small shapes at M = 1 (one wave of short rows), which the tuner sees.
+# the two best of the sweep on the large shapes, 6-12 % faster than gemv2 at M = 1 and 17-22 % at M = 2; gemv2 stays
+# faster on the small shapes (run 6; not profiled), which the tuner sees.
 _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 
 
@@ -322,8 +323,8 @@ def _gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
-    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton kernel (``wmma`` with APRE and ``wgws``: two, the
-    first decoding one operand).
+    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton or Gluon kernel (``wmma`` with APRE and ``wgws``: two,
+    the first decoding one operand).
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
