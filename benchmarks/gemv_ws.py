@@ -49,9 +49,8 @@ def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1,
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
            "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "TILES": "i32", "STEPS": "i32"}
-    regs = {"maxnreg": 65536 // (CTAS * (WARPS + 4) * 32) // 8 * 8} if CTAS > 1 else {}
     return build(_gvws.gvws_kernel, sig, {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES}, WARPS, ("out_ptr", "N"), out,
-                 **regs)
+                 **_gvws.reg_cap(WARPS, CTAS))
 
 
 def compile_only(R=16, BW=32, MB=1, STAGES=5, WARPS=4, CTAS=2) -> None:

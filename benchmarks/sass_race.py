@@ -34,9 +34,10 @@ def _written(ins: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
-def hot_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """(first, last) indices of loops that issue HGMMA: a predicated backward branch over a body with no EXIT or
-    unconditional branch (mbarrier retry stubs jump back from the end of the code unconditionally)."""
+def hot_loops(code: list[tuple[int, str]], mark: str = "HGMMA") -> list[tuple[int, int]]:
+    """(first, last) indices of loops that issue ``mark`` (HGMMA: wgmma loops): a predicated backward branch over a
+    body with no EXIT or unconditional branch (mbarrier retry stubs jump back from the end of the code
+    unconditionally)."""
     at = {a: i for i, (a, _) in enumerate(code)}
     loops = []
     for i, (a, ins) in enumerate(code):
@@ -45,7 +46,7 @@ def hot_loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
             continue
         first = at[int(m.group(1), 16)]
         body = [x for _, x in code[first:i]]
-        if any("HGMMA" in x for x in body) and not any(x.startswith(("EXIT", "BRA")) for x in body):
+        if any(mark in x for x in body) and not any(x.startswith(("EXIT", "BRA")) for x in body):
             loops.append((first, i))
     return loops
 

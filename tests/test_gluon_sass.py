@@ -1,11 +1,12 @@
-"""Compile-only checks of the Gluon ``wgws`` kernel's sm_90a SASS (no GPU needed; Triton's own ptxas): no write to
+"""Compile-only checks of the Gluon kernels' sm_90a SASS (no GPU needed; Triton's own ptxas). ``wgws``: no write to
 the register operand of a wgmma still in flight (benchmarks/sass_race.py; the rolled loop that did this gave wrong
-results on the H200), no register spills in the K loop, shared memory within the H200's 227 KB. The racy rolled loop of
-benchmarks/gluon_probe.py is the checker's positive control. Runs only with the Triton the kernel is written for."""
+results on the H200), no register spills in the K loop, shared memory within the H200's 227 KB; the racy rolled loop of
+benchmarks/gluon_probe.py is the checker's positive control. ``gvws``: the proxy fence before each ring slot is freed,
+no spills in its step loop, its CTAs per SM within the shared memory. Runs only with the Triton the kernels are written
+for."""
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb
     r, bw, stages, ctas = tile
     built = gv.build_gvws(r, bw, mb, stages, 4, ctas)
     code = race._parse(built["sass"])
-    loops = [(f, last) for f, last in _backward_branches(code) if any("F2FP" in x for _, x in code[f:last])]
+    loops = race.hot_loops(code, "F2FP")  # the decode: e4m3x2 -> f16x2 conversions
     assert loops, "no decode loop found in the SASS"
     first, last = min(loops, key=lambda fl: fl[1] - fl[0])
     body = [x for _, x in code[first:last + 1]]
@@ -70,13 +71,3 @@ def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb
     assert not [x for x in body if "STL" in x or "LDL" in x]
     assert built["shared"] * ctas <= SMEM_SM90
 
-
-def _backward_branches(code):
-    """(first, last) index pairs of the loops closed by a predicated backward branch."""
-    at = {a: i for i, (a, _) in enumerate(code)}
-    out = []
-    for i, (a, ins) in enumerate(code):
-        m = re.search(r"BRA 0x([0-9a-f]+)", ins)
-        if m and ins.startswith("@") and int(m.group(1), 16) < a:
-            out.append((at[int(m.group(1), 16)], i))
-    return out
