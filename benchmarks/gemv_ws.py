@@ -127,13 +127,8 @@ def times(shapes, ms) -> None:
 def profile(n: int, k: int, m: int, r: int, bw: int, stages: int, warps: int, ctas: int) -> None:
     """One launch inside cudaProfilerStart/Stop (warm-up outside), for ncu --profile-from-start off."""
     from bench_hopper import rand_operands
-    run = runner(rand_operands(m, n, k, seed=m), gvws(r, bw, stages, warps, m, ctas))
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    from gluon_probe import profile_once
+    profile_once(runner(rand_operands(m, n, k, seed=m), gvws(r, bw, stages, warps, m, ctas)))
 
 
 SHAPES = {"large": ((8192, 8192), (28672, 8192), (8192, 28672)), "small": ((6144, 2048), (2048, 6144), (768, 6144))}

@@ -111,6 +111,16 @@ def report(built: dict) -> None:
     print(built["ptxas"].strip().splitlines()[-2:], f"shared memory {built['shared']} bytes")
 
 
+def profile_once(run) -> None:
+    """``run()`` once inside cudaProfilerStart/Stop after a warm-up call outside, for ncu --profile-from-start off."""
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def desc_types(BN: int, BM: int, BKB: int) -> tuple[str, str]:
     """The argument types of the (words, pre-decoded operand) TMA descriptors of these tiles, for ``build``."""
     from triton.runtime.jit import mangle_type

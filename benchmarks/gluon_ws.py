@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_probe import build, desc_types, report  # noqa: E402
+from gluon_probe import build, desc_types, profile_once, report  # noqa: E402
 
 from fp4dispatch.kernels._gluon import wgws_kernel  # noqa: E402
 
@@ -151,13 +151,7 @@ def exp_k() -> None:
 def profile(N=8192, K=8192, M=1024, BN=128, BM=256, BKB=4, STAGES=5, SCHED=0, SWAP=0) -> None:
     """One launch inside cudaProfilerStart/Stop (warm-up outside), for ncu --profile-from-start off."""
     from bench_hopper import rand_operands
-    r = runner(rand_operands(M, N, K, seed=M), wgws(BN, BM, BKB, STAGES, SCHEDS[SCHED], bool(SWAP)))
-    r()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    r()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_once(runner(rand_operands(M, N, K, seed=M), wgws(BN, BM, BKB, STAGES, SCHEDS[SCHED], bool(SWAP))))
 
 
 if __name__ == "__main__":

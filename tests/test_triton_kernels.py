@@ -428,8 +428,8 @@ def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
     assert fused.configs_for(1, 8192, 8192, torch.device("cuda", 0))[0]["kernel"] == "gemv2"
 
 
-@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False)])
-def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
+def _gluon_gpu(monkeypatch, cap: tuple) -> torch.device:
+    """A CUDA device of capability ``cap`` with 132 SMs, compiled kernels and the Gluon the kernels need (no GPU)."""
     from fp4dispatch import kernels
     from fp4dispatch.kernels import fused
 
@@ -438,7 +438,15 @@ def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
-    cuda = torch.device("cuda", 0)
+    return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False)])
+def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch import kernels
+    from fp4dispatch.kernels import fused
+
+    cuda = _gluon_gpu(monkeypatch, cap)
     big, narrow, small = (256, 128, ""), (256, 64, ""), (128, 128, "")  # (BM, BN, variant)
     persist, swap = (256, 128, "persist"), (256, 128, "swap")
     for m, n, tiles in ((64, 8192, []), (128, 8192, []), (129, 8192, [small]),
@@ -463,15 +471,9 @@ def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
 
 @pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
 def test_gvws_first_at_m_le_2_on_sm90_only(monkeypatch, cap, offered):
-    from fp4dispatch import kernels
     from fp4dispatch.kernels import fused
 
-    monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(fused, "_interpreted", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kernels, "gluon_missing", lambda: None)
-    cuda = torch.device("cuda", 0)
+    cuda = _gluon_gpu(monkeypatch, cap)
     for m in (1, 2):
         cfgs = fused.configs_for(m, 8192, 8192, cuda)
         gv = [c for c in cfgs if c["kernel"] == "gvws"]
