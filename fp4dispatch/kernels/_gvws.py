@@ -243,6 +243,6 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
 
 def reg_cap(warps: int, per_sm: int) -> dict:
     """The compile option that lets ``per_sm`` CTAs of ``warps`` consumer warps (and the producer's warpgroup) fit an
-    SM: Triton sizes a warp-specialized kernel's registers for one CTA per SM. Each CTA then has its own partition
-    barrier (the consumers' per-step barrier was 34 % of their stalls at one CTA per SM)."""
+    SM: Triton sizes a warp-specialized kernel's registers for one CTA per SM. More warps per SM hide the consumers'
+    latency; 2-3 CTAs per SM were 1-6 % faster than one on the H200 (benchmarks/RESULTS.md, tenth session run 4)."""
     return {"maxnreg": 65536 // (per_sm * (warps + 4) * 32) // 8 * 8} if per_sm > 1 else {}
