@@ -411,7 +411,7 @@ def test_wmma_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, grown):
 def test_wmma_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
     from fp4dispatch.kernels import fused
 
-    monkeypatch.setattr(fused, "_wgws_ok", lambda device: False)  # the Gluon kernel: its own test below
+    monkeypatch.setattr(fused, "_gluon_ok", lambda device: False)  # the Gluon kernels: their own tests below
     monkeypatch.setattr(fused, "_num_sms", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: cap)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -517,6 +517,34 @@ def test_gvws_descriptors_are_cached_and_hold_no_tensor():
     del b, first
     gc.collect()
     assert gone() is None  # the cache keeps an address, not the weight
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_wgws_cached_descriptors_describe_what_from_tensor_did(monkeypatch, swap):
+    """wgws's descriptors come from ``launch.tma_desc`` now: every field Triton's launcher reads (address, dtype,
+    shape, strides, block, layout) equals what ``TensorDescriptor.from_tensor`` built from the tensors before."""
+    from fp4dispatch.kernels import gluon_missing
+    if gluon_missing():
+        pytest.skip(gluon_missing())
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fp4dispatch.kernels import _gluon, fused
+
+    m, n, k = 300, 1024, 2048
+    yd = torch.zeros(n if swap else m, k // 4, dtype=torch.float16)  # what predecode returns: [rows, K/64 * 64]
+    monkeypatch.setattr(fused, "predecode", lambda *args, **kw: yd)
+    got = []
+    monkeypatch.setattr(fused, "launch", lambda fn, grid, *args, **kw: got.append(args[:2]))
+    a, b = torch.zeros(m, k // 2, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8)
+    s = torch.zeros(1, dtype=torch.uint8)
+    fused._wgws(a, b, s, s, s, s, {"BM": 256, "BN": 128, "BKB": 4, "stages": 5, "swap": swap}, {})
+    xl, yl = _gluon.layouts(128, 256, 4)
+    want = (TensorDescriptor.from_tensor((a if swap else b).view(torch.int64), [128, 4], xl),
+            TensorDescriptor.from_tensor(yd, [256, 64], yl))
+    for d, w in zip(got[0], want):
+        assert (d.base.data_ptr(), d.base.dtype, list(d.shape), list(d.strides), list(d.block_shape), d.layout,
+                d.padding) == (w.base.data_ptr(), w.base.dtype, list(w.shape), list(w.strides), list(w.block_shape),
+                               w.layout, w.padding)
 
 
 def test_gluon_missing_names_the_triton_it_needs(monkeypatch):

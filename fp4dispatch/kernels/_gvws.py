@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import _h2
 from ._gluon import _first_tile
-from .launch import launch
+from .launch import launch, tma_desc
 
 _block = gluon.jit(_h2.h2_block_cvt.fn)
 
@@ -190,44 +190,23 @@ def _layouts() -> tuple:
     return nv(64, 3), nv(32, 3), nv(64, 2), nv(32, 3)
 
 
-class _Base:
-    """What a host TMA descriptor reads of its tensor (Triton's launcher and ``launch``: ``data_ptr()``, ``dtype``),
-    so that a cached descriptor holds no reference to the tensor and cannot keep a freed weight alive."""
-    __slots__ = ("ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-@functools.lru_cache(maxsize=4096)
-def _desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, which: int):
-    """A host TMA descriptor over ``shape``/``strides`` (elements of ``dtype``) at address ``ptr``. Cached by what it
-    describes (the same address and view make the same tensor map, whatever tensor lies there now): building one
-    with its view took ~12 us of host time, four per call."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(_Base(ptr, dtype), list(shape), list(strides), list(block), _layouts()[which])
-
-
 def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, R: int, BW: int,
                 MB: int) -> tuple:
-    """The four TMA descriptors of ``gvws_kernel`` over contiguous canonical operands (uint8 data, swizzled scale
-    bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned: the caller checks):
+    """The four TMA descriptors of ``gvws_kernel`` (cached: ``launch.tma_desc``) over contiguous canonical operands
+    (uint8 data, swizzled scale bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned: the caller checks):
     - weight words: int64 (N/32, 32, KB);
     - weight scales: int32 (g, j, 4i + q), the 4 bytes of row g*128 + q*32 + i and blocks 4j..4j+3, so a box of
       consecutive i is one contiguous run of 16 bytes per i;
     - activation words: int64 [M, KB]; activation scales: as the weight's."""
     n, kb, m = b.shape[0], b.shape[1] // 8, a.shape[0]
     cb = -(-kb // 4)
-    return (_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, R, BW), 0),
-            _desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
-                  (1, BW // 4, 4 * R), 1),
-            _desc(a.data_ptr(), torch.int64, (m, kb), (kb, 1), (MB, BW), 2),
-            _desc(sa.data_ptr(), torch.int32, (sa.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
-                  (1, BW // 4, 4 * MB), 3))
+    wl, wsl, al, asl = _layouts()
+    return (tma_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, R, BW), wl),
+            tma_desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
+                     (1, BW // 4, 4 * R), wsl),
+            tma_desc(a.data_ptr(), torch.int64, (m, kb), (kb, 1), (MB, BW), al),
+            tma_desc(sa.data_ptr(), torch.int32, (sa.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
+                     (1, BW // 4, 4 * MB), asl))
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,

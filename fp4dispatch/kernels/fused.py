@@ -10,8 +10,9 @@ tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s 
 kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from M = 1024; plain, persistent or with
 the operands' roles swapped). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
 the Gluon ones support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``);
-``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key
-costs well under a few seconds on a GPU.
+``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a
+JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
+GPU.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def _wmma_rank(device: torch.device) -> int:
     return 2 if cap[0] == 9 else 1 if cap >= (8, 9) else 0
 
 
-def _wgws_ok(device: torch.device) -> bool:
+def _gluon_ok(device: torch.device) -> bool:
     """The Gluon kernels (``wgws``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none
     of them), compiled kernels (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what they use."""
     from . import gluon_missing
@@ -208,7 +209,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     # CVT decodes through the e4m3x2 -> f16x2 conversion instruction (SM89+): 2-5 % faster on the H200
     cvt = [{"CVT": True}] if _has_fp8_cvt(device) else []
     if m <= 2:
-        if n % 32 == 0 and k % 32 == 0 and _wgws_ok(device):  # SM90: the TMA-fed GEMV first (its boxes: see _gvws)
+        if n % 32 == 0 and k % 32 == 0 and _gluon_ok(device):  # SM90: the TMA-fed GEMV first (its boxes: see _gvws)
             out += [{"kernel": "gvws", "MB": m, "R": r, "BW": bw, "stages": st, "warps": 4, "ctas": c}
                     for r, bw, st, c in _GVWS_TILES]
         gemv2(m, 4, 256, 4, split=1, maxnreg=64, **h2)
@@ -254,7 +255,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
         else:
             out += new[:max(1, MAX_CONFIGS - len(out))]
     # SM90, M > 128: the warp-specialized Gluon kernel first (its TMA needs 16-byte weight rows: K % 32 == 0)
-    if m > 128 and k % 32 == 0 and _wgws_ok(device):
+    if m > 128 and k % 32 == 0 and _gluon_ok(device):
         out = (_wgws_configs(m, n) + out)[:MAX_CONFIGS]
     return out
 
@@ -289,17 +290,16 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
         raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned {'a' if swap else 'b'}; got "
                          f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from configs_for()")
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from . import _gluon
+    from .launch import tma_desc
 
     cb = _cdiv(kb, 4)
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
     nx, ny = x.shape[0], y.shape[0]
     yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
     x_layout, y_layout = _gluon.layouts(bn, bm, bkb)
-    x_desc = TensorDescriptor.from_tensor(x.view(torch.int64), [bn, bkb], x_layout)
-    y_desc = TensorDescriptor.from_tensor(yd, [bm, bkb * 16], y_layout)
+    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), x_layout)
+    y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16), y_layout)
     nt, steps = _cdiv(nx, bn), _cdiv(kb, bkb)
     tiles = nt * _cdiv(ny, bm)
     # persist: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on across
@@ -315,7 +315,8 @@ def _gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
     if m > int(config["MB"]) or n % 32 or kb % 2 or any(t.data_ptr() % 16 for t in (a, b, sa, sb)):
         raise ValueError(f"fused_mm: gvws needs M <= MB, N % 32 == 0, K % 32 == 0 and 16-byte aligned operands; got "
-                         f"M={m}, MB={config['MB']}, N={n}, K={kb * 16}. Use another config from configs_for()")
+                         f"M={m}, MB={config['MB']}, N={n}, K={kb * 16}, data_ptr() % 16 of (a, b, a_scale, b_scale) = "
+                         f"{tuple(t.data_ptr() % 16 for t in (a, b, sa, sb))}. Use another config from configs_for()")
     from . import _gvws
 
     _gvws.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device))

@@ -14,13 +14,14 @@ There is one entry per distinct key (e.g. per M a model runs with); the entries 
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from . import jit_interpreted
 
-__all__ = ["launch"]
+__all__ = ["launch", "tma_desc"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -40,12 +41,35 @@ def _params(fn) -> tuple[list[str], dict]:
     return got
 
 
+class _Address:
+    """What a host TMA descriptor reads of its tensor (Triton's launcher and ``_desc_key``: ``data_ptr()``,
+    ``dtype``), so that a cached descriptor holds no reference to a tensor and cannot keep a freed weight alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@functools.lru_cache(maxsize=4096)
+def tma_desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, layout):
+    """A Gluon host TMA descriptor over ``shape``/``strides`` (elements of ``dtype``) at address ``ptr``, with the
+    shared-memory ``layout`` of its boxes. Cached by what it describes: the same address and view make the same
+    tensor map, whatever tensor lies there now. A view plus ``TensorDescriptor.from_tensor`` cost ~12 us of host time
+    each; the Gluon kernels pass two (wgws) or four (gvws) per call."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(_Address(ptr, dtype), list(shape), list(strides), list(block), layout)
+
+
 def _desc_key(a):
     """A host TMA descriptor (Triton's or Gluon's ``TensorDescriptor``) by what types the compiled kernel: dtype, base
     alignment, block shape and layout (its launcher builds the tensor map from the rest on every call); any other
     argument as itself."""
     base = getattr(a, "base", None)
-    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or _gvws's _Base
+    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or _Address
         return ("desc", base.dtype, base.data_ptr() % 16, tuple(a.block_shape), getattr(a, "layout", None))
     return a
 
