@@ -100,12 +100,14 @@ def test_wgws_repeats_through_direct_launch(monkeypatch):
     assert L._fast and [key[0] for key in L._COMPILED].count(id(_gluon.wgws_kernel)) == 1
 
 
+@pytest.mark.parametrize("dp", [True, False], ids=["dp4a", "f16x2"])
 @pytest.mark.parametrize("mb", [1, 2])
 @pytest.mark.parametrize("n, k", [(992, 2080), (4064, 1152), (32, 8192)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_gvws_every_tile_exact(mb, n, k, out_dtype):
-    """The Gluon GEMV at M = 1..MB, every offered tile. K/16 = 130 and 72 blocks leave a last step past K and half a
-    scale group; N = 992 and 4064 a partial 128-row group, N = 32 three empty 32-row quarters (zero-filled boxes)."""
+def test_gvws_every_tile_exact(mb, n, k, out_dtype, dp):
+    """The Gluon GEMV at M = 1..MB, every offered tile, with either product path (DP: int8 dot products, offered;
+    else fp16 pairs). K/16 = 130 and 72 blocks leave a last step past K and half a scale group; N = 992 and 4064 a
+    partial 128-row group, N = 32 three empty 32-row quarters (zero-filled boxes)."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
     from fp4dispatch.kernels.fused import _GVWS_TILES, fused_mm
@@ -118,7 +120,8 @@ def test_gvws_every_tile_exact(mb, n, k, out_dtype):
             if out_dtype == torch.float16:
                 ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
             fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
-                     {"kernel": "gvws", "MB": mb, "R": r, "BW": bw, "stages": stages, "warps": 4, "ctas": ctas})
+                     {"kernel": "gvws", "MB": mb, "R": r, "BW": bw, "stages": stages, "warps": 4, "ctas": ctas,
+                      "DP": dp})
             err = _rel(ops.out, _ref64(ops))
             assert err <= TOL[out_dtype], (m, r, bw, err)
 

@@ -574,3 +574,44 @@ def test_wgws_refuses_what_tma_cannot_describe():
                                          r"data_ptr\(\) % 16 = 1"):
         _wgws(words, torch.zeros(8, 1024, dtype=torch.uint8), a, a, a, a,
               {"BM": 256, "BN": 128, "BKB": 4, "stages": 5, "swap": True}, {})
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode) in Python: byte i of the result from nibble i of sel's low 16 bits."""
+    src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        v = src[nib & 7]
+        out |= ((0xFF if v & 0x80 else 0) if nib & 8 else v) << (8 * i)
+    return out
+
+
+def _i8(word: int) -> list[int]:
+    return [int.from_bytes(word.to_bytes(4, "little")[i:i + 1], "little", signed=True) for i in range(4)]
+
+
+def test_dp4_table_and_sign_split_give_twice_e2m1_for_every_code():
+    """gvws's DP path (kernels/_dp4.py), its PTX steps replayed in Python: the two-register table holds 2*|e2m1| of
+    codes 0..7; prmt of a word gives the positive codes' magnitudes (0 for the negative ones, since every table byte
+    has its sign bit clear), prmt of the word with its sign bits flipped the negative ones'; A's signed bytes come
+    from (p | 0x80) - n per byte without borrows. So dp4a sums are exactly 4 * w * a, for all 16 x 16 code pairs."""
+    from fp4dispatch.format import E2M1_VALUES
+    from fp4dispatch.kernels import _dp4
+
+    t0, t1 = _dp4.TABLE
+    for code in range(16):
+        word = code * 0x11111111  # the code in all 8 nibbles
+        pos, neg = _prmt(t0, t1, word & 0xFFFF), _prmt(t0, t1, (word ^ 0x88888888) & 0xFFFF)
+        want = 2 * E2M1_VALUES[code]
+        assert (pos & 0xFF, neg & 0xFF) == ((want, 0) if want >= 0 else (0, -want)), code
+        signed = (((pos | 0x80808080) - neg) & 0xFFFFFFFF) ^ 0x80808080  # act_i8's bytewise p - n
+        assert _i8(signed) == [want] * 4, code
+    for a in range(16):
+        for b in range(16):
+            wa, wb = a * 0x1111, b * 0x1111
+            sa = _i8((((_prmt(t0, t1, wa) | 0x80808080) - _prmt(t0, t1, wa ^ 0x8888)) & 0xFFFFFFFF) ^ 0x80808080)
+            p, n = _prmt(t0, t1, wb), _prmt(t0, t1, wb ^ 0x8888)  # dp_block: dp4a(p, a) - dp4a(n, a)
+            got = sum(x * y for x, y in zip(p.to_bytes(4, "little"), sa)) - sum(
+                x * y for x, y in zip(n.to_bytes(4, "little"), sa))
+            assert got == 16 * E2M1_VALUES[a] * E2M1_VALUES[b], (a, b)

@@ -4,7 +4,10 @@ where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
 ``gemv2`` (``_fused.py``) streams the weight with plain loads: at 114-128 registers per thread 25 % of the warps fit
 an SM, and ncu saw DRAM at 38-42 % (notes_hopper.md v4). Here a producer warp streams everything by TMA into a
 STAGES-deep shared-memory ring, so the bytes in flight no longer depend on registers, and the consumer warps only
-read shared memory, decode and multiply (``gemv2``'s fp16x2 products through the e4m3x2 conversion, ``_h2.py``).
+read shared memory, decode and multiply: with DP (offered) each 16-block's sum is an exact int32 of ``dp4a`` on
+codes looked up as 2 * e2m1 (``_dp4.py``), else ``gemv2``'s fp16x2 products through the e4m3x2 conversion
+(``_h2.py``). Without memory traffic (the ring's slots freed at once) the consumers alone take about as long as the
+feed alone on the H200 (benchmarks/RESULTS.md, eleventh session), so both bound the kernel.
 
 Rows are taken the way the scales are stored. In the 128x4 swizzle, the scales of row ``g*128 + q*32 + i`` and
 blocks ``4j..4j+3`` are the 4 bytes at ``(g*CB + j)*512 + i*16 + q*4``: 16 contiguous bytes hold one ``i`` of all
@@ -33,11 +36,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import _h2
+from . import _dp4, _h2
 from ._gluon import _first_tile
 from .launch import launch, tma_desc
 
 _block = gluon.jit(_h2.h2_block_cvt.fn)
+_act_i8 = gluon.jit(_dp4.act_i8.fn)
+_dp_block = gluon.jit(_dp4.dp_block.fn)
 
 
 @gluon.jit
@@ -102,7 +107,26 @@ def _act(a_s, as_s, s, m, L: gl.constexpr):
 
 
 @gluon.jit
-def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, LW: gl.constexpr):
+def _sum(b_lo, b_hi, a_lo, a_hi, tbl, DP: gl.constexpr):
+    """Each 16-block's sum of products of the weight words with one activation row's, as fp32 times ``_undo(DP)``:
+    exact either way (``_dp4`` int8 dot products with DP, else ``_h2``'s fp16 pairs)."""
+    if DP:
+        a0, a1 = _act_i8(a_lo, tbl[0], tbl[1])
+        a2, a3 = _act_i8(a_hi, tbl[0], tbl[1])
+        return _dp_block(b_lo, b_hi, a0[None, None], a1[None, None], a2[None, None], a3[None, None], tbl[0],
+                         tbl[1]).to(gl.float32)
+    else:
+        return _block(b_lo, b_hi, a_lo[None, None], a_hi[None, None])
+
+
+@triton.constexpr_function
+def _undo(dp) -> float:
+    """What the block sums of ``_sum`` are multiplied by to give w * a."""
+    return _dp4.DP_UNDO.value if getattr(dp, "value", dp) else _h2.H2_UNDO_CVT.value
+
+
+@gluon.jit
+def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, tbl, LW: gl.constexpr, DP: gl.constexpr):
     """Ring step ``it``: wait for its slot, add this step's products to the accumulators, free the slot."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     R: gl.constexpr = w_s.type.shape[2]
@@ -120,9 +144,9 @@ def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, LW: gl.constexpr):
     b_lo = w.to(gl.uint32)
     b_hi = (w >> 32).to(gl.uint32)
     sb = _e4m3(sw)
-    acc0 += _block(b_lo, b_hi, a_lo[None, None], a_hi[None, None]) * (sb * sa[None, None])
+    acc0 += _sum(b_lo, b_hi, a_lo, a_hi, tbl, DP) * (sb * sa[None, None])
     if MB > 1:
-        acc1 += _block(b_lo, b_hi, a1_lo[None, None], a1_hi[None, None]) * (sb * sa1[None, None])
+        acc1 += _sum(b_lo, b_hi, a1_lo, a1_hi, tbl, DP) * (sb * sa1[None, None])
     # The producer's next TMA write into the slot must not overtake a read of it still in flight. Nothing in the
     # program orders them: ptxas leaves uses of loaded values (and so the loads' completion) after the arrive, and
     # the barrier inside the arrive orders the generic proxy only. With 2-3 CTAs per SM that race gave wrong sums
@@ -133,10 +157,10 @@ def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, LW: gl.constexpr):
 
 
 @gluon.jit
-def _store(acc, m, n0, M, N, alpha, out_ptr, LW: gl.constexpr):
+def _store(acc, m, n0, M, N, alpha, out_ptr, LW: gl.constexpr, UNDO: gl.constexpr):
     """Row m of out, columns n0 + q*32 + i: the sum over the tile's blocks, undone and times alpha."""
     R: gl.constexpr = acc.type.shape[1]
-    res = gl.sum(gl.sum(acc, axis=3), axis=2) * (_h2.H2_UNDO_CVT * alpha)
+    res = gl.sum(gl.sum(acc, axis=3), axis=2) * (UNDO * alpha)
     L2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, LW))
     n = n0 + gl.arange(0, 4, layout=gl.SliceLayout(1, L2))[:, None] * 32 + \
         gl.arange(0, R, layout=gl.SliceLayout(0, L2))[None, :]
@@ -144,30 +168,33 @@ def _store(acc, m, n0, M, N, alpha, out_ptr, LW: gl.constexpr):
 
 
 @gluon.jit
-def _consume(w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS):
+def _consume(w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS, DP: gl.constexpr):
     """For each of this CTA's tiles: the dot products of its 4R rows with the activation row(s), then the store."""
     R: gl.constexpr = w_s.type.shape[2]
     BW: gl.constexpr = w_s.type.shape[3]
     MB: gl.constexpr = a_s.type.shape[1]
     LW: gl.constexpr = word_layout(BW, gl.num_warps())
     alpha = gl.load(alpha_ptr)
+    # _dp4's lookup table as values ptxas cannot see are constant (M >= 0, so M >> 31 == 0): as constants it copied
+    # them from a uniform register before every prmt (18 % of the loop's instructions, local sm_90a build)
+    tbl = ((M >> 31) ^ _dp4.TABLE[0], (M >> 31) ^ _dp4.TABLE[1])
     lo = _first_tile(gl.program_id(0), TILES)
     for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
         acc0 = gl.zeros([4, R, BW // 4, 4], gl.float32, LW)
         acc1 = acc0
         for ks in range(STEPS):
-            acc0, acc1 = _step(w_s, ws_s, a_s, as_s, ready, empty, (tile - lo) * STEPS + ks, acc0, acc1, LW)
+            acc0, acc1 = _step(w_s, ws_s, a_s, as_s, ready, empty, (tile - lo) * STEPS + ks, acc0, acc1, tbl,
+                               LW, DP)
         n0 = (tile // (32 // R)) * 128 + (tile % (32 // R)) * R
-        _store(acc0, 0, n0, M, N, alpha, out_ptr, LW)
+        _store(acc0, 0, n0, M, N, alpha, out_ptr, LW, _undo(DP))
         if MB > 1:
-            _store(acc1, 1, n0, M, N, alpha, out_ptr, LW)
+            _store(acc1, 1, n0, M, N, alpha, out_ptr, LW, _undo(DP))
 
 
 @gluon.jit
-def gvws_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILES, STEPS, R: gl.constexpr,
-                BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr):
-    """out [M, N] (M <= MB) = alpha * A @ W.T over TILES tiles of 4R weight rows, STEPS steps of BW 16-blocks each
-    (the views: ``descriptors``); the default partition (num_warps) consumes, a worker warp loads."""
+def ring(w_desc, ws_desc, a_desc, as_desc, R: gl.constexpr, BW: gl.constexpr, MB: gl.constexpr,
+         STAGES: gl.constexpr):
+    """The STAGES-deep shared-memory ring of the four TMA boxes, with its ready and empty barriers."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, 4, R, BW], w_desc.layout)
     ws_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * R], ws_desc.layout)
     a_s = gl.allocate_shared_memory(gl.int64, [STAGES, MB, BW], a_desc.layout)
@@ -177,7 +204,17 @@ def gvws_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILE
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([(_consume, (w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS)),
+    return w_s, ws_s, a_s, as_s, ready, empty
+
+
+@gluon.jit
+def gvws_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILES, STEPS, R: gl.constexpr,
+                BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, DP: gl.constexpr = False):
+    """out [M, N] (M <= MB) = alpha * A @ W.T over TILES tiles of 4R weight rows, STEPS steps of BW 16-blocks each
+    (the views: ``descriptors``); the default partition (num_warps) consumes, a worker warp loads. DP: the products
+    by ``_dp4``'s int8 dot products (else ``_h2``'s fp16 pairs)."""
+    w_s, ws_s, a_s, as_s, ready, empty = ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
+    gl.warp_specialize([(_consume, (w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS, DP)),
                         (_producer, (w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, empty, TILES,
                                      STEPS))], [1], [40])
 
@@ -211,13 +248,14 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Te
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         config: dict, sms: int) -> None:
-    """Launch ``gvws_kernel`` for ``config`` (R, BW, MB, stages, warps, ctas: CTAs per SM) on checked operands
-    (``fused._gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
+    """Launch ``gvws_kernel`` for ``config`` (R, BW, MB, stages, warps, ctas: CTAs per SM; DP: ``_dp4``'s products)
+    on checked operands (``fused._gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
     r, bw, mb, warps, per_sm = (int(config[key]) for key in ("R", "BW", "MB", "warps", "ctas"))
     m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
     tiles = -(-n // 128) * (32 // r)
     launch(gvws_kernel, (min(tiles, sms * per_sm),), *descriptors(a, b, sa, sb, r, bw, mb), alpha, out, m, n, tiles,
-           -(-kb // bw), R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), num_warps=warps, **reg_cap(warps, per_sm))
+           -(-kb // bw), R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)),
+           num_warps=warps, **reg_cap(warps, per_sm))
 
 
 def reg_cap(warps: int, per_sm: int) -> dict:

@@ -146,7 +146,9 @@ _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 
 # gvws tiles (R, BW, stages, CTAs per SM) for M <= 2, 4 consumer warps (H200, benchmarks/RESULTS.md tenth session):
 # the two best of the sweep on the large shapes, 6-12 % faster than gemv2 at M = 1 and 17-22 % at M = 2; gemv2 stays
-# faster on the small shapes (run 6; not profiled), which the tuner sees.
+# faster on the small shapes (run 6; not profiled), which the tuner sees. Offered with DP, the int8 dot products
+# (_dp4.py): 18 % fewer loop instructions, faster than the fp16 pairs in every cell measured (eleventh session run 8:
+# 1-4 % at M = 1, 8-11 % at M = 2 on the large shapes).
 _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 
 
@@ -210,7 +212,7 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     cvt = [{"CVT": True}] if _has_fp8_cvt(device) else []
     if m <= 2:
         if n % 32 == 0 and k % 32 == 0 and _gluon_ok(device):  # SM90: the TMA-fed GEMV first (its boxes: see _gvws)
-            out += [{"kernel": "gvws", "MB": m, "R": r, "BW": bw, "stages": st, "warps": 4, "ctas": c}
+            out += [{"kernel": "gvws", "MB": m, "R": r, "BW": bw, "stages": st, "warps": 4, "ctas": c, "DP": True}
                     for r, bw, st, c in _GVWS_TILES]
         gemv2(m, 4, 256, 4, split=1, maxnreg=64, **h2)
         gemv2(m, 4, 128, 2, split=1, prefetch=True, **h2)
