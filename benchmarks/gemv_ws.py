@@ -1,11 +1,11 @@
 """Experiments with ``gvws``, the warp-specialized Gluon GEMV for M <= 2 (``fp4dispatch/kernels/_gvws.py``; issue 8,
 tenth and eleventh sessions; benchmarks/RESULTS.md, notes_hopper.md v14-v15).
 
-    python3 benchmarks/gemv_ws.py --compile 16 32 1 5 4 2 1   # local sm_90a build (R BW MB STAGES WARPS CTAS DP), no GPU
+    python3 benchmarks/gemv_ws.py --compile 16 32 1 5 4 2 1   # sm_90a build here (R BW MB STAGES WARPS CTAS DP)
     python3 benchmarks/gemv_ws.py [--no-check] [--shapes large|small|all] [--ms 1,2]   # H200: exactness, then times
-    python3 benchmarks/gemv_ws.py --configs "8,32,6,4,3,1;16,32,5,4,2,1" ...   # other configs (R,BW,STAGES,WARPS,CTAS,DP)
+    python3 benchmarks/gemv_ws.py --configs "8,32,6,4,3,1;16,32,5,4,2,1"   # configs: R,BW,STAGES,WARPS,CTAS,DP
     python3 benchmarks/gemv_ws.py --feed default --compute ...   # also the feed alone and the consumers alone
-    ncu --profile-from-start off ... python3 benchmarks/gemv_ws.py --profile 28672 8192 1 8 32 6 4 3 [--dp 1] [--compute]
+    ncu --profile-from-start off ... python3 benchmarks/gemv_ws.py --profile 28672 8192 1 8 32 6 4 3 --dp 1
 
 Times are graph us (``bench_hopper.graph_ms``) next to cuBLAS bf16 and the pick before this kernel (``gemv2`` with
 H2 and CVT); the % of roofline uses the FP4-byte roofline of issue 8 over the measured copy bandwidth. ``--feed``
@@ -40,7 +40,7 @@ CONFIGS = tuple((r, bw, st, 4, c, dp) for r, bw, st, c in ((16, 32, 5, 2), (8, 3
 def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1, out: str | None = None,
                DP: bool = False) -> dict:
     """``gluon_probe.build`` of the library kernel (sm_90a, no GPU) with the register cap ``_gvws.run`` launches it
-    with for CTAS CTAs per SM."""
+    with for CTAS CTAs per SM, specialized as a launch is at M = MB: M = 1 becomes a constant."""
     from gluon_probe import build
     from triton.runtime.jit import mangle_type
 
@@ -54,8 +54,11 @@ def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1,
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
            "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "TILES": "i32", "STEPS": "i32"}
-    return build(_gvws.gvws_kernel, sig, {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP}, WARPS,
-                 ("out_ptr", "N"), out, **_gvws.reg_cap(WARPS, CTAS))
+    consts = {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP}
+    if MB == 1:  # Triton specializes an int argument equal to 1
+        del sig["M"]
+        consts["M"] = 1
+    return build(_gvws.gvws_kernel, sig, consts, WARPS, ("out_ptr", "N"), out, **_gvws.reg_cap(WARPS, CTAS))
 
 
 def compile_only(R=16, BW=32, MB=1, STAGES=5, WARPS=4, CTAS=2, DP=0) -> None:

@@ -19,12 +19,13 @@ import sys
 import tempfile
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _read_kernel():
-    import triton
+def read_kernel():
+    """A Triton kernel that reads every int64 word of a buffer once (one BLOCK per program, a sum per program)."""
     import triton.language as tl
 
     @triton.jit
@@ -41,13 +42,9 @@ def read_bytes(x: torch.Tensor, sink: torch.Tensor) -> None:
     """Read every byte of contiguous ``x`` once (int64 words; 16 KB per program): the floor of any kernel that
     must read them."""
     global _READ
-    _READ = _READ or _read_kernel()
+    _READ = _READ or read_kernel()
     w = x.view(torch.int64)
-    _READ[(triton_cdiv(w.numel(), 2048),)](w, sink, w.numel(), BLOCK=2048, num_warps=4)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    _READ[(triton.cdiv(w.numel(), 2048),)](w, sink, w.numel(), BLOCK=2048, num_warps=4)
 
 
 def graph(fns) -> torch.cuda.CUDAGraph:
@@ -67,7 +64,7 @@ def times_us(fns, reps: int = 30) -> dict:
     from bench_hopper import bench_ms
     one = graph(fns[:1])
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    sink = torch.empty(triton_cdiv(flush.numel() // 8, 2048), dtype=torch.int64, device="cuda")
+    sink = torch.empty(triton.cdiv(flush.numel() // 8, 2048), dtype=torch.int64, device="cuda")
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for s, e in ev:
         read_bytes(flush, sink)
@@ -101,14 +98,14 @@ def main() -> None:
     d = Dispatcher(cache_dir=tempfile.mkdtemp(prefix="fp4c-methods-"))
     for shape in args.shapes.split(","):
         n, k = (int(x) for x in shape.split("x"))
-        copies = max(2, triton_cdiv(4 * l2, n * k * 9 // 16))  # fp4 weights, so bf16's (3.6x larger) rotate too
+        copies = max(2, triton.cdiv(4 * l2, n * k * 9 // 16))  # fp4 weights, so bf16's (3.6x larger) rotate too
         wbs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in (int(x) for x in args.ms.split(",")):
             prob = Problem(m, n, k, torch.bfloat16, torch.device("cuda"))
             choice = d.choose(prob)
             ops = [rand_operands(m, n, k, seed=c) for c in range(copies)]
             wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            sinks = [torch.empty(triton_cdiv(o.b.numel() // 8, 2048), dtype=torch.int64, device="cuda") for o in ops]
+            sinks = [torch.empty(triton.cdiv(o.b.numel() // 8, 2048), dtype=torch.int64, device="cuda") for o in ops]
             res = {
                 "pick": times_us([lambda o=o: choice.backend.run(prob, o, choice.config) for o in ops]),
                 "cuBLAS bf16": times_us([lambda w=w: torch.mm(wa, w.t()) for w in wbs]),

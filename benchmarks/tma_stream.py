@@ -86,17 +86,6 @@ def patterns(n: int, kb: int) -> dict:
     }
 
 
-def _ldg_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def ldg_stream(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0), 0))
-    return ldg_stream
-
-
 def sizes() -> None:
     """Graph us against bytes streamed, for the TMA ring (contiguous 8 KB boxes, 6 stages, 2 CTAs per SM) and a
     plain-load Triton kernel (one block per program), next to an empty graph node: a fixed cost and a rate."""
@@ -104,7 +93,8 @@ def sizes() -> None:
 
     from fp4dispatch.kernels._gvws import _layouts, reg_cap
     from fp4dispatch.kernels.launch import launch, tma_desc
-    kern, ldg = _kernel(), _ldg_kernel()
+    from methods import read_kernel
+    kern, ldg = _kernel(), read_kernel()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     one = torch.zeros(1, device="cuda")

@@ -147,8 +147,8 @@ _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 # gvws tiles (R, BW, stages, CTAs per SM) for M <= 2, 4 consumer warps (H200, benchmarks/RESULTS.md tenth session):
 # the two best of the sweep on the large shapes, 6-12 % faster than gemv2 at M = 1 and 17-22 % at M = 2; gemv2 stays
 # faster on the small shapes (run 6; not profiled), which the tuner sees. Offered with DP, the int8 dot products
-# (_dp4.py): 18 % fewer loop instructions, faster than the fp16 pairs in every cell measured (eleventh session run 8:
-# 1-4 % at M = 1, 8-11 % at M = 2 on the large shapes).
+# (_dp4.py): 18 % fewer loop instructions, faster than the fp16 pairs in every cell measured (eleventh session runs 8
+# and 17: 3-4 % at M = 1, 8-12 % at M = 2 on the large shapes).
 _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 
 
