@@ -205,9 +205,8 @@ def compute_runner(ops, n: int, k: int, cfg: tuple):
     r, bwd, st, w, c, dp = cfg
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     d = _gvws.descriptors(ops.a, ops.b, ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8), r, bwd, 1)
-    tiles = -(-n // 128) * (32 // r)
-    return lambda: launch(_COMPUTE, (min(tiles, sms * c),), *d, ops.alpha, ops.out, 1, n, tiles, -(-(k // 16) // bwd),
-                          R=r, BW=bwd, MB=1, STAGES=st, DP=bool(dp), num_warps=w, **_gvws.reg_cap(w, c))
+    tiles, steps = _gvws.work(n, k // 16, r, bwd)
+    return lambda: launch(_COMPUTE, (min(tiles, sms * c),), *d, ops.alpha, ops.out, 1, n, tiles, steps, R=r, BW=bwd, MB=1, STAGES=st, DP=bool(dp), num_warps=w, **_gvws.reg_cap(w, c))
 
 
 _COMPUTE = None
@@ -241,9 +240,9 @@ def feed(shapes, configs) -> None:
         for r, bwd, st, w, c in configs:
             d = _gvws.descriptors(ops.a, ops.b, ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8), r, bwd,
                                   1)
-            tiles = -(-n // 128) * (32 // r)
-            t = graph_ms(lambda: launch(kern, (min(tiles, sms * c),), *d, sink, tiles, -(-(k // 16) // bwd), R=r,
-                                        BW=bwd, MB=1, STAGES=st, num_warps=w, **_gvws.reg_cap(w, c))) * 1e3
+            tiles, steps = _gvws.work(n, k // 16, r, bwd)
+            t = graph_ms(lambda: launch(kern, (min(tiles, sms * c),), *d, sink, tiles, steps, R=r, BW=bwd, MB=1,
+                                        STAGES=st, num_warps=w, **_gvws.reg_cap(w, c))) * 1e3
             print(f"feed {n}x{k} R={r} BW={bwd} st={st} w={w} ctas={c}: {t:.1f} us, {roof / t * 100:.0f} % roofline",
                   flush=True)
 
@@ -284,6 +283,7 @@ def main() -> None:
         profile(*args.profile, args.dp, args.compute)
         return
     shapes = SHAPES["large"] + SHAPES["small"] if args.shapes == "all" else SHAPES[args.shapes]
+
     def parse(text):
         return tuple(tuple(int(x) for x in c.split(",")) for c in text.split(";"))
     if args.feed:

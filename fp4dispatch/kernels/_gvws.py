@@ -247,15 +247,20 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Te
                      (1, BW // 4, 4 * MB), asl))
 
 
+def work(n: int, kb: int, r: int, bw: int) -> tuple[int, int]:
+    """(tiles, steps per tile) of ``gvws_kernel`` over N = n rows and kb 16-blocks per row."""
+    return -(-n // 128) * (32 // r), -(-kb // bw)
+
+
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         config: dict, sms: int) -> None:
     """Launch ``gvws_kernel`` for ``config`` (R, BW, MB, stages, warps, ctas: CTAs per SM; DP: ``_dp4``'s products)
     on checked operands (``fused._gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
     r, bw, mb, warps, per_sm = (int(config[key]) for key in ("R", "BW", "MB", "warps", "ctas"))
-    m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
-    tiles = -(-n // 128) * (32 // r)
+    m, n = a.shape[0], b.shape[0]
+    tiles, steps = work(n, a.shape[1] // 8, r, bw)
     launch(gvws_kernel, (min(tiles, sms * per_sm),), *descriptors(a, b, sa, sb, r, bw, mb), alpha, out, m, n, tiles,
-           -(-kb // bw), R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)),
+           steps, R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)),
            num_warps=warps, **reg_cap(warps, per_sm))
 
 
