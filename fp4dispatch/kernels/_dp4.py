@@ -10,8 +10,7 @@ difference is the block sum. A (shared by all rows) is made signed once per word
 
 Per B word (8 values) that is 11 instructions (an xor, two shifts, four ``prmt``, four ``dp4a``), against 15 for the
 fp16x2 path (``_h2.h2_block_cvt``: 7 integer ops and 4 conversions to fp16 pairs, 4 ``fma.rn.f16x2``): gvws's step
-loop takes 306 instead of 372 instructions (R 8, local sm_90a build). The table must reach the asm as values ptxas
-cannot fold (``_gvws._consume``); as constants it is copied into a register before every ``prmt``.
+loop takes 306 instead of 372 instructions (R 8, local sm_90a build), with the table kept in registers (``table``).
 """
 from __future__ import annotations
 
@@ -20,8 +19,10 @@ import triton.language as tl
 
 DP_UNDO = tl.constexpr(0.25)  # each product is (2w)(2a)
 
-# The table: bytes 0..7 = 2 * e2m1 magnitude of codes 0..7, two words passed to the asm as operands
+# The table: bytes 0..7 = 2 * e2m1 magnitude of codes 0..7, two words passed to the asm as operands (``table``)
 TABLE = (0x03020100, 0x0C080604)
+_T0 = tl.constexpr(TABLE[0])
+_T1 = tl.constexpr(TABLE[1])
 _ACT_PTX = tl.constexpr(
     "{ .reg .b32 x, h, p, n; "
     "xor.b32 x, $2, 0x88888888; "
@@ -42,6 +43,15 @@ def _word(w: str, a_lo: str, a_hi: str) -> str:
 
 _BLOCK_PTX = tl.constexpr("{ .reg .b32 x, h, p, n, sp, sn; mov.b32 sp, 0; mov.b32 sn, 0; " +
                           _word("$1", "$3", "$4") + _word("$2", "$5", "$6") + "sub.s32 $0, sp, sn; }")
+
+
+@triton.jit
+def table(n):
+    """The two table words as values ptxas cannot fold, from ``n``, any int32 >= 0 that is not a compile-time constant
+    (n >> 31 == 0). As constants ptxas copied them from a uniform register before every ``prmt`` (59-67 extra
+    instructions in gvws's step of ~306, local sm_90a build); note a launch makes an int argument equal to 1 a
+    constant (gvws passes N, a multiple of 32, not M)."""
+    return (n >> 31) ^ _T0, (n >> 31) ^ _T1
 
 
 @triton.jit

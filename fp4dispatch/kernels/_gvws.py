@@ -43,6 +43,7 @@ from .launch import launch, tma_desc
 _block = gluon.jit(_h2.h2_block_cvt.fn)
 _act_i8 = gluon.jit(_dp4.act_i8.fn)
 _dp_block = gluon.jit(_dp4.dp_block.fn)
+_dp4_table = gluon.jit(_dp4.table.fn)
 
 
 @gluon.jit
@@ -175,10 +176,7 @@ def _consume(w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES
     MB: gl.constexpr = a_s.type.shape[1]
     LW: gl.constexpr = word_layout(BW, gl.num_warps())
     alpha = gl.load(alpha_ptr)
-    # _dp4's lookup table as values ptxas cannot see are constant (N > 0, so N >> 31 == 0; not M, which a launch
-    # specializes when it is 1): as constants it copied them from a uniform register before every prmt (59-67 extra
-    # instructions in a step of ~306, local sm_90a build)
-    tbl = ((N >> 31) ^ _dp4.TABLE[0], (N >> 31) ^ _dp4.TABLE[1])
+    tbl = _dp4_table(N)  # (from N: a launch makes M = 1 a constant, and ptxas would fold the table again)
     lo = _first_tile(gl.program_id(0), TILES)
     for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
         acc0 = gl.zeros([4, R, BW // 4, 4], gl.float32, LW)
