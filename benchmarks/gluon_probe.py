@@ -70,7 +70,7 @@ def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps
         acc = warpgroup_mma_wait(num_outstanding=WAIT, deps=[acc])
         sb = sb_next
     # fp32 atomics into a zeroed out (the library kernel sums split tiles in a workspace instead)
-    ST: gl.constexpr = store_layout(BN, BM, False)
+    ST: gl.constexpr = store_layout(BN, BM, False, 4)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
     on = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ST))

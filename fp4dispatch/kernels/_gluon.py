@@ -56,18 +56,18 @@ def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
 
 
 @triton.constexpr_function
-def store_layout(bn: int, bm: int, swap: bool) -> gl.BlockedLayout:
-    """The layout in which the [bn, bm] tile (accumulated by bn // 16 warps) is written, so that each thread writes
+def store_layout(bn: int, bm: int, swap: bool, warps: int) -> gl.BlockedLayout:
+    """The layout in which the [bn, bm] tile (accumulated by ``warps`` warps) is written, so that each thread writes
     16 contiguous bytes of bf16 and a warp whole runs of a row of out: out's rows run along the tile's first dim
     (8 consecutive rows of it per thread, warps along the second), or with ``swap`` (out = X @ Y.T, not its
     transpose) along the second."""
-    bn, bm, swap = (getattr(v, "value", v) for v in (bn, bm, swap))
+    bn, bm, swap, warps = (getattr(v, "value", v) for v in (bn, bm, swap, warps))
     if swap:
         t1 = min(bm // 8, 32)
-        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // t1, t1], warps_per_cta=[bn // 16, 1],
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // t1, t1], warps_per_cta=[warps, 1],
                                 order=[1, 0])
     t0 = min(bn // 8, 32)
-    return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[t0, 32 // t0], warps_per_cta=[1, bn // 16],
+    return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[t0, 32 // t0], warps_per_cta=[1, warps],
                             order=[0, 1])
 
 
@@ -106,11 +106,16 @@ def _first_tile(c, TILES):
 
 
 @gluon.jit
-def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constexpr, SWAP: gl.constexpr):
+def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constexpr, SWAP: gl.constexpr,
+                  QR: gl.constexpr = 0):
     """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
     [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
-    ones."""
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``_wgds``), else BN rows."""
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    if QR:
+        rn = n0 + (rn // QR) * 32 + rn % QR
+    else:
+        rn = n0 + rn
     rm = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
     if SWAP:
         corner = n0.to(gl.int64) * M
@@ -122,10 +127,10 @@ def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.conste
 
 
 @gluon.jit
-def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr):
-    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout``."""
-    ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1], SWAP)
-    corner, offs, mask = _tile_offsets(n0, m0, M, N, acc.type.shape[0], acc.type.shape[1], ST, SWAP)
+def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.constexpr = 0):
+    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout`` (QR: ``_tile_offsets``)."""
+    ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1], SWAP, gl.num_warps())
+    corner, offs, mask = _tile_offsets(n0, m0, M, N, acc.type.shape[0], acc.type.shape[1], ST, SWAP, QR)
     acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
     gl.store(out_ptr + corner + offs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), ST), mask=mask)
 
