@@ -45,6 +45,29 @@ def test_wgws_sass_has_no_operand_race_no_loop_spills_and_fits(tile, swap):
     assert built["shared"] <= SMEM_SM90
 
 
+@pytest.mark.parametrize("parts", [2, 1])
+def test_wgds_sass_fences_the_decoded_tile_no_loop_spills_and_fits(parts):
+    """The decode warps' loop orders their stores of the decoded tile (and their reads of the words) before the
+    arrives that hand the tile to the wgmma and free the words' slot: a proxy fence (MEMBAR.ALL.CTA) between the last
+    STSM and the first arrive. No spills in any loop; shared memory within an SM's with fp32 out (the most)."""
+    wg, race = _bench("wgds"), _bench("sass_race")
+    from fp4dispatch.kernels.fused import _WGDS
+    built = wg.build_wgds(_WGDS["BN"], _WGDS["BM"], _WGDS["BKB"], _WGDS["stages"], _WGDS["astages"],
+                          _WGDS["dstages"], 128, parts, out_type="fp32")
+    code = race._parse(built["sass"])
+    loops = race.hot_loops(code, "F2FP")
+    assert loops, "no decode loop found in the SASS"
+    first, last = min(loops, key=lambda fl: fl[1] - fl[0])
+    body = [x for _, x in code[first:last + 1]]
+    stores = [i for i, x in enumerate(body) if "STSM" in x or x.startswith("STS")]
+    arrives = [i for i, x in enumerate(body) if "SYNCS.ARRIVE" in x]
+    assert stores and arrives and max(stores) < min(arrives)
+    assert any("MEMBAR" in x for x in body[max(stores):min(arrives)]), "no fence between the tile and its arrive"
+    assert race.hot_loops(code), "no wgmma loop found in the SASS"
+    assert race.loop_spills(built["sass"]) == [] and not [x for x in body if "STL" in x or "LDL" in x]
+    assert built["shared"] <= SMEM_SM90
+
+
 def test_sass_race_flags_the_rolled_loop():
     probe, race = _bench("gluon_probe"), _bench("sass_race")
     built = probe.build(probe.probe_kernel, probe.signature(64, 16, 16),

@@ -100,6 +100,49 @@ def test_wgws_repeats_through_direct_launch(monkeypatch):
     assert L._fast and [key[0] for key in L._COMPILED].count(id(_gluon.wgws_kernel)) == 1
 
 
+@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"parts": 1}], ids=["tiles", "persist", "one-decoder"])
+@pytest.mark.parametrize("m", [1, 3, 127, 300])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_wgds_exact(m, out_dtype, variant):
+    """The Gluon kernel with the decode in warps of its own (offered at 64 < M <= 128) at every M: K/16 = 130 blocks
+    leave half a scale group and a last step past K; N = 992 a partial 128-row group, N = 32 three empty 32-row
+    quarters (zero-filled boxes); M = 300 three tiles along M, and persistent CTAs run several tiles each."""
+    if _wgws_missing():
+        pytest.skip(_wgws_missing())
+    from fp4dispatch.kernels.fused import _WGDS, fused_mm
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    for i, n in enumerate((992, 32)):
+        ops = make_operands(Problem(m, n, 2080, out_dtype, torch.device("cuda")), seed=53 * m + i)  # NaN-filled out
+        if out_dtype == torch.float16:
+            ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
+        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, dict(_WGDS, **variant))
+        err = _rel(ops.out, _ref64(ops))
+        assert err <= TOL[out_dtype], (n, err)
+
+
+def test_wgds_nan_block_scale_propagates():
+    """A NaN block scale (0x7F) of weight row 7 reaches exactly out's column 7, through the decode warps' tile."""
+    if _wgws_missing():
+        pytest.skip(_wgws_missing())
+    from fp4dispatch.format import swizzle_scales, unswizzle_scales
+    from fp4dispatch.kernels.fused import _WGDS, fused_mm
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    n, k = 992, 2080
+    ops = make_operands(Problem(100, n, k, torch.float32, torch.device("cuda")), seed=3)
+    lin = unswizzle_scales(ops.b_scale, n, k // 16).clone()
+    lin.view(torch.uint8)[7, 3] = 0x7F
+    ops = ops._replace(b_scale=swizzle_scales(lin))
+    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, _WGDS)
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    keep[7] = False
+    assert bool(torch.isnan(ops.out[:, 7]).all())
+    assert _rel(ops.out[:, keep], _ref64(ops)[:, keep]) <= 1e-5
+
+
 @pytest.mark.parametrize("dp", [True, False], ids=["dp4a", "f16x2"])
 @pytest.mark.parametrize("mb", [1, 2])
 @pytest.mark.parametrize("n, k", [(992, 2080), (4064, 1152), (32, 8192)])

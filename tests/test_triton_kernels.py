@@ -332,7 +332,8 @@ def test_fused_mm_rejects_unknown_kernel():
 
     t = torch.zeros(1, 8, dtype=torch.uint8)
     with pytest.raises(ValueError,
-                       match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws' or 'gvws'; got 'nope'"):
+                       match=r"config\['kernel'\] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws', 'wgds' or 'gvws'; "
+                             r"got 'nope'"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "nope", "BKB": 1})
     with pytest.raises(ValueError, match=r"gemv2 needs BKB % 4 == 0"):
         fused_mm(t, t, t, t, torch.ones(1), torch.empty(1, 1), {"kernel": "gemv2", "MB": 1, "BN": 16, "BKB": 2})
@@ -486,6 +487,43 @@ def test_gvws_first_at_m_le_2_on_sm90_only(monkeypatch, cap, offered):
     assert not [c for c in fused.configs_for(1, 8192, 8208, cuda) if c["kernel"] == "gvws"]
 
 
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
+def test_wgds_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch.kernels import fused
+
+    cuda = _gluon_gpu(monkeypatch, cap)
+    for m in (64, 65, 100, 128, 129):
+        cfgs = fused.configs_for(m, 8192, 8192, cuda)
+        ds = [c for c in cfgs if c["kernel"] == "wgds"]
+        want = [fused._WGDS, dict(fused._WGDS, persist=True)] if offered and 64 < m <= 128 else []
+        assert ds == want, (m, cfgs)
+        if want:  # after the first wmma tile, which stays the untuned default; the tuner compares them
+            assert cfgs[0]["kernel"] == "wmma" and cfgs[1:3] == want and len(cfgs) <= 7
+    # its boxes need N % 32 == 0 (rows taken the way the scales are stored) and K % 32 == 0 (16-byte rows)
+    assert not [c for c in fused.configs_for(128, 8200, 8192, cuda) if c["kernel"] == "wgds"]
+    assert not [c for c in fused.configs_for(128, 8192, 8208, cuda) if c["kernel"] == "wgds"]
+
+
+def test_wgds_refuses_rings_that_deadlock_and_what_tma_cannot_describe():
+    from fp4dispatch.kernels.fused import _WGDS, _wgds
+
+    a, s = torch.zeros(128, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
+    b = torch.zeros(1024, 1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"wgds needs BN 64, parts 1 or 2 and rings of >= max\(2, parts\) "
+                                         r"slots; got BN=64, parts=2, \{'stages': 4, 'astages': 4, 'dstages': 1\}"):
+        _wgds(a, b, s, s, s, s, dict(_WGDS, dstages=1), {})
+    with pytest.raises(ValueError, match=r"got BN=128, parts=2"):
+        _wgds(a, b, s, s, s, s, dict(_WGDS, BN=128), {})
+    with pytest.raises(ValueError, match=r"got BN=64, parts=3"):
+        _wgds(a, b, s, s, s, s, dict(_WGDS, parts=3, dstages=3), {})
+    with pytest.raises(ValueError, match=r"wgds needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and b_scale; "
+                                         r"got N=1000, K=2048, data_ptr\(\) % 16 of \(b, b_scale\) = \(0, 0\)"):
+        _wgds(a, torch.zeros(1000, 1024, dtype=torch.uint8), s, s, s, s, _WGDS, {})
+    with pytest.raises(ValueError, match=r"got N=1024, K=2064"):
+        _wgds(torch.zeros(4, 8 * 129, dtype=torch.uint8), torch.zeros(1024, 8 * 129, dtype=torch.uint8), s, s, s, s,
+              _WGDS, {})
+
+
 def test_gvws_refuses_what_tma_cannot_describe():
     from fp4dispatch.kernels.fused import _gvws
 
@@ -555,7 +593,8 @@ def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     kernels.gluon_missing.cache_clear()
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     try:
-        assert kernels.gluon_missing() == ("the Gluon kernels (wgws, gvws) are written for Triton 3.6's Gluon; this is "
+        assert kernels.gluon_missing() == ("the Gluon kernels (wgws, wgds, gvws) are written for Triton 3.6's Gluon; "
+                                           "this is "
                                            "Triton 3.9.0")
     finally:
         kernels.gluon_missing.cache_clear()

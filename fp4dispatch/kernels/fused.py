@@ -131,7 +131,7 @@ def _gluon_ok(device: torch.device) -> bool:
         return False
     why = gluon_missing()
     if why:
-        log.debug("fp4dispatch: no wgws/gvws configs: %s", why)
+        log.debug("fp4dispatch: no wgws/wgds/gvws configs: %s", why)
     return why is None
 
 
@@ -150,6 +150,13 @@ _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 # (_dp4.py): 18 % fewer loop instructions, faster than the fp16 pairs in every cell measured (eleventh session runs 8
 # and 17: 3-4 % at M = 1, 8-12 % at M = 2 on the large shapes).
 _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
+
+
+# wgds (_wgds.py: the decode in warps of its own, both wgmma operands in shared memory) for 64 < M <= 128: BN 64,
+# BM 128, BKB 8, rings of 4 (weight), 4 (activation) and 2 (decoded) slots, 2 decode partitions; plain and
+# persistent. H200, twelfth session, M = 128: 42.1 / 138.8 / 124.0 us against wmma's 47.4 / 134.5 / 130.1 on the
+# large shapes, 17.9 against 23.5 on 6144x2048; slower on 2048x6144 (the tuner chooses).
+_WGDS = {"kernel": "wgds", "BM": 128, "BN": 64, "BKB": 8, "stages": 4, "astages": 4, "dstages": 2, "parts": 2}
 
 
 def _wgws_configs(m: int, n: int) -> list[dict]:
@@ -256,9 +263,12 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
             out = new + [c for c in out if c["kernel"] != "mma"]
         else:
             out += new[:max(1, MAX_CONFIGS - len(out))]
-    # SM90, M > 128: the warp-specialized Gluon kernel first (its TMA needs 16-byte weight rows: K % 32 == 0)
+    # SM90, M > 128: the warp-specialized Gluon kernel first (its TMA needs 16-byte weight rows: K % 32 == 0); from
+    # M = 65, wgds after the first wmma tile (N % 32 == 0: its boxes take rows the way the scales are stored)
     if m > 128 and k % 32 == 0 and _gluon_ok(device):
         out = (_wgws_configs(m, n) + out)[:MAX_CONFIGS]
+    elif m > 64 and n % 32 == 0 and k % 32 == 0 and _gluon_ok(device):
+        out = (out[:1] + [_WGDS, dict(_WGDS, persist=True)] + out[1:])[:MAX_CONFIGS]
     return out
 
 
@@ -292,13 +302,13 @@ def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
         raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned {'a' if swap else 'b'}; got "
                          f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from configs_for()")
+    cb = _cdiv(kb, 4)
+    nx, ny = x.shape[0], y.shape[0]
+    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
     from . import _gluon
     from .launch import tma_desc
 
-    cb = _cdiv(kb, 4)
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
-    nx, ny = x.shape[0], y.shape[0]
-    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
     x_layout, y_layout = _gluon.layouts(bn, bm, bkb)
     x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), x_layout)
     y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16), y_layout)
@@ -324,6 +334,26 @@ def _gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, 
     _gvws.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device))
 
 
+def _wgds(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
+          out: torch.Tensor, config: dict, pdl: dict) -> None:
+    """``wgds`` (``_wgds.py``, SM90), after the checks of its rings and TMA boxes."""
+    n, kb = b.shape[0], b.shape[1] // 8
+    rings = {key: int(config.get(key, 0)) for key in ("stages", "astages", "dstages")}
+    parts, bn = int(config.get("parts", 0)), int(config.get("BN", 0))
+    # a ring of one slot deadlocks (the MMA frees a step's slots after issuing the next); a decode partition runs
+    # `parts` steps ahead; BN 128 with two partitions of 8 decode warps failed to compile (too few registers)
+    if parts not in (1, 2) or min(rings.values()) < max(2, parts) or bn != 64:
+        raise ValueError(f"fused_mm: wgds needs BN 64, parts 1 or 2 and rings of >= max(2, parts) slots; got "
+                         f"BN={bn}, parts={parts}, {rings}")
+    if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
+        raise ValueError(f"fused_mm: wgds needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and b_scale; got "
+                         f"N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
+                         f"{(b.data_ptr() % 16, sb.data_ptr() % 16)}. Use another config from configs_for()")
+    from . import _wgds
+
+    _wgds.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device), pdl)
+
+
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
     """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton or Gluon kernel (``wmma`` with APRE and ``wgws``: two,
@@ -331,9 +361,9 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
-    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma", "wgws", "gvws"):
-        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws' or 'gvws'; got "
-                         f"{config.get('kernel')!r}. Use a config from configs_for()")
+    if config.get("kernel") not in ("gemv", "gemv2", "mma", "wmma", "wgws", "wgds", "gvws"):
+        raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws', 'wgds' or "
+                         f"'gvws'; got {config.get('kernel')!r}. Use a config from configs_for()")
     if config["kernel"] == "gvws":
         _gvws(a, b, a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, out, config)
         return out
@@ -351,10 +381,12 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     sb = b_scale.view(torch.uint8)
     warps = int(config.get("warps", DEFAULT_WARPS))
     pdl = _pdl(out.device, config)
-    if config["kernel"] in ("gemv2", "wmma", "wgws") and bkb % 4:
+    if config["kernel"] in ("gemv2", "wmma", "wgws", "wgds") and bkb % 4:
         raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
     if config["kernel"] == "wgws":
         _wgws(a, b, sa, sb, alpha, out, config, pdl)
+    elif config["kernel"] == "wgds":
+        _wgds(a, b, sa, sb, alpha, out, config, pdl)
     elif config["kernel"] == "wmma":
         from . import _wmma
 

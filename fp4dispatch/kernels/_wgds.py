@@ -1,0 +1,226 @@
+"""``wgds``: the NVFP4 GEMM for SM90 in Gluon with the decode in warps of its own; host side: :func:`run` (called by
+``fused.fused_mm``). Only imported where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
+
+``wgws`` (``_gluon.py``) decodes the weight straight into the register operand of its wgmma, in the warps that issue
+it: a lone warpgroup then alternates decode and MMA (M = 128: ~1400 cycles per K step of 64x128x128 against ~512 of
+tensor work, H200, ninth session), and two consumer warpgroups pass Triton 3.6's partition barrier together every
+step. Here each partition does one thing:
+- two TMA warps stream, each into its own ring, the weight words with their block scales (STAGES slots) and the
+  pre-decoded activation (``fused.predecode``; ASTAGES slots);
+- PARTS partitions of BN / 16 decode warps take turns by step: they turn a slot's words into fp16 weight values
+  (``_gluon``'s decode and K order) and store them into a DSTAGES-deep ring of wgmma operand tiles in shared memory;
+- the default warpgroup only waits and issues async wgmma with both operands in shared memory, one group in flight,
+  frees a step's activation and decoded slots once its group is done, and writes the tile (``_gluon.epilogue``).
+Both operands are in shared memory, so no later step can overwrite an operand in flight (``_gluon``'s
+two-steps-per-pass rule does not apply). The decoded tile's stores are fenced (generic -> async proxy) before the
+arrive that hands it to the wgmma; the same fence orders the word reads before their slot is freed. The scales come by
+TMA too: the fence waits for the loads in flight, and a first version that read them with plain loads one step ahead
+waited for them every step (with that and two other changes, 8192² at M = 128 went from 55 to 44 us on the H200).
+
+H200 (benchmarks/RESULTS.md, twelfth session): at M = 128 1.09x cuBLAS bf16 on 8192² where ``wmma`` made 0.97x, and
+0.80x on 6144x2048; not faster than ``wmma`` at M = 16. ncu: no unit busy, the partitions wait on each other through
+the rings (notes_hopper.md v16).
+
+Rows are taken the way the scales are stored (as ``gvws``, ``_gvws.py``): a tile is R = BN / 4 rows ``i0..i0+R`` of
+each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view (g, j, 4i + q).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from ._gluon import _dec16, _first_tile, epilogue, layouts, raw_layout
+from ._gvws import plain
+from .launch import launch, tma_desc
+
+
+@triton.constexpr_function
+def scale_layout(bn: int, bkb: int) -> gl.DistributedLinearLayout:
+    """The layout of a step's scale bytes as [4, R, BKB/4, 4] (q, i, j, b) that reshaped to [BN, BKB] (rows q*R + i,
+    blocks 4j + b) is ``raw_layout`` of the words, so each thread gets its words' scales with no data movement."""
+    bn, bkb = (getattr(v, "value", v) for v in (bn, bkb))
+    r, raw = bn // 4, raw_layout(bkb, bn // 16)
+
+    def to4(base):
+        return [base[0] // r, base[0] % r, base[1] // 4, base[1] % 4]
+    return gl.DistributedLinearLayout(reg_bases=[to4(b) for b in raw.reg_bases],
+                                      lane_bases=[to4(b) for b in raw.lane_bases],
+                                      warp_bases=[to4(b) for b in raw.warp_bases], block_bases=[],
+                                      shape=[4, r, bkb // 4, 4])
+
+
+@gluon.jit
+def _tile_rows(tile, NT, BN: gl.constexpr):
+    """(g, i0) of the tile's rows: R = BN / 4 rows from i0 of each quarter of 128-row group g."""
+    u = tile % NT
+    return u // (128 // BN), (u % (128 // BN)) * (BN // 4)
+
+
+@gluon.jit
+def _load_w(x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS):
+    """TMA loads of the weight words and scales of this CTA's tiles, step after step, into their ring."""
+    STAGES: gl.constexpr = w_s.type.shape[0]
+    R: gl.constexpr = w_s.type.shape[2]
+    BKB: gl.constexpr = w_s.type.shape[3]
+    lo = _first_tile(gl.program_id(0), TILES)
+    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+        g, i0 = _tile_rows(lo + j // STEPS, NT, 4 * R)
+        kb = (j % STEPS) * BKB
+        s = j % STAGES
+        mbarrier.wait(wempty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier: the first pass does not wait
+        mbarrier.expect(wready.index(s), 4 * R * BKB * 9)
+        tma.async_copy_global_to_shared(x_desc, [4 * g, i0, kb], wready.index(s), w_s.index(s))
+        tma.async_copy_global_to_shared(s_desc, [g, kb // 4, 4 * i0], wready.index(s), s_s.index(s))
+
+
+@gluon.jit
+def _load_a(y_desc, a_s, aready, aempty, TILES, NT, STEPS):
+    """TMA loads of the pre-decoded activation of this CTA's tiles into its own ring: from L2 (every N tile reads it),
+    so it needs fewer slots ahead than the weight from DRAM, and each of its slots holds about 7 weight slots' bytes
+    at BM 128."""
+    STAGES: gl.constexpr = a_s.type.shape[0]
+    BM: gl.constexpr = a_s.type.shape[1]
+    BK: gl.constexpr = a_s.type.shape[2]
+    lo = _first_tile(gl.program_id(0), TILES)
+    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+        s = j % STAGES
+        mbarrier.wait(aempty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(aready.index(s), BM * BK * 2)
+        tma.async_copy_global_to_shared(y_desc, [((lo + j // STEPS) // NT) * BM, (j % STEPS) * BK], aready.index(s),
+                                        a_s.index(s))
+
+
+@gluon.jit
+def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, PART, PARTS):
+    """Every PARTS-th step from PART: the slot's words and scales -> fp16 operand tile in the step's ``d_s`` buffer.
+    Each decode partition is one dependent chain per warp (wait, read, decode, store, fence, arrive); PARTS of them
+    overlap (2 were 3-6 % faster than 1 at M = 128 on the H200). A partition is at most PARTS steps ahead of the last
+    one it freed, so rings of >= PARTS slots keep every barrier within one phase of its waiters."""
+    STAGES: gl.constexpr = w_s.type.shape[0]
+    R: gl.constexpr = w_s.type.shape[2]
+    BKB: gl.constexpr = w_s.type.shape[3]
+    DSTAGES: gl.constexpr = d_s.type.shape[0]
+    RAW: gl.constexpr = raw_layout(BKB, R // 4)
+    SL: gl.constexpr = scale_layout(4 * R, BKB)
+    words = w_s._reinterpret(gl.int64, [STAGES, 4 * R, BKB], plain(2))
+    scales = s_s._reinterpret(gl.uint8, [STAGES, BKB // 4, R, 4, 4], plain(4))  # (j, i, q, b)
+    lo = _first_tile(gl.program_id(0), TILES)
+    for it in range(PART, (_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS, PARTS):
+        s = it % STAGES
+        d = it % DSTAGES
+        mbarrier.wait(wready.index(s), (it // STAGES) & 1)
+        sc = gl.reshape(scales.index(s).permute((2, 1, 0, 3)).load(SL), [4 * R, BKB])
+        w = _dec16(words.index(s).load(RAW), gl.convert_layout(sc, RAW, assert_trivial=True), BKB, True, True)
+        mbarrier.wait(dempty.index(d), ((it // DSTAGES) & 1) ^ 1)
+        d_s.index(d).store(w)
+        fence_async_shared()  # also completes the word and scale reads before the slot is freed
+        mbarrier.arrive(dready.index(d))
+        mbarrier.arrive(wempty.index(s))
+
+
+@gluon.jit
+def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS):
+    """For each tile: acc [BN, BM] = W @ A.T with one wgmma group in flight; a step's two operand buffers are freed
+    once its group is done; then the epilogue (the other partitions run on into the next tile). (Two groups in flight,
+    with rings one slot deeper, were slower on the H200: twelfth session.)"""
+    STAGES: gl.constexpr = a_s.type.shape[0]
+    BM: gl.constexpr = a_s.type.shape[1]
+    DSTAGES: gl.constexpr = d_s.type.shape[0]
+    BN: gl.constexpr = d_s.type.shape[1]
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    lo = _first_tile(gl.program_id(0), TILES)
+    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
+        j = (tile - lo) * STEPS
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
+        for ks in range(STEPS):
+            it = j + ks
+            mbarrier.wait(aready.index(it % STAGES), (it // STAGES) & 1)
+            mbarrier.wait(dready.index(it % DSTAGES), (it // DSTAGES) & 1)
+            acc = warpgroup_mma(d_s.index(it % DSTAGES), a_s.index(it % STAGES).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            mbarrier.arrive(aempty.index((it + STAGES - 1) % STAGES), pred=ks > 0)  # step it - 1 is done
+            mbarrier.arrive(dempty.index((it + DSTAGES - 1) % DSTAGES), pred=ks > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(aempty.index((j + STEPS - 1) % STAGES))
+        mbarrier.arrive(dempty.index((j + STEPS - 1) % DSTAGES))
+        g, i0 = _tile_rows(tile, NT, BN)
+        epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4)
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr):
+    """The ready and empty barriers of a ring of n slots."""
+    ready = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, M, N, NT, TILES, STEPS, BN: gl.constexpr,
+                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
+                DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
+    """out [M, N] = alpha * A @ W.T over TILES tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, shared
+    out in order (``_first_tile``): W's words and block scales by ``x_desc`` and ``s_desc`` (views: :func:`run`) into
+    a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into one of DSTAGES.
+    Partitions: the MMA warpgroup (default), a TMA warp per ring, PARTS (1 or 2) partitions of BN / 16 decode warps
+    of DREGS registers taking turns by step."""
+    w_s = gl.allocate_shared_memory(gl.int64, [STAGES, 4, BN // 4, BKB], x_desc.layout)
+    s_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BKB // 4, BN], s_desc.layout)
+    a_s = gl.allocate_shared_memory(gl.float16, [ASTAGES, BM, BKB * 16], y_desc.layout)
+    d_s = gl.allocate_shared_memory(gl.float16, [DSTAGES, BN, BKB * 16],
+                                    gl.NVMMASharedLayout.get_default_for([BN, BKB * 16], gl.float16))
+    wready, wempty = _barriers(STAGES)
+    aready, aempty = _barriers(ASTAGES)
+    dready, dempty = _barriers(DSTAGES)
+    # (the partitions are spelled out per branch: jit code cannot hold a function in a tuple variable)
+    if PARTS == 1:
+        gl.warp_specialize([
+            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS)),
+            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS)),
+            (_load_a, (y_desc, a_s, aready, aempty, TILES, NT, STEPS)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 0, 1))],
+            [1, 1, BN // 16], [40, 40, DREGS])
+    else:
+        gl.warp_specialize([
+            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS)),
+            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS)),
+            (_load_a, (y_desc, a_s, aready, aempty, TILES, NT, STEPS)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 0, 2)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 1, 2))],
+            [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
+
+
+def _nv(bits: int, rank: int) -> gl.NVMMASharedLayout:
+    # unswizzled: the decode warps read the boxes through reshaped views, which a swizzle would break
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)
+
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        config: dict, sms: int, pdl: dict) -> None:
+    """Decode the activation once (``fused.predecode``), then launch ``wgds_kernel`` for ``config`` (BM, BN 64, BKB;
+    stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; persist: one CTA per SM, else
+    one per tile) over the weight's words as int64 (N/32, 32, KB) and its swizzled scale bytes as
+    ``_gvws.descriptors`` views them; on operands checked by ``fused._wgds``."""
+    from .fused import predecode
+
+    bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
+    (m, k2), n = a.shape, b.shape[0]
+    kb, cb = k2 // 8, -(-k2 // 32)
+    ad = predecode(a.view(torch.int64), sa, m, kb, cb, True, CVT=True, **pdl)
+    x_desc = tma_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, bn // 4, bkb), _nv(64, 3))
+    s_desc = tma_desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
+                      (1, bkb // 4, bn), _nv(32, 3))
+    y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
+    nt, steps = -(-n // 128) * (128 // bn), -(-kb // bkb)
+    tiles = nt * -(-m // bm)
+    launch(wgds_kernel, (min(tiles, sms) if config.get("persist") else tiles,), x_desc, s_desc, y_desc, alpha, out, m,
+           n, nt, tiles, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]), ASTAGES=int(config["astages"]),
+           DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)), PARTS=int(config["parts"]),
+           num_warps=4)
