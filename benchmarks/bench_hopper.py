@@ -101,6 +101,41 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - ref).norm() / ref.norm())
 
 
+def cublas_bf16_graph_ms(m: int, n: int, k: int) -> float:
+    """Graph ms of cuBLAS bf16 ``A @ W.T`` on random [m, k] and [n, k] operands: the baseline of the ratios."""
+    wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return graph_ms(lambda: torch.mm(wa, wb.t()))
+
+
+def check_configs(named: list, shapes, run) -> list:
+    """Exactness against the float64 reference of every (key, config) in ``named`` on each (m, n, k) of ``shapes``,
+    fp32 and bf16 out, fresh operands per shape and dtype, NaN-filled out; ``run(ops, config)`` returns out. Prints
+    each failure and the worst error per key; a config that raises (e.g. out of shared memory) is reported and
+    dropped. Returns the (key, config) pairs that ran."""
+    worst, named = {}, list(named)
+    for m, n, k in shapes:
+        for dt in (torch.float32, torch.bfloat16):
+            ops = rand_operands(m, n, k, seed=11, out_dtype=dt, scale_lo=0x01, scale_hi=0x50)
+            ref = ref64(ops, m, n, k)
+            for key, cfg in list(named):
+                ops.out.fill_(float("nan"))
+                try:
+                    o = run(ops, cfg)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - reported and dropped, the rest still run
+                    print(f"DROP {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    named.remove((key, cfg))
+                    continue
+                e = rel_err(o, ref)
+                worst[(str(dt)[6:], *key)] = max(worst.get((str(dt)[6:], *key), 0.0), e)
+                if not e <= (1e-5 if dt == torch.float32 else 4e-3):
+                    print(f"FAIL m={m} n={n} k={k} {key} {dt}: rel err {e:.3g}", flush=True)
+    for key, e in sorted(worst.items()):
+        print(f"check worst {key}: {e:.3g}", flush=True)
+    return named
+
+
 def extra_fused_configs(m: int) -> list[dict]:
     """Variants beyond configs_for, to learn which shapes of tile/split pay off."""
     if m <= 8:
