@@ -505,7 +505,8 @@ def test_wgds_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
 
 
 def test_wgds_refuses_rings_that_deadlock_and_what_tma_cannot_describe():
-    from fp4dispatch.kernels.fused import _WGDS, _wgds
+    from fp4dispatch.kernels.fused import _WGDS
+    from fp4dispatch.kernels.gluon_host import run_wgds as _wgds
 
     a, s = torch.zeros(128, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
     b = torch.zeros(1024, 1024, dtype=torch.uint8)
@@ -525,7 +526,7 @@ def test_wgds_refuses_rings_that_deadlock_and_what_tma_cannot_describe():
 
 
 def test_gvws_refuses_what_tma_cannot_describe():
-    from fp4dispatch.kernels.fused import _gvws
+    from fp4dispatch.kernels.gluon_host import run_gvws as _gvws
 
     cfg = {"kernel": "gvws", "MB": 1, "R": 16, "BW": 32, "stages": 5, "warps": 4, "ctas": 2}
     a, s = torch.zeros(1, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
@@ -566,16 +567,16 @@ def test_wgws_cached_descriptors_describe_what_from_tensor_did(monkeypatch, swap
         pytest.skip(gluon_missing())
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from fp4dispatch.kernels import _gluon, fused
+    from fp4dispatch.kernels import _gluon, gluon_host
 
     m, n, k = 300, 1024, 2048
     yd = torch.zeros(n if swap else m, k // 4, dtype=torch.float16)  # what predecode returns: [rows, K/64 * 64]
-    monkeypatch.setattr(fused, "predecode", lambda *args, **kw: yd)
+    monkeypatch.setattr(gluon_host, "predecode", lambda *args, **kw: yd)
     got = []
-    monkeypatch.setattr(fused, "launch", lambda fn, grid, *args, **kw: got.append(args[:2]))
+    monkeypatch.setattr(gluon_host, "launch", lambda fn, grid, *args, **kw: got.append(args[:2]))
     a, b = torch.zeros(m, k // 2, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8)
     s = torch.zeros(1, dtype=torch.uint8)
-    fused._wgws(a, b, s, s, s, s, {"BM": 256, "BN": 128, "BKB": 4, "stages": 5, "swap": swap}, {})
+    gluon_host.run_wgws(a, b, s, s, s, s, {"BM": 256, "BN": 128, "BKB": 4, "stages": 5, "swap": swap}, {})
     xl, yl = _gluon.layouts(128, 256, 4)
     want = (TensorDescriptor.from_tensor((a if swap else b).view(torch.int64), [128, 4], xl),
             TensorDescriptor.from_tensor(yd, [256, 64], yl))
@@ -601,7 +602,7 @@ def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
 
 
 def test_wgws_refuses_what_tma_cannot_describe():
-    from fp4dispatch.kernels.fused import _wgws
+    from fp4dispatch.kernels.gluon_host import run_wgws as _wgws
 
     a = torch.zeros(4, 8 * 129, dtype=torch.uint8)  # K = 2064: K/16 = 129 words per row, 1032-byte rows
     with pytest.raises(ValueError, match=r"wgws needs K % 32 == 0 and a 16-byte aligned b; got K=2064"):

@@ -253,7 +253,7 @@ def work(n: int, kb: int, r: int, bw: int) -> tuple[int, int]:
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         config: dict, sms: int) -> None:
     """Launch ``gvws_kernel`` for ``config`` (R, BW, MB, stages, warps, ctas: CTAs per SM; DP: ``_dp4``'s products)
-    on checked operands (``fused._gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
+    on checked operands (``gluon_host.run_gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
     r, bw, mb, warps, per_sm = (int(config[key]) for key in ("R", "BW", "MB", "warps", "ctas"))
     m, n = a.shape[0], b.shape[0]
     tiles, steps = work(n, a.shape[1] // 8, r, bw)

@@ -1,5 +1,5 @@
 """``wgds``: the NVFP4 GEMM for SM90 in Gluon with the decode in warps of its own; host side: :func:`run` (called by
-``fused.fused_mm``). Only imported where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
+``gluon_host.run_wgds``). Only imported where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
 
 ``wgws`` (``_gluon.py``) decodes the weight straight into the register operand of its wgmma, in the warps that issue
 it: a lone warpgroup then alternates decode and MMA (M = 128: ~1400 cycles per K step of 64x128x128 against ~512 of
@@ -207,7 +207,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     """Decode the activation once (``fused.predecode``), then launch ``wgds_kernel`` for ``config`` (BM, BN 64, BKB;
     stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; persist: one CTA per SM, else
     one per tile) over the weight's words as int64 (N/32, 32, KB) and its swizzled scale bytes as
-    ``_gvws.descriptors`` views them; on operands checked by ``fused._wgds``."""
+    ``_gvws.descriptors`` views them; on operands checked by ``gluon_host.run_wgds``."""
     from .fused import predecode
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))

@@ -1,6 +1,7 @@
-"""Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists.
+"""Host side of the fused NVFP4 x NVFP4 Triton kernels: launch wrappers and the per-problem config lists (the Gluon
+kernels' launches: ``gluon_host.py``).
 
-Six kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
+Seven kernels: ``gemv2`` (``_fused.py``: CUDA-core GEMV over int64 words = whole 16-blocks, any M in MB-row tiles;
 with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick before SM90 and on the H200's small shapes), ``gvws``
 (``_gvws.py``: the same products in a warp-specialized Gluon GEMV fed by TMA, SM90 with Triton 3.6, M <= 2; the
 H200's pick at M <= 2 on the large shapes), ``wmma`` (``_wmma.py``: tensor-core tiles with the weight as the register
@@ -8,7 +9,8 @@ operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A 
 go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV, M <= MB), ``mma`` (bf16 tensor-core
 tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s tiles as a warp-specialized Gluon
 kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from M = 1024; plain, persistent or with
-the operands' roles swapped). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
+the operands' roles swapped) and ``wgds`` (``_wgds.py``: the weight decoded by warps of their own into shared memory,
+one warpgroup issuing the wgmma; SM90 with Triton 3.6, 64 < M <= 128). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
 the Gluon ones support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``);
 ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a
 JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
@@ -291,69 +293,6 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm
     return ad
 
 
-def _wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
-          out: torch.Tensor, config: dict, pdl: dict) -> None:
-    """``wgws`` (``_gluon.py``, SM90): one operand decoded once to fp16 (wmma's APRE step), then one launch over TMA
-    descriptors of the other's words and the decoded one. The decoded one is A, or with ``swap`` the weight (out =
-    A @ W.T tile by tile: fewer values to decode where M > N)."""
-    kb = a.shape[1] // 8
-    swap = bool(config.get("swap"))
-    x, sx, y, sy = (a, sa, b, sb) if swap else (b, sb, a, sa)  # x: decoded in registers, y: decoded first
-    if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
-        raise ValueError(f"fused_mm: wgws needs K % 32 == 0 and a 16-byte aligned {'a' if swap else 'b'}; got "
-                         f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from configs_for()")
-    cb = _cdiv(kb, 4)
-    nx, ny = x.shape[0], y.shape[0]
-    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl)
-    from . import _gluon
-    from .launch import tma_desc
-
-    bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
-    x_layout, y_layout = _gluon.layouts(bn, bm, bkb)
-    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), x_layout)
-    y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16), y_layout)
-    nt, steps = _cdiv(nx, bn), _cdiv(kb, bkb)
-    tiles = nt * _cdiv(ny, bm)
-    # persist: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on across
-    # a tile's epilogue; else one CTA per tile
-    ctas = min(tiles, _num_sms(out.device)) if config.get("persist") else tiles
-    launch(_gluon.wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cb, nt, tiles, steps, BN=bn,
-           BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16)
-
-
-def _gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
-          out: torch.Tensor, config: dict) -> None:
-    """``gvws`` (``_gvws.py``, SM90, M <= MB <= 2), after the checks its TMA boxes need."""
-    m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
-    if m > int(config["MB"]) or n % 32 or kb % 2 or any(t.data_ptr() % 16 for t in (a, b, sa, sb)):
-        raise ValueError(f"fused_mm: gvws needs M <= MB, N % 32 == 0, K % 32 == 0 and 16-byte aligned operands; got "
-                         f"M={m}, MB={config['MB']}, N={n}, K={kb * 16}, data_ptr() % 16 of (a, b, a_scale, b_scale) = "
-                         f"{tuple(t.data_ptr() % 16 for t in (a, b, sa, sb))}. Use another config from configs_for()")
-    from . import _gvws
-
-    _gvws.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device))
-
-
-def _wgds(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
-          out: torch.Tensor, config: dict, pdl: dict) -> None:
-    """``wgds`` (``_wgds.py``, SM90), after the checks of its rings and TMA boxes."""
-    n, kb = b.shape[0], b.shape[1] // 8
-    rings = {key: int(config.get(key, 0)) for key in ("stages", "astages", "dstages")}
-    parts, bn = int(config.get("parts", 0)), int(config.get("BN", 0))
-    # a ring of one slot deadlocks (the MMA frees a step's slots after issuing the next); a decode partition runs
-    # `parts` steps ahead; BN 128 with two partitions of 8 decode warps failed to compile (too few registers)
-    if parts not in (1, 2) or min(rings.values()) < max(2, parts) or bn != 64:
-        raise ValueError(f"fused_mm: wgds needs BN 64, parts 1 or 2 and rings of >= max(2, parts) slots; got "
-                         f"BN={bn}, parts={parts}, {rings}")
-    if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
-        raise ValueError(f"fused_mm: wgds needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and b_scale; got "
-                         f"N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
-                         f"{(b.data_ptr() % 16, sb.data_ptr() % 16)}. Use another config from configs_for()")
-    from . import _wgds
-
-    _wgds.run(a, b, sa, sb, alpha, out, config, _num_sms(out.device), pdl)
-
-
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
     """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton or Gluon kernel (``wmma`` with APRE and ``wgws``: two,
@@ -365,7 +304,9 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         raise ValueError(f"fused_mm: config['kernel'] must be 'gemv', 'gemv2', 'mma', 'wmma', 'wgws', 'wgds' or "
                          f"'gvws'; got {config.get('kernel')!r}. Use a config from configs_for()")
     if config["kernel"] == "gvws":
-        _gvws(a, b, a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, out, config)
+        from .gluon_host import run_gvws
+
+        run_gvws(a, b, a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, out, config)
         return out
     from . import _fused as kf
 
@@ -384,9 +325,13 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     if config["kernel"] in ("gemv2", "wmma", "wgws", "wgds") and bkb % 4:
         raise ValueError(f"fused_mm: {config['kernel']} needs BKB % 4 == 0 (whole swizzled scale groups); got {bkb}")
     if config["kernel"] == "wgws":
-        _wgws(a, b, sa, sb, alpha, out, config, pdl)
+        from .gluon_host import run_wgws
+
+        run_wgws(a, b, sa, sb, alpha, out, config, pdl)
     elif config["kernel"] == "wgds":
-        _wgds(a, b, sa, sb, alpha, out, config, pdl)
+        from .gluon_host import run_wgds
+
+        run_wgds(a, b, sa, sb, alpha, out, config, pdl)
     elif config["kernel"] == "wmma":
         from . import _wmma
 
