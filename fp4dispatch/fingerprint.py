@@ -7,12 +7,13 @@ import os
 import platform
 from functools import lru_cache
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
 from .config import RELEVANT_ENV
 
-__all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff"]
+__all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff", "source_hash"]
 
 _LIBS = ("torch", "triton", "flashinfer-python", "sgl-kernel", "sglang-kernel", "nvidia-cudnn-frontend", "fp4dispatch")
 
@@ -38,8 +39,24 @@ def _driver_version() -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def source_hash(root: str | None = None) -> str | None:
+    """16 hex digits of sha256 over the package's Python sources (``root``: this package): its kernels, config lists
+    and checks change which config works or wins, and the version string is not bumped for each change (a new
+    candidate would otherwise never be tried on keys decided before it). None where no source file is found."""
+    base = Path(root) if root else Path(__file__).resolve().parent
+    files = sorted(base.rglob("*.py"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def device_fingerprint(device: torch.device) -> dict:
-    """A JSON-able dict naming the device, its driver/CUDA, library versions and relevant env."""
+    """A JSON-able dict naming the device, its driver/CUDA, library versions, this package's source and relevant
+    env."""
     fp: dict = {"device_type": device.type}
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -58,6 +75,7 @@ def device_fingerprint(device: torch.device) -> dict:
     libs = {name: _version(name) for name in _LIBS}
     libs["fp4dispatch"] = __version__
     fp["libs"] = libs
+    fp["source"] = source_hash()
     fp["env"] = {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ}
     return fp
 

@@ -49,6 +49,24 @@ def test_corrupt_cache_warns_once_and_is_rebuilt(tmp_path, kind, caplog):
     assert set(data["decisions"]) == {"m1-n2-k16-bfloat16", "m2-n2-k16-bfloat16"}
 
 
+def test_source_hash_names_the_package_code(tmp_path):
+    from fp4dispatch.fingerprint import source_hash
+
+    def tree(name: str, files: dict) -> str:
+        for rel, text in files.items():
+            (tmp_path / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / rel).write_text(text)
+        return str(tmp_path / name)
+    base = {"x.py": "A = 1\n", "kernels/y.py": "TILES = (64, 128)\n", "notes.txt": "not code"}
+    h = source_hash(tree("a", base))
+    assert len(h) == 16 and h == source_hash(tree("b", base))  # content and paths, not where the package lies
+    assert source_hash(tree("c", dict(base, **{"kernels/y.py": "TILES = (64, 256)\n"}))) != h
+    assert source_hash(tree("d", {"x.py": "A = 1\n", "kernels/z.py": "TILES = (64, 128)\n"})) != h
+    assert source_hash(tree("e", dict(base, **{"notes.txt": "edited"}))) == h  # only Python sources count
+    assert source_hash(tree("f", {"README": "no code"})) is None
+    assert device_fingerprint(torch.device("cpu"))["source"] == source_hash()
+
+
 def test_dispatcher_survives_corrupt_file(tmp_path):
     cdir = tmp_path / "c"
     cdir.mkdir()

@@ -119,6 +119,19 @@ def test_fingerprint_change_reprobes(tmp_path, monkeypatch):
     assert len(list((tmp_path / "c").glob("decisions-*.json"))) == 2
 
 
+def test_changed_library_source_retunes(tmp_path, monkeypatch):
+    """A new kernel or config list in fp4dispatch itself (same version string) starts a new cache file, so keys decided
+    before are tuned again with the new candidates."""
+    from fp4dispatch import fingerprint
+
+    _call(_disp([FakeBackend("x")], tmp_path), 4)
+    monkeypatch.setattr(fingerprint, "source_hash", lambda root=None: "0123456789abcdef")
+    fresh = FakeBackend("x")
+    _call(_disp([fresh], tmp_path), 4)
+    assert fresh.calls > 1  # probed and tuned again
+    assert len(list((tmp_path / "c").glob("decisions-*.json"))) == 2
+
+
 def test_runtime_fault_falls_back_and_blacklists(tmp_path, caplog):
     flaky = FakeBackend("flaky", cost=1e-6, fail_after=6)
     safe = FakeBackend("safe", cost=1e-3)
