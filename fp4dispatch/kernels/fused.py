@@ -7,14 +7,14 @@ with ``H2`` the products are fp16x2 FMAs; the M <= 2 pick before SM90 and on the
 H200's pick at M <= 2 on the large shapes), ``wmma`` (``_wmma.py``: tensor-core tiles with the weight as the register
 operand, SM89+; the pick from M = 3 to ~M = 512 on the H200; ``APRE`` decodes A once in a small kernel first; nibbles
 go through the e4m3x2 -> f16x2 conversion), ``gemv`` (the older byte-wise GEMV, M <= MB), ``mma`` (bf16 tensor-core
-tiles, any M; the fallback before SM89) and ``wgws`` (``_gluon.py``: ``wmma``'s tiles as a warp-specialized Gluon
+tiles, any M; the fallback before SM89), ``wgws`` (``_gluon.py``: ``wmma``'s tiles as a warp-specialized Gluon
 kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from M = 1024; plain, persistent or with
 the operands' roles swapped) and ``wgds`` (``_wgds.py``: the weight decoded by warps of their own into shared memory,
-one warpgroup issuing the wgmma; SM90 with Triton 3.6, 64 < M <= 128). All take canonical operands (uint8 [rows, K/2], 128x4-swizzled e4m3 scales); all but
-the Gluon ones support split-K in the same launch (the last CTA of a tile sums the fp32 partials: ``splitk.py``);
-``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same share of all tiles' K steps). A config is a
-JSON-able dict; ``configs_for`` keeps the list short per M so that tuning one key costs well under a few seconds on a
-GPU.
+one warpgroup issuing the wgmma; SM90 with Triton 3.6, 64 < M <= 128). All take canonical operands (uint8
+[rows, K/2], 128x4-swizzled e4m3 scales); all but the Gluon ones support split-K in the same launch (the last CTA of
+a tile sums the fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same
+share of all tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning
+one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
@@ -295,8 +295,8 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm
 
 def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
              out: torch.Tensor, config: dict) -> torch.Tensor:
-    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton or Gluon kernel (``wmma`` with APRE and ``wgws``: two,
-    the first decoding one operand).
+    """``out = alpha * dequant(a) @ dequant(b).T`` with one Triton or Gluon kernel (``wmma`` with APRE, ``wgws`` and
+    ``wgds``: two, the first decoding one operand).
 
     Args: canonical operands (see ``problem.Operands``); ``config`` from :func:`configs_for`.
     """
