@@ -511,7 +511,8 @@ def test_wgds_refuses_rings_that_deadlock_and_what_tma_cannot_describe():
     a, s = torch.zeros(128, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
     b = torch.zeros(1024, 1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"wgds needs BN 64, parts 1 or 2 and rings of >= max\(2, parts\) "
-                                         r"slots; got BN=64, parts=2, \{'stages': 4, 'astages': 4, 'dstages': 1\}"):
+                                         r"slots; got BN=64, parts=2, \{'stages': 4, 'astages': 4, 'dstages': 1\}\. "
+                                         r"Use a config from configs_for\(\)"):
         _wgds(a, b, s, s, s, s, dict(_WGDS, dstages=1), {})
     with pytest.raises(ValueError, match=r"got BN=128, parts=2"):
         _wgds(a, b, s, s, s, s, dict(_WGDS, BN=128), {})

@@ -63,7 +63,7 @@ def run_wgds(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     # `parts` steps ahead; BN 128 with two partitions of 8 decode warps failed to compile (too few registers)
     if parts not in (1, 2) or min(rings.values()) < max(2, parts) or bn != 64:
         raise ValueError(f"fused_mm: wgds needs BN 64, parts 1 or 2 and rings of >= max(2, parts) slots; got "
-                         f"BN={bn}, parts={parts}, {rings}")
+                         f"BN={bn}, parts={parts}, {rings}. Use a config from configs_for()")
     if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
         raise ValueError(f"fused_mm: wgds needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and b_scale; got "
                          f"N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
