@@ -28,10 +28,12 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int = 4, DSTAGE
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from fp4dispatch.kernels._wgds import _nv, wgds_kernel
+    from fp4dispatch.kernels._gvws import _layouts
+    from fp4dispatch.kernels._wgds import wgds_kernel
     _, ad = desc_types(BN, BM, BKB)
-    xd = TensorDescriptor.from_tensor(torch.zeros(32, 32, 512, dtype=torch.int64), [4, BN // 4, BKB], _nv(64, 3))
-    sd = TensorDescriptor.from_tensor(torch.zeros(8, 128, 128, dtype=torch.int32), [1, BKB // 4, BN], _nv(32, 3))
+    wl, wsl, _, _ = _layouts()
+    xd = TensorDescriptor.from_tensor(torch.zeros(32, 32, 512, dtype=torch.int64), [4, BN // 4, BKB], wl)
+    sd = TensorDescriptor.from_tensor(torch.zeros(8, 128, 128, dtype=torch.int32), [1, BKB // 4, BN], wsl)
     sig = {"x_desc": mangle_type(xd), "s_desc": mangle_type(sd), "y_desc": ad, "alpha_ptr": "*fp32",
            "out_ptr": f"*{out_type}", "M": "i32", "N": "i32", "NT": "i32", "TILES": "i32", "STEPS": "i32"}
     consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "ASTAGES": ASTAGES, "DSTAGES": DSTAGES, "DREGS": DREGS,

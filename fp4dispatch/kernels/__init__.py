@@ -43,15 +43,15 @@ def triton_missing() -> str | None:
     return None
 
 
-GLUON_TRITON = "3.6"  # the Triton release whose Gluon ``_gluon.py`` and ``_gvws.py`` are written for (H200: 3.6.0)
+GLUON_TRITON = "3.6"  # the Triton whose Gluon the kernels of _gluon, _gvws and _wgds are written for (H200: 3.6.0)
 
 
 @functools.cache
 def gluon_missing() -> str | None:
-    """Why the Gluon kernels (``_gluon.py``'s wgws and ``_gvws.py``'s gvws: TMA, mbarriers, async wgmma, warp
-    specialization) cannot be built with this Triton, or None. Gluon is experimental and its API moves between
-    releases, so only the release the kernels were written for and measured with counts (Triton 3.9, for one, refuses
-    64-bit TMA descriptors)."""
+    """Why the Gluon kernels (``_gluon.py``'s wgws, ``_wgds.py``'s wgds and ``_gvws.py``'s gvws: TMA, mbarriers,
+    async wgmma, warp specialization) cannot be built with this Triton, or None. Gluon is experimental and its API
+    moves between releases, so only the release the kernels were written for and measured with counts (Triton 3.9,
+    for one, refuses 64-bit TMA descriptors)."""
     try:
         import triton
 

@@ -226,20 +226,29 @@ def _layouts() -> tuple:
     return nv(64, 3), nv(32, 3), nv(64, 2), nv(32, 3)
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, R: int, BW: int,
-                MB: int) -> tuple:
-    """The four TMA descriptors of ``gvws_kernel`` (cached: ``launch.tma_desc``) over contiguous canonical operands
-    (uint8 data, swizzled scale bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned: the caller checks):
-    - weight words: int64 (N/32, 32, KB);
-    - weight scales: int32 (g, j, 4i + q), the 4 bytes of row g*128 + q*32 + i and blocks 4j..4j+3, so a box of
-      consecutive i is one contiguous run of 16 bytes per i;
-    - activation words: int64 [M, KB]; activation scales: as the weight's."""
-    n, kb, m = b.shape[0], b.shape[1] // 8, a.shape[0]
+def weight_descriptors(b: torch.Tensor, sb: torch.Tensor, R: int, BW: int) -> tuple:
+    """The TMA descriptors (cached: ``launch.tma_desc``) of a tile of R rows of each 32-row quarter and BW 16-blocks,
+    over contiguous canonical operands (uint8 words, swizzled scale bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned:
+    the caller checks); also ``_wgds``'s:
+    - words: int64 (N/32, 32, KB), box [4, R, BW];
+    - scales: int32 (g, j, 4i + q), the 4 bytes of row g*128 + q*32 + i and blocks 4j..4j+3, so a box of consecutive
+      i is one contiguous run of 16 bytes per i; box [1, BW/4, 4R]."""
+    n, kb = b.shape[0], b.shape[1] // 8
     cb = -(-kb // 4)
-    wl, wsl, al, asl = _layouts()
+    wl, wsl, _, _ = _layouts()
     return (tma_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, R, BW), wl),
             tma_desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
-                     (1, BW // 4, 4 * R), wsl),
+                     (1, BW // 4, 4 * R), wsl))
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, R: int, BW: int,
+                MB: int) -> tuple:
+    """The four TMA descriptors of ``gvws_kernel``: the weight's (``weight_descriptors``), then the activation's words
+    as int64 [M, KB] and its scales viewed as the weight's."""
+    kb, m = a.shape[1] // 8, a.shape[0]
+    cb = -(-kb // 4)
+    _, _, al, asl = _layouts()
+    return (*weight_descriptors(b, sb, R, BW),
             tma_desc(a.data_ptr(), torch.int64, (m, kb), (kb, 1), (MB, BW), al),
             tma_desc(sa.data_ptr(), torch.int32, (sa.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
                      (1, BW // 4, 4 * MB), asl))

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ._gluon import _dec16, _first_tile, epilogue, layouts, raw_layout
-from ._gvws import plain
+from ._gvws import plain, weight_descriptors
 from .launch import launch, tma_desc
 
 
@@ -197,26 +197,19 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, M, N, NT, TILES, STE
             [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
 
 
-def _nv(bits: int, rank: int) -> gl.NVMMASharedLayout:
-    # unswizzled: the decode warps read the boxes through reshaped views, which a swizzle would break
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=rank)
-
-
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         config: dict, sms: int, pdl: dict) -> None:
     """Decode the activation once (``fused.predecode``), then launch ``wgds_kernel`` for ``config`` (BM, BN 64, BKB;
     stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; persist: one CTA per SM, else
-    one per tile) over the weight's words as int64 (N/32, 32, KB) and its swizzled scale bytes as
-    ``_gvws.descriptors`` views them; on operands checked by ``gluon_host.run_wgds``."""
+    one per tile) over the weight's words and scales as ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of
+    each quarter, BKB blocks); on operands checked by ``gluon_host.run_wgds``."""
     from .fused import predecode
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
     kb, cb = k2 // 8, -(-k2 // 32)
     ad = predecode(a.view(torch.int64), sa, m, kb, cb, True, CVT=True, **pdl)
-    x_desc = tma_desc(b.data_ptr(), torch.int64, (n // 32, 32, kb), (32 * kb, kb, 1), (4, bn // 4, bkb), _nv(64, 3))
-    s_desc = tma_desc(sb.data_ptr(), torch.int32, (sb.numel() // (512 * cb), cb, 128), (128 * cb, 128, 1),
-                      (1, bkb // 4, bn), _nv(32, 3))
+    x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
     nt, steps = -(-n // 128) * (128 // bn), -(-kb // bkb)
     tiles = nt * -(-m // bm)

@@ -125,7 +125,7 @@ def _wmma_rank(device: torch.device) -> int:
 
 
 def _gluon_ok(device: torch.device) -> bool:
-    """The Gluon kernels (``wgws``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none
+    """The Gluon kernels (``wgws``, ``wgds``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none
     of them), compiled kernels (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what they use."""
     from . import gluon_missing
 

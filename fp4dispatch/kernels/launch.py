@@ -58,7 +58,7 @@ def tma_desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: 
     """A Gluon host TMA descriptor over ``shape``/``strides`` (elements of ``dtype``) at address ``ptr``, with the
     shared-memory ``layout`` of its boxes. Cached by what it describes: the same address and view make the same
     tensor map, whatever tensor lies there now. A view plus ``TensorDescriptor.from_tensor`` cost ~12 us of host time
-    each; the Gluon kernels pass two (wgws) or four (gvws) per call."""
+    each; the Gluon kernels pass two (wgws), three (wgds) or four (gvws) per call."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     return TensorDescriptor(_Address(ptr, dtype), list(shape), list(strides), list(block), layout)
