@@ -504,16 +504,18 @@ def test_wgds_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
     assert not [c for c in fused.configs_for(128, 8192, 8208, cuda) if c["kernel"] == "wgds"]
 
 
-def test_wgds_refuses_rings_that_deadlock_and_what_tma_cannot_describe():
+def test_wgds_refuses_rings_that_deadlock_or_race_and_what_tma_cannot_describe():
     from fp4dispatch.kernels.fused import _WGDS
     from fp4dispatch.kernels.gluon_host import run_wgds as _wgds
 
     a, s = torch.zeros(128, 1024, dtype=torch.uint8), torch.zeros(128, 128, dtype=torch.uint8)
     b = torch.zeros(1024, 1024, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"wgds needs BN 64, parts 1 or 2 and rings of >= max\(2, parts\) "
-                                         r"slots; got BN=64, parts=2, \{'stages': 4, 'astages': 4, 'dstages': 1\}\. "
-                                         r"Use a config from configs_for\(\)"):
+    with pytest.raises(ValueError, match=r"wgds needs BN 64, parts 1 or 2, rings of >= max\(2, parts\) slots and "
+                                         r"stages a multiple of parts; got BN=64, parts=2, \{'stages': 4, 'astages': 4, "
+                                         r"'dstages': 1\}\. Use a config from configs_for\(\)"):
         _wgds(a, b, s, s, s, s, dict(_WGDS, dstages=1), {})
+    with pytest.raises(ValueError, match=r"got BN=64, parts=2, \{'stages': 3, "):  # a weight slot per partition
+        _wgds(a, b, s, s, s, s, dict(_WGDS, stages=3), {})
     with pytest.raises(ValueError, match=r"got BN=128, parts=2"):
         _wgds(a, b, s, s, s, s, dict(_WGDS, BN=128), {})
     with pytest.raises(ValueError, match=r"got BN=64, parts=3"):

@@ -60,10 +60,14 @@ def run_wgds(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     rings = {key: int(config.get(key, 0)) for key in ("stages", "astages", "dstages")}
     parts, bn = int(config.get("parts", 0)), int(config.get("BN", 0))
     # a ring of one slot deadlocks (the MMA frees a step's slots after issuing the next); a decode partition runs
-    # `parts` steps ahead; BN 128 with two partitions of 8 decode warps failed to compile (too few registers)
-    if parts not in (1, 2) or min(rings.values()) < max(2, parts) or bn != 64:
-        raise ValueError(f"fused_mm: wgds needs BN 64, parts 1 or 2 and rings of >= max(2, parts) slots; got "
-                         f"BN={bn}, parts={parts}, {rings}. Use a config from configs_for()")
+    # `parts` steps ahead. A weight slot must go to the same partition every time (stages % parts == 0): a partition
+    # that finds the slot's previous load, another partition's, still in flight passes its phase wait at once (the
+    # parity is the one before), decodes stale words and frees the slot twice (3 stages with 2 partitions: unspecified
+    # launch failure on the H200, thirteenth session). BN 128 with two partitions of 8 decode warps failed to compile
+    # (too few registers)
+    if parts not in (1, 2) or min(rings.values()) < max(2, parts) or rings["stages"] % parts or bn != 64:
+        raise ValueError(f"fused_mm: wgds needs BN 64, parts 1 or 2, rings of >= max(2, parts) slots and stages a "
+                         f"multiple of parts; got BN={bn}, parts={parts}, {rings}. Use a config from configs_for()")
     if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
         raise ValueError(f"fused_mm: wgds needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and b_scale; got "
                          f"N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
