@@ -4,7 +4,7 @@ session; notes_hopper.md v16): exactness, then graph us against the dispatcher's
     # local sm_90a build, no GPU: BN BM BKB STAGES ASTAGES DSTAGES DREGS PARTS
     python3 benchmarks/wgds.py --compile 64 128 8 4 4 2 128 2
     ncu --profile-from-start off -k regex:wgds python3 benchmarks/wgds.py --profile M N K "BN,BM,...,PERSIST"
-    # H200; a config: "BN,BM,BKB,STAGES,ASTAGES,DSTAGES,DREGS,PARTS[,PERSIST]", several joined by ";"
+    # H200; a config: "BN,BM,BKB,STAGES,ASTAGES,DSTAGES,DREGS,PARTS[,PERSIST[,SPLIT]]", several joined by ";"
     python3 benchmarks/wgds.py [--no-check] [--ms 16,128] [--shapes large|small|all] [--n 0,1] [--configs ...]
 """
 from __future__ import annotations
@@ -35,18 +35,19 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int = 4, DSTAGE
     xd = TensorDescriptor.from_tensor(torch.zeros(32, 32, 512, dtype=torch.int64), [4, BN // 4, BKB], wl)
     sd = TensorDescriptor.from_tensor(torch.zeros(8, 128, 128, dtype=torch.int32), [1, BKB // 4, BN], wsl)
     sig = {"x_desc": mangle_type(xd), "s_desc": mangle_type(sd), "y_desc": ad, "alpha_ptr": "*fp32",
-           "out_ptr": f"*{out_type}", "M": "i32", "N": "i32", "NT": "i32", "TILES": "i32", "STEPS": "i32"}
+           "out_ptr": f"*{out_type}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "NT": "i32",
+           "UNITS": "i32", "SPLIT": "i32", "SPS": "i32", "STEPS": "i32"}
     consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "ASTAGES": ASTAGES, "DSTAGES": DSTAGES, "DREGS": DREGS,
               "PARTS": PARTS}
     return build(wgds_kernel, sig, consts, 4, ("out_ptr", "M", "N"), out)
 
 
 def wgds(bn: int, bm: int, bkb: int, stages: int, astages: int = 4, dstages: int = 2, dregs: int = 128,
-         parts: int = 2, persist: int = 0) -> dict:
+         parts: int = 2, persist: int = 0, split: int = 1) -> dict:
     """A ``fused_mm`` config of the library kernel."""
     return {"kernel": "wgds", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages, "astages": astages,
-            "dstages": dstages, "dregs": dregs,
-            "parts": parts, **({"persist": True} if persist else {})}
+            "dstages": dstages, "dregs": dregs, "parts": parts, **({"persist": True} if persist else {}),
+            **({"split": split} if split > 1 else {})}
 
 
 def parse(spec: str) -> list[dict]:
@@ -66,7 +67,7 @@ def check(configs: list[dict]) -> list[dict]:
     steps past K; returns the configs that ran (one over the shared memory is dropped)."""
     from bench_hopper import check_configs
     named = [(tuple(cfg[x] for x in ("BN", "BM", "BKB", "stages", "astages", "dstages", "parts")) +
-              (bool(cfg.get("persist")),), cfg) for cfg in configs]
+              (bool(cfg.get("persist")), cfg.get("split", 1)), cfg) for cfg in configs]
     kept = check_configs(named, ((128, 1024, 4096), (3, 512, 2048), (300, 640, 8192), (130, 768, 1152),
                                  (257, 992, 2080), (16, 1024, 4096)), lambda ops, cfg: runner(ops, cfg)())
     return [cfg for _, cfg in kept]
@@ -94,7 +95,7 @@ def timings(configs: list[dict], shapes, ms) -> None:
             print(f"N={n} K={k} M={m} us: cuBLAS bf16 {cub * 1e3:.1f}; candidates' best {best * 1e3:.1f} "
                   f"({cub / best:.2f}x, {bc['kernel']} {name}); wgds: " + ", ".join(
                       f"{c['BN']}x{c['BM']}/{c['BKB']}/{c['stages']}/{c['astages']}/{c['dstages']}/{c['dregs']}"
-                      f"x{c['parts']}{' p' if c.get('persist') else ''} {t * 1e3:.1f} ({cub / t:.2f}x)"
+                      f"x{c['parts']}{' p' if c.get('persist') else ''}{' s%d' % c['split'] if c.get('split') else ''} {t * 1e3:.1f} ({cub / t:.2f}x)"
                       for t, c in res), flush=True)
 
 

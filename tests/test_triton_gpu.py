@@ -100,13 +100,16 @@ def test_wgws_repeats_through_direct_launch(monkeypatch):
     assert L._fast and [key[0] for key in L._COMPILED].count(id(_gluon.wgws_kernel)) == 1
 
 
-@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"parts": 1}], ids=["tiles", "persist", "one-decoder"])
+@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"parts": 1}, {"split": 6}, {"split": 17, "persist": True}],
+                         ids=["tiles", "persist", "one-decoder", "split", "split-persist"])
 @pytest.mark.parametrize("m", [1, 3, 127, 300])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_wgds_exact(m, out_dtype, variant):
     """The Gluon kernel with the decode in warps of its own (offered at 64 < M <= 128) at every M: K/16 = 130 blocks
     leave half a scale group and a last step past K; N = 992 a partial 128-row group, N = 32 three empty 32-row
-    quarters (zero-filled boxes); M = 300 three tiles along M, and persistent CTAs run several tiles each."""
+    quarters (zero-filled boxes); M = 300 three tiles along M, and persistent CTAs run several tiles each. Split K:
+    17 steps in 6 parts of 3 (the last of 2), or 17 of one step on persistent CTAs; the last part of a tile to finish
+    sums them and leaves the tile's counter at zero for the next launch."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
     from fp4dispatch.kernels.fused import _WGDS, fused_mm
@@ -120,6 +123,9 @@ def test_wgds_exact(m, out_dtype, variant):
         fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, dict(_WGDS, **variant))
         err = _rel(ops.out, _ref64(ops))
         assert err <= TOL[out_dtype], (n, err)
+    if "split" in variant:
+        from fp4dispatch.kernels import splitk
+        assert int(splitk._COUNTERS[splitk._key(torch.device("cuda"), None)].count_nonzero()) == 0
 
 
 def test_wgds_nan_block_scale_propagates():

@@ -504,6 +504,23 @@ def test_wgds_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
     assert not [c for c in fused.configs_for(128, 8192, 8208, cuda) if c["kernel"] == "wgds"]
 
 
+def test_wgds_splits_k_where_its_tiles_leave_sms_idle(monkeypatch):
+    """Fewer tiles than SMs (N <= 2048 at M = 128 on 132 SMs): a split-K wgds comes first among the wgds candidates,
+    in the parts that minimize the busiest SM's K steps plus the partials' cost, one wave of them; else none."""
+    from fp4dispatch.kernels import fused
+
+    cuda = _gluon_gpu(monkeypatch, (9, 0))
+    # (N, K) -> parts: 2048x6144 32 tiles of 48 steps -> 4 parts of 12 (at most 132 // 32); 768x6144 12 tiles -> 4
+    # (12 + 18 against 5 + 36 for 10 parts); 6144x2048 96 tiles: a second wave of parts, none
+    for (n, k), split in {(2048, 6144): 4, (768, 6144): 4, (6144, 2048): 1, (8192, 8192): 1, (28672, 8192): 1}.items():
+        cfgs = fused.configs_for(128, n, k, cuda)
+        want = ([dict(fused._WGDS, split=split)] if split > 1 else []) + [fused._WGDS, dict(fused._WGDS, persist=True)]
+        assert [c for c in cfgs if c["kernel"] == "wgds"] == want, (n, k)
+        assert cfgs[0]["kernel"] == "wmma" and cfgs[1:1 + len(want)] == want and len(cfgs) <= 7
+    assert fused._wgds_split(12, 3, 132) == 1  # parts of >= 2 steps
+    assert fused._wgds_split(12, 96, 132) == 6 and fused._wgds_split(132, 48, 132) == 1
+
+
 def test_wgds_refuses_rings_that_deadlock_or_race_and_what_tma_cannot_describe():
     from fp4dispatch.kernels.fused import _WGDS
     from fp4dispatch.kernels.gluon_host import run_wgds as _wgds

@@ -17,9 +17,13 @@ arrive that hands it to the wgmma; the same fence orders the word reads before t
 TMA too: the fence waits for the loads in flight, and a first version that read them with plain loads one step ahead
 waited for them every step (with that and two other changes, 8192² at M = 128 went from 55 to 44 us on the H200).
 
-H200 (benchmarks/RESULTS.md, twelfth session): at M = 128 1.09x cuBLAS bf16 on 8192² where ``wmma`` made 0.97x, and
-0.80x on 6144x2048; not faster than ``wmma`` at M = 16. ncu: no unit busy, the partitions wait on each other through
-the rings (notes_hopper.md v16).
+Where the tiles leave SMs idle, a tile's K steps can run in SPLIT parts on CTAs of their own, whose fp32 partial sums
+the last part to finish adds in part order (:func:`split_epilogue`).
+
+H200 (benchmarks/RESULTS.md, twelfth and thirteenth sessions): at M = 128 1.09-1.13x cuBLAS bf16 on 8192² and
+8192x28672 where ``wmma`` made 0.97-1.01x, 0.85x on 6144x2048, 0.71x on 2048x6144 in 4 parts; not faster than
+``wmma`` at M = 16. ncu: the tensor pipe is never what the MMA warps wait for; they wait for decoded tiles, the decode
+warps for free slots (notes_hopper.md v16, v17).
 
 Rows are taken the way the scales are stored (as ``gvws``, ``_gvws.py``): a tile is R = BN / 4 rows ``i0..i0+R`` of
 each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view (g, j, 4i + q).
@@ -33,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ._gluon import _dec16, _first_tile, epilogue, layouts, raw_layout
+from ._gluon import _dec16, _first_tile, _tile_offsets, epilogue, layouts, raw_layout, store_layout
 from ._gvws import plain, weight_descriptors
 from .launch import launch, tma_desc
 
@@ -61,45 +65,69 @@ def _tile_rows(tile, NT, BN: gl.constexpr):
 
 
 @gluon.jit
-def _load_w(x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS):
-    """TMA loads of the weight words and scales of this CTA's tiles, step after step, into their ring."""
-    STAGES: gl.constexpr = w_s.type.shape[0]
-    R: gl.constexpr = w_s.type.shape[2]
-    BKB: gl.constexpr = w_s.type.shape[3]
-    lo = _first_tile(gl.program_id(0), TILES)
-    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
-        g, i0 = _tile_rows(lo + j // STEPS, NT, 4 * R)
-        kb = (j % STEPS) * BKB
-        s = j % STAGES
-        mbarrier.wait(wempty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier: the first pass does not wait
-        mbarrier.expect(wready.index(s), 4 * R * BKB * 9)
-        tma.async_copy_global_to_shared(x_desc, [4 * g, i0, kb], wready.index(s), w_s.index(s))
-        tma.async_copy_global_to_shared(s_desc, [g, kb // 4, 4 * i0], wready.index(s), s_s.index(s))
+def _unit(u, SPLIT, SPS, STEPS):
+    """(tile, first K step, K steps) of work unit u: part u % SPLIT of tile u // SPLIT's K steps, SPS steps each but
+    the last part's (at least one)."""
+    k0 = (u % SPLIT) * SPS
+    return u // SPLIT, k0, gl.minimum(SPS, STEPS - k0)
 
 
 @gluon.jit
-def _load_a(y_desc, a_s, aready, aempty, TILES, NT, STEPS):
+def _units(UNITS):
+    """This CTA's work units [lo, hi): shared out in order (``_first_tile``)."""
+    return _first_tile(gl.program_id(0), UNITS), _first_tile(gl.program_id(0) + 1, UNITS)
+
+
+@gluon.jit
+def _load_w(x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS):
+    """TMA loads of the weight words and scales of this CTA's units, step after step, into their ring."""
+    STAGES: gl.constexpr = w_s.type.shape[0]
+    R: gl.constexpr = w_s.type.shape[2]
+    BKB: gl.constexpr = w_s.type.shape[3]
+    lo, hi = _units(UNITS)
+    j = 0
+    for u in range(lo, hi):
+        tile, k0, n = _unit(u, SPLIT, SPS, STEPS)
+        g, i0 = _tile_rows(tile, NT, 4 * R)
+        for ks in range(n):
+            kb = (k0 + ks) * BKB
+            s = j % STAGES
+            mbarrier.wait(wempty.index(s), ((j // STAGES) & 1) ^ 1)  # a fresh barrier: the first pass does not wait
+            mbarrier.expect(wready.index(s), 4 * R * BKB * 9)
+            tma.async_copy_global_to_shared(x_desc, [4 * g, i0, kb], wready.index(s), w_s.index(s))
+            tma.async_copy_global_to_shared(s_desc, [g, kb // 4, 4 * i0], wready.index(s), s_s.index(s))
+            j += 1
+
+
+@gluon.jit
+def _load_a(y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS):
     """TMA loads of the pre-decoded activation of this CTA's tiles into its own ring: from L2 (every N tile reads it),
     so it needs fewer slots ahead than the weight from DRAM, and each of its slots holds about 7 weight slots' bytes
     at BM 128."""
     STAGES: gl.constexpr = a_s.type.shape[0]
     BM: gl.constexpr = a_s.type.shape[1]
     BK: gl.constexpr = a_s.type.shape[2]
-    lo = _first_tile(gl.program_id(0), TILES)
-    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
-        s = j % STAGES
-        mbarrier.wait(aempty.index(s), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(aready.index(s), BM * BK * 2)
-        tma.async_copy_global_to_shared(y_desc, [((lo + j // STEPS) // NT) * BM, (j % STEPS) * BK], aready.index(s),
-                                        a_s.index(s))
+    lo, hi = _units(UNITS)
+    j = 0
+    for u in range(lo, hi):
+        tile, k0, n = _unit(u, SPLIT, SPS, STEPS)
+        for ks in range(n):
+            s = j % STAGES
+            mbarrier.wait(aempty.index(s), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(aready.index(s), BM * BK * 2)
+            tma.async_copy_global_to_shared(y_desc, [(tile // NT) * BM, (k0 + ks) * BK], aready.index(s),
+                                            a_s.index(s))
+            j += 1
 
 
 @gluon.jit
-def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, PART, PARTS):
+def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS):
     """Every PARTS-th step from PART: the slot's words and scales -> fp16 operand tile in the step's ``d_s`` buffer.
     Each decode partition is one dependent chain per warp (wait, read, decode, store, fence, arrive); PARTS of them
     overlap (2 were 3-6 % faster than 1 at M = 128 on the H200). A partition is at most PARTS steps ahead of the last
-    one it freed, so rings of >= PARTS slots keep every barrier within one phase of its waiters."""
+    one it freed, so rings of >= PARTS slots keep every barrier within one phase of its waiters; and with STAGES a
+    multiple of PARTS a weight slot always serves the same partition, which has waited for the slot's previous load
+    itself (else another partition's load still in flight leaves the barrier a phase behind, and the wait passes)."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     R: gl.constexpr = w_s.type.shape[2]
     BKB: gl.constexpr = w_s.type.shape[3]
@@ -108,8 +136,11 @@ def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, PART, P
     SL: gl.constexpr = scale_layout(4 * R, BKB)
     words = w_s._reinterpret(gl.int64, [STAGES, 4 * R, BKB], plain(2))
     scales = s_s._reinterpret(gl.uint8, [STAGES, BKB // 4, R, 4, 4], plain(4))  # (j, i, q, b)
-    lo = _first_tile(gl.program_id(0), TILES)
-    for it in range(PART, (_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS, PARTS):
+    lo, hi = _units(UNITS)
+    total = 0
+    for u in range(lo, hi):
+        total += _unit(u, SPLIT, SPS, STEPS)[2]
+    for it in range(PART, total, PARTS):
         s = it % STAGES
         d = it % DSTAGES
         mbarrier.wait(wready.index(s), (it // STAGES) & 1)
@@ -123,32 +154,64 @@ def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, PART, P
 
 
 @gluon.jit
-def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS):
-    """For each tile: acc [BN, BM] = W @ A.T with one wgmma group in flight; a step's two operand buffers are freed
-    once its group is done; then the epilogue (the other partitions run on into the next tile). (Two groups in flight,
-    with rings one slot deeper, were slower on the H200: twelfth session.)"""
+def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, n0, m0, M, N, QR: gl.constexpr):
+    """Part ``part`` of a tile's SPLIT partial sums, by ``_fused.reduce_store``'s protocol: stored in fp32 to ws
+    [SPLIT, M, N]; the CTA that counts itself in last on cnt_ptr[tile] sums the partials in part order (the result
+    does not depend on arrival order), applies alpha, writes out and sets the counter back to zero."""
+    BN: gl.constexpr = acc.type.shape[0]
+    BM: gl.constexpr = acc.type.shape[1]
+    ST: gl.constexpr = store_layout(BN, BM, False, gl.num_warps())
+    corner, offs, mask = _tile_offsets(n0, m0, M, N, BN, BM, ST, False, QR)
+    mn = (tile * 0).to(gl.int64) + M  # int64 before the product (SPLIT * M * N may pass 2**31); M may be a constant 1
+    mn = mn * N
+    gl.store(ws_ptr + (part * mn + corner) + offs, gl.convert_layout(acc, ST), mask=mask)
+    # the barrier orders every thread's partial before the count; the atomic's release publishes them to the GPU,
+    # its acquire makes the other parts' visible to the last
+    gl.thread_barrier()
+    one = tile * 0 + 1  # (Gluon 3.6's atomics take tensors, not Python ints)
+    if gl.atomic_add(cnt_ptr + tile, one, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        total = gl.zeros([BN, BM], gl.float32, ST)
+        for p in range(SPLIT):  # .cg: from L2, where the other SMs' partials are
+            total += gl.load(ws_ptr + (p * mn + corner) + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        gl.atomic_xchg(cnt_ptr + tile, one - 1, sem="relaxed", scope="gpu")
+        total = total * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
+        gl.store(out_ptr + corner + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT, SPS,
+         STEPS):
+    """For each unit: acc [BN, BM] = W @ A.T over its K steps with one wgmma group in flight; a step's two operand
+    buffers are freed once its group is done; then the epilogue, or with SPLIT > 1 ``split_epilogue`` (the other
+    partitions run on into the next unit). (Two groups in flight, with rings one slot deeper, were slower on the H200:
+    twelfth session.)"""
     STAGES: gl.constexpr = a_s.type.shape[0]
     BM: gl.constexpr = a_s.type.shape[1]
     DSTAGES: gl.constexpr = d_s.type.shape[0]
     BN: gl.constexpr = d_s.type.shape[1]
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    lo = _first_tile(gl.program_id(0), TILES)
-    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
-        j = (tile - lo) * STEPS
+    lo, hi = _units(UNITS)
+    it = 0
+    for u in range(lo, hi):
+        tile, k0, n = _unit(u, SPLIT, SPS, STEPS)
         acc = gl.zeros([BN, BM], gl.float32, MMA)
-        for ks in range(STEPS):
-            it = j + ks
+        for ks in range(n):
             mbarrier.wait(aready.index(it % STAGES), (it // STAGES) & 1)
             mbarrier.wait(dready.index(it % DSTAGES), (it // DSTAGES) & 1)
             acc = warpgroup_mma(d_s.index(it % DSTAGES), a_s.index(it % STAGES).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
             mbarrier.arrive(aempty.index((it + STAGES - 1) % STAGES), pred=ks > 0)  # step it - 1 is done
             mbarrier.arrive(dempty.index((it + DSTAGES - 1) % DSTAGES), pred=ks > 0)
+            it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(aempty.index((j + STEPS - 1) % STAGES))
-        mbarrier.arrive(dempty.index((j + STEPS - 1) % DSTAGES))
+        mbarrier.arrive(aempty.index((it + STAGES - 1) % STAGES))
+        mbarrier.arrive(dempty.index((it + DSTAGES - 1) % DSTAGES))
         g, i0 = _tile_rows(tile, NT, BN)
-        epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4)
+        if SPLIT > 1:
+            split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, u % SPLIT, SPLIT, g * 128 + i0,
+                           (tile // NT) * BM, M, N, BN // 4)
+        else:
+            epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4)
 
 
 @gluon.jit
@@ -163,12 +226,15 @@ def _barriers(n: gl.constexpr):
 
 
 @gluon.jit
-def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, M, N, NT, TILES, STEPS, BN: gl.constexpr,
+def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NT, UNITS, SPLIT, SPS, STEPS,
+                BN: gl.constexpr,
                 BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
                 DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
-    """out [M, N] = alpha * A @ W.T over TILES tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, shared
-    out in order (``_first_tile``): W's words and block scales by ``x_desc`` and ``s_desc`` (views: :func:`run`) into
-    a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into one of DSTAGES.
+    """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
+    SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
+    the UNITS parts shared out in order (``_first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
+    (views: :func:`run`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
+    one of DSTAGES.
     Partitions: the MMA warpgroup (default), a TMA warp per ring, PARTS (1 or 2) partitions of BN / 16 decode warps
     of DREGS registers taking turns by step."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, 4, BN // 4, BKB], x_desc.layout)
@@ -182,28 +248,31 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, M, N, NT, TILES, STE
     # (the partitions are spelled out per branch: jit code cannot hold a function in a tuple variable)
     if PARTS == 1:
         gl.warp_specialize([
-            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS)),
-            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS)),
-            (_load_a, (y_desc, a_s, aready, aempty, TILES, NT, STEPS)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 0, 1))],
+            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT,
+                    SPS, STEPS)),
+            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)),
+            (_load_a, (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 1))],
             [1, 1, BN // 16], [40, 40, DREGS])
     else:
         gl.warp_specialize([
-            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, M, N, TILES, NT, STEPS)),
-            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, TILES, NT, STEPS)),
-            (_load_a, (y_desc, a_s, aready, aempty, TILES, NT, STEPS)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 0, 2)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, TILES, STEPS, 1, 2))],
+            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT,
+                    SPS, STEPS)),
+            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)),
+            (_load_a, (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 2)),
+            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 1, 2))],
             [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         config: dict, sms: int, pdl: dict) -> None:
     """Decode the activation once (``fused.predecode``), then launch ``wgds_kernel`` for ``config`` (BM, BN 64, BKB;
-    stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; persist: one CTA per SM, else
-    one per tile) over the weight's words and scales as ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of
-    each quarter, BKB blocks); on operands checked by ``gluon_host.run_wgds``."""
-    from .fused import predecode
+    stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; split: K parts per tile, at
+    most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
+    ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
+    ``gluon_host.run_wgds``."""
+    from .fused import _split_args, predecode
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
@@ -213,7 +282,11 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
     nt, steps = -(-n // 128) * (128 // bn), -(-kb // bkb)
     tiles = nt * -(-m // bm)
-    launch(wgds_kernel, (min(tiles, sms) if config.get("persist") else tiles,), x_desc, s_desc, y_desc, alpha, out, m,
-           n, nt, tiles, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]), ASTAGES=int(config["astages"]),
-           DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)), PARTS=int(config["parts"]),
-           num_warps=4)
+    sps = -(-steps // max(1, min(int(config.get("split", 1)), steps)))
+    split = -(-steps // sps)  # every part gets >= 1 step
+    ws, cnt = _split_args(split, tiles, m, n, out)
+    units = tiles * split
+    launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,
+           cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]),
+           ASTAGES=int(config["astages"]), DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)),
+           PARTS=int(config["parts"]), num_warps=4)

@@ -155,10 +155,22 @@ _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 
 
 # wgds (_wgds.py: the decode in warps of its own, both wgmma operands in shared memory) for 64 < M <= 128: BN 64,
-# BM 128, BKB 8, rings of 4 (weight), 4 (activation) and 2 (decoded) slots, 2 decode partitions; plain and
-# persistent. H200, twelfth session, M = 128: 42.1 / 138.8 / 124.0 us against wmma's 47.4 / 134.5 / 130.1 on the
-# large shapes, 17.9 against 23.5 on 6144x2048; slower on 2048x6144 (the tuner chooses).
-_WGDS = {"kernel": "wgds", "BM": 128, "BN": 64, "BKB": 8, "stages": 4, "astages": 4, "dstages": 2, "parts": 2}
+# BM 128, BKB 8, rings of 4 (weight), 4 (activation) and 3 (decoded) slots, 2 decode partitions; plain and
+# persistent. H200, M = 128: 42.1 / 138.8 / 124.0 us against wmma's 47.4 / 134.5 / 130.1 on the large shapes, 17.9
+# against 23.5 on 6144x2048 (twelfth session); on 2048x6144 slower whole, faster in K parts (_wgds_split; the tuner
+# chooses). A third decoded slot: 0-5 %
+# faster, no shape slower (thirteenth session run 1: 41.6 / 139.7 / 120.3 against 42.2 / 146.5 / 125.4); an activation
+# ring of 2 or 3 slots to make room for deeper ones was slower.
+_WGDS = {"kernel": "wgds", "BM": 128, "BN": 64, "BKB": 8, "stages": 4, "astages": 4, "dstages": 3, "parts": 2}
+
+
+def _wgds_split(tiles: int, steps: int, sms: int) -> int:
+    """K parts per wgds tile where its tiles leave SMs idle (N <= 2048 at M = 128 on 132 SMs): the number that
+    minimizes the busiest SM's K steps plus the partial sums' cost, ceil(steps / s) + 6 + 3 s (H200, thirteenth
+    session: ~3 us + ~1.45 us per part at ~0.49 us per K step), with every part on an SM of its own (a second wave of
+    parts measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and >= 2 steps each."""
+    return min(range(1, max(1, min(16, steps // 2, sms // max(tiles, 1))) + 1),
+               key=lambda s: _cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
 
 
 def _wgws_configs(m: int, n: int) -> list[dict]:
@@ -270,7 +282,9 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     if m > 128 and k % 32 == 0 and _gluon_ok(device):
         out = (_wgws_configs(m, n) + out)[:MAX_CONFIGS]
     elif m > 64 and n % 32 == 0 and k % 32 == 0 and _gluon_ok(device):
-        out = (out[:1] + [_WGDS, dict(_WGDS, persist=True)] + out[1:])[:MAX_CONFIGS]
+        split = _wgds_split(_cdiv(n, 128) * 2 * _cdiv(m, 128), _cdiv(kb, _WGDS["BKB"]), sms)
+        wgds = [dict(_WGDS, split=split)] if split > 1 else []
+        out = (out[:1] + wgds + [_WGDS, dict(_WGDS, persist=True)] + out[1:])[:MAX_CONFIGS]
     return out
 
 
