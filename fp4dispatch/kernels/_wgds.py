@@ -101,7 +101,7 @@ def _load_w(x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STE
 
 @gluon.jit
 def _load_a(y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS):
-    """TMA loads of the pre-decoded activation of this CTA's tiles into its own ring: from L2 (every N tile reads it),
+    """TMA loads of the pre-decoded activation of this CTA's units into its own ring: from L2 (every N tile reads it),
     so it needs fewer slots ahead than the weight from DRAM, and each of its slots holds about 7 weight slots' bytes
     at BM 128."""
     STAGES: gl.constexpr = a_s.type.shape[0]
