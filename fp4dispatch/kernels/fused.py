@@ -158,9 +158,8 @@ _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 # BM 128, BKB 8, rings of 4 (weight), 4 (activation) and 3 (decoded) slots, 2 decode partitions; plain and
 # persistent. H200, M = 128: 42.1 / 138.8 / 124.0 us against wmma's 47.4 / 134.5 / 130.1 on the large shapes, 17.9
 # against 23.5 on 6144x2048 (twelfth session); on 2048x6144 slower whole, faster in K parts (_wgds_split; the tuner
-# chooses). A third decoded slot: 0-5 %
-# faster, no shape slower (thirteenth session run 1: 41.6 / 139.7 / 120.3 against 42.2 / 146.5 / 125.4); an activation
-# ring of 2 or 3 slots to make room for deeper ones was slower.
+# chooses). A third decoded slot: 0-5 % faster, no shape slower (thirteenth session run 1: 41.6 / 139.7 / 120.3
+# against 42.2 / 146.5 / 125.4); an activation ring of 2 or 3 slots to make room for deeper ones was slower.
 _WGDS = {"kernel": "wgds", "BM": 128, "BN": 64, "BKB": 8, "stages": 4, "astages": 4, "dstages": 3, "parts": 2}
 
 
@@ -169,7 +168,7 @@ def _wgds_split(tiles: int, steps: int, sms: int) -> int:
     minimizes the busiest SM's K steps plus the partial sums' cost, ceil(steps / s) + 6 + 3 s (H200, thirteenth
     session: ~3 us + ~1.45 us per part at ~0.49 us per K step), with every part on an SM of its own (a second wave of
     parts measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and >= 2 steps each."""
-    return min(range(1, max(1, min(16, steps // 2, sms // max(tiles, 1))) + 1),
+    return min(range(1, max(1, min(16, steps // 2, sms // tiles)) + 1),
                key=lambda s: _cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
 
 
