@@ -517,6 +517,8 @@ def test_wgds_splits_k_where_its_tiles_leave_sms_idle(monkeypatch):
         want = ([dict(fused._WGDS, split=split)] if split > 1 else []) + [fused._WGDS, dict(fused._WGDS, persist=True)]
         assert [c for c in cfgs if c["kernel"] == "wgds"] == want, (n, k)
         assert cfgs[0]["kernel"] == "wmma" and cfgs[1:1 + len(want)] == want and len(cfgs) <= 7
+    # (N tiles, tiles, K steps): 992 rows make 8 groups of 2 N tiles, M = 300 three M tiles, K = 2080 17 steps
+    assert fused.wgds_work(300, 992, 130, 128, 64, 8) == (16, 48, 17)
     assert fused._wgds_split(12, 3, 132) == 1  # parts of >= 2 steps
     assert fused._wgds_split(12, 96, 132) == 6 and fused._wgds_split(132, 48, 132) == 1
 

@@ -243,7 +243,7 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
 @functools.lru_cache(maxsize=None)
 def layouts(BN: int, BM: int, BKB: int) -> tuple:
     """Shared-memory layouts of a [BN, BKB] tile of words (X) and a [BM, BKB*16] tile of the pre-decoded Y (TMA and
-    wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building them
-    took ~38 us of host time per call."""
+    wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building
+    them took ~38 us of host time per call."""
     return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
             gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))

@@ -227,8 +227,7 @@ def _barriers(n: gl.constexpr):
 
 @gluon.jit
 def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NT, UNITS, SPLIT, SPS, STEPS,
-                BN: gl.constexpr,
-                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
+                BN: gl.constexpr, BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
                 DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
     """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
     SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
@@ -245,24 +244,20 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     wready, wempty = _barriers(STAGES)
     aready, aempty = _barriers(ASTAGES)
     dready, dempty = _barriers(DSTAGES)
-    # (the partitions are spelled out per branch: jit code cannot hold a function in a tuple variable)
+    # (the partitions' functions are spelled out per branch: jit code cannot hold a function in a tuple variable)
+    mma = (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT, SPS,
+           STEPS)
+    load_w = (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)
+    load_a = (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)
     if PARTS == 1:
-        gl.warp_specialize([
-            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT,
-                    SPS, STEPS)),
-            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)),
-            (_load_a, (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 1))],
-            [1, 1, BN // 16], [40, 40, DREGS])
+        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a),
+                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 1))],
+                           [1, 1, BN // 16], [40, 40, DREGS])
     else:
-        gl.warp_specialize([
-            (_mma, (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT,
-                    SPS, STEPS)),
-            (_load_w, (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)),
-            (_load_a, (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 2)),
-            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 1, 2))],
-            [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
+        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a),
+                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 2)),
+                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 1, 2))],
+                           [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
@@ -272,18 +267,17 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
     ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
     ``gluon_host.run_wgds``."""
-    from .fused import _split_args, predecode
+    from .fused import _cdiv, _split_args, predecode, wgds_work
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
-    kb, cb = k2 // 8, -(-k2 // 32)
-    ad = predecode(a.view(torch.int64), sa, m, kb, cb, True, CVT=True, **pdl)
+    kb = k2 // 8
+    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pdl)
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
-    nt, steps = -(-n // 128) * (128 // bn), -(-kb // bkb)
-    tiles = nt * -(-m // bm)
-    sps = -(-steps // max(1, min(int(config.get("split", 1)), steps)))
-    split = -(-steps // sps)  # every part gets >= 1 step
+    nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)
+    sps = _cdiv(steps, max(1, min(int(config.get("split", 1)), steps)))
+    split = _cdiv(steps, sps)  # every part gets >= 1 step
     ws, cnt = _split_args(split, tiles, m, n, out)
     units = tiles * split
     launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,

@@ -11,10 +11,10 @@ tiles, any M; the fallback before SM89), ``wgws`` (``_gluon.py``: ``wmma``'s til
 kernel, TMA loads by a producer warp; SM90 with Triton 3.6, M > 128; the pick from M = 1024; plain, persistent or with
 the operands' roles swapped) and ``wgds`` (``_wgds.py``: the weight decoded by warps of their own into shared memory,
 one warpgroup issuing the wgmma; SM90 with Triton 3.6, 64 < M <= 128). All take canonical operands (uint8
-[rows, K/2], 128x4-swizzled e4m3 scales); all but the Gluon ones support split-K in the same launch (the last CTA of
-a tile sums the fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each the same
-share of all tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so that tuning
-one key costs well under a few seconds on a GPU.
+[rows, K/2], 128x4-swizzled e4m3 scales); all but ``wgws`` and ``gvws`` support split-K in the same launch (the last
+CTA of a tile sums the fp32 partials: ``splitk.py``); ``wmma`` also as stream-K (``stream``: one wave of CTAs, each
+the same share of all tiles' K steps). A config is a JSON-able dict; ``configs_for`` keeps the list short per M so
+that tuning one key costs well under a few seconds on a GPU.
 """
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def _wmma_rank(device: torch.device) -> int:
 
 
 def _gluon_ok(device: torch.device) -> bool:
-    """The Gluon kernels (``wgws``, ``wgds``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell has none
-    of them), compiled kernels (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what they use."""
+    """The Gluon kernels (``wgws``, ``wgds``, ``gvws``) need SM90 itself (wgmma, TMA, setmaxnreg: sm_90a; Blackwell
+    has none of them), compiled kernels (``_wmma_rank`` 2 says both) and a Triton whose Gluon has what they use."""
     from . import gluon_missing
 
     if _wmma_rank(device) != 2:
@@ -161,6 +161,13 @@ _GVWS_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
 # chooses). A third decoded slot: 0-5 % faster, no shape slower (thirteenth session run 1: 41.6 / 139.7 / 120.3
 # against 42.2 / 146.5 / 125.4); an activation ring of 2 or 3 slots to make room for deeper ones was slower.
 _WGDS = {"kernel": "wgds", "BM": 128, "BN": 64, "BKB": 8, "stages": 4, "astages": 4, "dstages": 3, "parts": 2}
+
+
+def wgds_work(m: int, n: int, kb: int, bm: int, bn: int, bkb: int) -> tuple[int, int, int]:
+    """(N tiles, tiles, K steps per tile) of ``wgds`` over out [m, n] and kb 16-blocks: a tile takes BN / 4 rows of
+    each 32-row quarter of a 128-row group (``_wgds._tile_rows``), so each group makes 128 / BN N tiles."""
+    nt = _cdiv(n, 128) * (128 // bn)
+    return nt, nt * _cdiv(m, bm), _cdiv(kb, bkb)
 
 
 def _wgds_split(tiles: int, steps: int, sms: int) -> int:
@@ -281,7 +288,8 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[dict]:
     if m > 128 and k % 32 == 0 and _gluon_ok(device):
         out = (_wgws_configs(m, n) + out)[:MAX_CONFIGS]
     elif m > 64 and n % 32 == 0 and k % 32 == 0 and _gluon_ok(device):
-        split = _wgds_split(_cdiv(n, 128) * 2 * _cdiv(m, 128), _cdiv(kb, _WGDS["BKB"]), sms)
+        _, tiles, steps = wgds_work(m, n, kb, _WGDS["BM"], _WGDS["BN"], _WGDS["BKB"])
+        split = _wgds_split(tiles, steps, sms)
         wgds = [dict(_WGDS, split=split)] if split > 1 else []
         out = (out[:1] + wgds + [_WGDS, dict(_WGDS, persist=True)] + out[1:])[:MAX_CONFIGS]
     return out
