@@ -42,22 +42,31 @@ def bench_ms(fn, warmup: int = 5, rep: int = 25) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def graph_ms(fn) -> float:
-    """GPU time of ``fn`` without Python launch overhead: capture it in a CUDA graph, time the replays."""
+def capture(*fns) -> torch.cuda.CUDAGraph:
+    """The calls ``fns`` captured in order in one CUDA graph, after a pass on the current stream and one on a side
+    stream (as torch's capture wants) and with split-K counters prepared for the capture stream."""
     from fp4dispatch.kernels import splitk
 
-    fn()
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     splitk.prepare_capture(torch.device("cuda"))  # as fp4dispatch.warmup() does
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return bench_ms(g.replay)
+        for fn in fns:
+            fn()
+    return g
+
+
+def graph_ms(fn) -> float:
+    """GPU time of ``fn`` without Python launch overhead: capture it in a CUDA graph, time the replays."""
+    return bench_ms(capture(fn).replay)
 
 
 def copy_bandwidth() -> float:

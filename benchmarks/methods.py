@@ -47,22 +47,10 @@ def read_bytes(x: torch.Tensor, sink: torch.Tensor) -> None:
     _READ[(triton.cdiv(w.numel(), 2048),)](w, sink, w.numel(), BLOCK=2048, num_warps=4)
 
 
-def graph(fns) -> torch.cuda.CUDAGraph:
-    """The calls ``fns`` captured in order in one graph (after one eager pass)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    return g
-
-
 def times_us(fns, reps: int = 30) -> dict:
     """us per call of ``fns`` (calls on distinct weight copies) by the three methods."""
-    from bench_hopper import bench_ms
-    one = graph(fns[:1])
+    from bench_hopper import bench_ms, capture
+    one = capture(fns[0])
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     sink = torch.empty(triton.cdiv(flush.numel() // 8, 2048), dtype=torch.int64, device="cuda")
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -73,7 +61,7 @@ def times_us(fns, reps: int = 30) -> dict:
         e.record()
     torch.cuda.synchronize()
     flush_read = sorted(s.elapsed_time(e) for s, e in ev)[reps // 2]
-    rot = graph(fns)
+    rot = capture(*fns)
     for s, e in ev:
         s.record()
         rot.replay()

@@ -13,20 +13,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hopper import graph_ms, rand_operands  # noqa: E402
+from bench_hopper import capture, graph_ms, rand_operands  # noqa: E402
 
 
 def warm_ms(fn, reps: int = 50) -> float:
     """Mean ms of back-to-back CUDA-graph replays of ``fn`` (no L2 flush between them)."""
-    fn()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     for _ in range(5):
         g.replay()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
