@@ -12,7 +12,7 @@ Ninth session: the kernel takes whole tiles per CTA (``persist``: one CTA per SM
 (``swap``: the weight pre-decoded, the activation decoded in registers); every variant goes through ``fused_mm``.
 
     python3 benchmarks/gluon_ws.py --compile 128 256 4 5 [1]   # local sm_90a build (BN BM BKB STAGES [SWAP]), no GPU
-    python3 benchmarks/gluon_ws.py [--no-check] [--small] [--large] [--m128] [--k]   # H200: exactness, then timings
+    python3 benchmarks/gluon_ws.py [--no-check] [--small [--pdl-ab] [--ms 1024] [--tiles 2]] [--large] [--m128] [--k]
     ncu --profile-from-start off ... python3 benchmarks/gluon_ws.py --profile 8192 8192 1024 128 256 4 5 0 0
 """
 from __future__ import annotations
@@ -74,9 +74,10 @@ def check() -> None:
                           (1024, 768, 6144)), lambda ops, cfg: runner(ops, cfg)())
 
 
-def exp_small(shapes=((6144, 2048), (2048, 6144), (768, 6144)), ms=(1024, 4096), tiles=TILES) -> None:
-    """The small table shapes at M >= 1024 (the 0.90x goal is missed there): plain, stream-K and swapped wgws
-    tiles against cuBLAS bf16, graph us."""
+def exp_small(shapes=((6144, 2048), (2048, 6144), (768, 6144)), ms=(1024, 4096), tiles=TILES, pdls=(True,)) -> None:
+    """The small table shapes at M >= 1024 (the 0.90x goal is missed there): plain, persistent and swapped wgws
+    tiles against cuBLAS bf16, graph us; with ``pdls`` (True, False) each also without programmatic dependent
+    launch."""
     from bench_hopper import cublas_bf16_graph_ms, graph_ms, rand_operands
     for n, k in shapes:
         for m in ms:
@@ -86,8 +87,10 @@ def exp_small(shapes=((6144, 2048), (2048, 6144), (768, 6144)), ms=(1024, 4096),
             for bn, bm, bkb, stages in tiles:
                 for sched in SCHEDS:
                     for swap in (False, True):
-                        t = graph_ms(runner(ops, wgws(bn, bm, bkb, stages, sched, swap)))
-                        res.append((t, f"{bn}x{bm}/{bkb}/{stages} {sched}{' swap' if swap else ''}"))
+                        for pdl in pdls:
+                            t = graph_ms(runner(ops, dict(wgws(bn, bm, bkb, stages, sched, swap), pdl=pdl)))
+                            res.append((t, f"{bn}x{bm}/{bkb}/{stages} {sched}{' swap' if swap else ''}"
+                                           f"{'' if pdl else ' nopdl'}"))
             res.sort()
             print(f"N={n} K={k} M={m} cuBLAS bf16 {cub * 1e3:.1f} us; " +
                   ", ".join(f"{name} {t * 1e3:.1f} ({cub / t:.2f}x)" for t, name in res), flush=True)
@@ -145,8 +148,11 @@ if __name__ == "__main__":
     else:
         if "--no-check" not in sys.argv:
             check()
-        if "--small" in sys.argv:
-            exp_small()
+        if "--small" in sys.argv:  # --pdl-ab: each config also without PDL; --ms 1024,4096; --tiles 2: the first two
+            arg = {a: sys.argv[sys.argv.index(a) + 1] for a in ("--ms", "--tiles") if a in sys.argv}
+            exp_small(ms=tuple(map(int, arg.get("--ms", "1024,4096").split(","))),
+                      tiles=TILES[:int(arg.get("--tiles", len(TILES)))],
+                      pdls=(True, False) if "--pdl-ab" in sys.argv else (True,))
         if "--large" in sys.argv:
             exp_large()
         if "--m128" in sys.argv:

@@ -5,7 +5,7 @@ session; notes_hopper.md v16): exactness, then graph us against the dispatcher's
     python3 benchmarks/wgds.py --compile 64 128 8 4 4 2 128 2
     ncu --profile-from-start off -k regex:wgds python3 benchmarks/wgds.py --profile M N K "BN,BM,...,PERSIST"
     # H200; a config: "BN,BM,BKB,STAGES,ASTAGES,DSTAGES,DREGS,PARTS[,PERSIST[,SPLIT]]", several joined by ";"
-    python3 benchmarks/wgds.py [--no-check] [--ms 16,128] [--shapes large|small|all] [--n 0,1] [--configs ...]
+    python3 benchmarks/wgds.py [--no-check] [--ms 16,128] [--shapes large|small|all] [--n 0,1] [--configs ...] [--pdl-ab]
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def timings(configs: list[dict], shapes, ms) -> None:
             print(f"N={n} K={k} M={m} us: cuBLAS bf16 {cub * 1e3:.1f}; candidates' best {best * 1e3:.1f} "
                   f"({cub / best:.2f}x, {bc['kernel']} {name}); wgds: " + ", ".join(
                       f"{c['BN']}x{c['BM']}/{c['BKB']}/{c['stages']}/{c['astages']}/{c['dstages']}/{c['dregs']}"
-                      f"x{c['parts']}{' p' if c.get('persist') else ''}{' s%d' % c['split'] if c.get('split') else ''} {t * 1e3:.1f} ({cub / t:.2f}x)"
+                      f"x{c['parts']}{' p' if c.get('persist') else ''}{' s%d' % c['split'] if c.get('split') else ''}"
+                      f"{' nopdl' if c.get('pdl') is False else ''} {t * 1e3:.1f} ({cub / t:.2f}x)"
                       for t, c in res), flush=True)
 
 
@@ -114,6 +115,8 @@ def main(argv: list[str]) -> None:
     configs = parse(opt("--configs", DEFAULT))
     if "--no-check" not in argv:
         configs = check(configs)
+    if "--pdl-ab" in argv:  # each config also launched without PDL (the pre-decode then ends before wgds starts)
+        configs += [dict(c, pdl=False) for c in configs]
     shapes = SHAPES[opt("--shapes", "large")]
     if "--n" in argv:  # shapes by index: "0,1"
         shapes = [shapes[int(i)] for i in opt("--n", "0").split(",")]

@@ -13,10 +13,10 @@ import triton.language as tl
 
 from ._h2 import H2_UNDO, H2_UNDO_CVT, h2_block, h2_block_cvt
 
-try:  # griddepcontrol.wait (programmatic dependent launch, SM90+); Triton >= 3.4
-    from triton.language.extra.cuda import gdc_wait
+try:  # griddepcontrol (programmatic dependent launch, SM90+); Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton: the host never sets PDL
-    gdc_wait = None
+    gdc_wait = gdc_launch_dependents = None
 HAS_GDC = gdc_wait is not None
 
 TWO_120 = tl.constexpr(1.329227995784916e36)  # 2**120: e4m3 bits << 20 read as fp32 are value * 2**-120
@@ -52,9 +52,9 @@ def nib_hi(u):
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL) a kernel may start while the previous one on its stream is still
-    running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). No kernel
-    here triggers its dependents early: on the H200 an early trigger in the A-decode kernel let ``wmma`` CTAs be
-    placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
+    running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). Only the
+    A-decode kernel before ``wgds`` triggers its dependents early (``wmma_prep_a_kernel``'s EARLY): on the H200 an
+    early trigger there let ``wmma`` CTAs be placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
     if PDL:
         gdc_wait()
 

@@ -16,7 +16,11 @@ Ninth session: a CTA runs a range of whole tiles (``_first_tile``), so a grid of
 producer loads the next tile while the consumers finish one); and the two operands can swap roles (``SWAP``): the
 activation decoded in registers, the weight pre-decoded, out = acc instead of acc.T, which decodes fewer values where
 M > N. A stream-K cut with a workspace reduction was exact but slower in every cell measured, so it was removed
-(notes_hopper.md v13).
+(notes_hopper.md v13); so was split K with ``_wgds``'s cheaper partial sums (fourteenth session: slower than the
+best whole-tile config in every small-shape cell at M = 1024 and 4096, v18).
+
+Fourteenth session: launched with PDL after the pre-decode, whose CTAs let it launch once the kernels before are
+done; only the producer waits for the pre-decode (``gdc_wait``). H200: 0-1.5 us less per call at M >= 1024.
 
 Two things a correct version needed (benchmarks/notes_hopper.md v12):
 - the consumer loop runs two K steps per pass. A rolled loop decodes every step into the same registers, and with
@@ -34,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
 from . import _fused, _wmma
 
@@ -107,11 +112,12 @@ def _first_tile(c, TILES):
 
 @gluon.jit
 def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constexpr, SWAP: gl.constexpr,
-                  QR: gl.constexpr = 0):
+                  QR: gl.constexpr = 0, R0: gl.constexpr = 0):
     """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
     [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
-    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``_wgds``), else BN rows."""
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``_wgds``), else BN rows. R0: the
+    rows are rows R0.. of a larger tile (a chunk of it)."""
+    rn = R0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     if QR:
         rn = n0 + (rn // QR) * 32 + rn % QR
     else:
@@ -145,6 +151,10 @@ def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS):
     BKB: gl.constexpr = w_s.type.shape[2]
     BM: gl.constexpr = a_s.type.shape[1]
     NBYTES: gl.constexpr = BN * BKB * 8 + BM * BKB * 32
+    # The kernel's one wait for the kernel before (programmatic dependent launch): the pre-decode, which lets this
+    # kernel launch once the kernels before it are done; the consumers read only inputs from before that and wait
+    # for the ring. (Safe without PDL: then the pre-decode is done already.)
+    gdc_wait()
     lo = _first_tile(gl.program_id(0), TILES)
     for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
         tile = lo + j // STEPS

@@ -20,10 +20,14 @@ waited for them every step (with that and two other changes, 8192² at M = 128 w
 Where the tiles leave SMs idle, a tile's K steps can run in SPLIT parts on CTAs of their own, whose fp32 partial sums
 the last part to finish adds in part order (:func:`split_epilogue`).
 
-H200 (benchmarks/RESULTS.md, twelfth and thirteenth sessions): at M = 128 1.09-1.13x cuBLAS bf16 on 8192² and
-8192x28672 where ``wmma`` made 0.97-1.01x, 0.85x on 6144x2048, 0.71x on 2048x6144 in 4 parts; not faster than
-``wmma`` at M = 16. ncu: the tensor pipe is never what the MMA warps wait for; they wait for decoded tiles, the decode
-warps for free slots (notes_hopper.md v16, v17).
+With programmatic dependent launch the pre-decode lets this kernel launch as soon as the kernels before it are done,
+and only the activation's loader waits for the pre-decode (``gdc_wait``): the barriers' set-up, the weight's first
+loads and decodes overlap it (H200: 1-1.5 us less per call at M = 128, fourteenth session).
+
+H200 (benchmarks/RESULTS.md, twelfth to fourteenth sessions): at M = 128 1.15-1.19x cuBLAS bf16 on 8192² and
+8192x28672 where ``wmma`` made 0.97-1.01x, 1.04x on 28672x8192, 0.85x on 6144x2048, 0.89x on 2048x6144 in 4 parts;
+not faster than ``wmma`` at M = 16. ncu: the tensor pipe is never what the MMA warps wait for; they wait for decoded
+tiles, the decode warps for free slots (notes_hopper.md v16, v17).
 
 Rows are taken the way the scales are stored (as ``gvws``, ``_gvws.py``): a tile is R = BN / 4 rows ``i0..i0+R`` of
 each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view (g, j, 4i + q).
@@ -36,6 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
 from ._gluon import _dec16, _first_tile, _tile_offsets, epilogue, layouts, raw_layout, store_layout
 from ._gvws import plain, weight_descriptors
@@ -107,6 +112,11 @@ def _load_a(y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS):
     STAGES: gl.constexpr = a_s.type.shape[0]
     BM: gl.constexpr = a_s.type.shape[1]
     BK: gl.constexpr = a_s.type.shape[2]
+    # The only wait for the kernel before (programmatic dependent launch): the activation's pre-decode, which lets
+    # this kernel launch once the kernels before it are done. The other partitions read only the weight and write out
+    # at the end, so barrier set-up, the weight's loads and its first decodes overlap the pre-decode. (Safe without
+    # PDL: then the pre-decode is done already.)
+    gdc_wait()
     lo, hi = _units(UNITS)
     j = 0
     for u in range(lo, hi):
@@ -153,29 +163,52 @@ def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, ST
         mbarrier.arrive(wempty.index(s))
 
 
+@triton.constexpr_function
+def sum_layout(bm: int, warps: int) -> gl.BlockedLayout:
+    """The layout in which :func:`split_epilogue` reads a chunk of partial sums: 16 contiguous bytes per thread
+    along a row of the [BN, BM] tile."""
+    bm, warps = getattr(bm, "value", bm), getattr(warps, "value", warps)
+    t1 = min(bm // 4, 32)
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // t1, t1], warps_per_cta=[warps, 1],
+                            order=[1, 0])
+
+
 @gluon.jit
 def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, n0, m0, M, N, QR: gl.constexpr):
-    """Part ``part`` of a tile's SPLIT partial sums, by ``_fused.reduce_store``'s protocol: stored in fp32 to ws
-    [SPLIT, M, N]; the CTA that counts itself in last on cnt_ptr[tile] sums the partials in part order (the result
-    does not depend on arrival order), applies alpha, writes out and sets the counter back to zero."""
+    """Part ``part`` of a tile's SPLIT partial sums, by ``_fused.reduce_store``'s protocol: stored in fp32, straight
+    from the wgmma layout, to the tile's own [BN, BM] block of ws (block tile * SPLIT + part: a thread writes whole
+    32-byte sectors); the CTA that counts itself in last on cnt_ptr[tile] sums the blocks in part order (the result
+    does not depend on arrival order), 32 rows at a time with 16-byte reads, applies alpha, writes out
+    (``epilogue``'s rows, QR) and sets the counter back to zero. (Stored in out's layout and read back 4 bytes at a
+    time, the sum cost ~1.45 us per part on the H200; this way 2048x6144 at M = 128 in 4 parts went from 24.3 to
+    20.8 us, fourteenth session.)"""
     BN: gl.constexpr = acc.type.shape[0]
     BM: gl.constexpr = acc.type.shape[1]
-    ST: gl.constexpr = store_layout(BN, BM, False, gl.num_warps())
-    corner, offs, mask = _tile_offsets(n0, m0, M, N, BN, BM, ST, False, QR)
-    mn = (tile * 0).to(gl.int64) + M  # int64 before the product (SPLIT * M * N may pass 2**31); M may be a constant 1
-    mn = mn * N
-    gl.store(ws_ptr + (part * mn + corner) + offs, gl.convert_layout(acc, ST), mask=mask)
+    L: gl.constexpr = acc.type.layout
+    CH: gl.constexpr = 32 if BN > 32 else BN
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, BM, layout=gl.SliceLayout(0, L))
+    block = ws_ptr + (tile * SPLIT).to(gl.int64) * (BN * BM)  # int64: tiles * SPLIT * BN * BM may pass 2**31
+    gl.store(block + part * (BN * BM) + (r[:, None] * BM + c[None, :]), acc)
     # the barrier orders every thread's partial before the count; the atomic's release publishes them to the GPU,
     # its acquire makes the other parts' visible to the last
     gl.thread_barrier()
     one = tile * 0 + 1  # (Gluon 3.6's atomics take tensors, not Python ints)
     if gl.atomic_add(cnt_ptr + tile, one, sem="acq_rel", scope="gpu") == SPLIT - 1:
-        total = gl.zeros([BN, BM], gl.float32, ST)
-        for p in range(SPLIT):  # .cg: from L2, where the other SMs' partials are
-            total += gl.load(ws_ptr + (p * mn + corner) + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        LD: gl.constexpr = sum_layout(BM, gl.num_warps())
+        ST: gl.constexpr = store_layout(CH, BM, False, gl.num_warps())
+        rr = gl.arange(0, CH, layout=gl.SliceLayout(1, LD))
+        cc = gl.arange(0, BM, layout=gl.SliceLayout(0, LD))
+        scale = 0.25 * gl.load(alpha_ptr)  # 2**-2 undoes the CVT decode's factor 2 on each operand
+        for r0 in gl.static_range(0, BN, CH):
+            chunk = block + (r0 + rr[:, None]) * BM + cc[None, :]
+            total = gl.zeros([CH, BM], gl.float32, LD)
+            for p in range(SPLIT):  # .cg: from L2, where the other SMs' partials are
+                total += gl.load(chunk + p * (BN * BM), cache_modifier=".cg")
+            corner, offs, mask = _tile_offsets(n0, m0, M, N, CH, BM, ST, False, QR, r0)
+            gl.store(out_ptr + corner + offs, gl.convert_layout((total * scale).to(out_ptr.dtype.element_ty), ST),
+                     mask=mask)
         gl.atomic_xchg(cnt_ptr + tile, one - 1, sem="relaxed", scope="gpu")
-        total = total * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
-        gl.store(out_ptr + corner + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -225,7 +258,9 @@ def _barriers(n: gl.constexpr):
     return ready, empty
 
 
-@gluon.jit
+# SPLIT is never a constexpr: a launch specializes an int equal to 1 to one, and Triton 3.6 then fails to lower the
+# split epilogue it still emits under a constant-false branch (ConvertTritonGPUToLLVM assertion, local sm_90a build)
+@gluon.jit(do_not_specialize=["SPLIT"])
 def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NT, UNITS, SPLIT, SPS, STEPS,
                 BN: gl.constexpr, BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
                 DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
@@ -267,20 +302,21 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
     ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
     ``gluon_host.run_wgds``."""
-    from .fused import _cdiv, _split_args, predecode, wgds_work
+    from .fused import _cdiv, gluon_split_args, predecode, wgds_work
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
     kb = k2 // 8
-    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pdl)
+    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pdl,
+                   **({"EARLY": True} if pdl else {}))
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
     nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)
     sps = _cdiv(steps, max(1, min(int(config.get("split", 1)), steps)))
     split = _cdiv(steps, sps)  # every part gets >= 1 step
-    ws, cnt = _split_args(split, tiles, m, n, out)
+    ws, cnt = gluon_split_args(split, tiles, bn * bm, alpha, out)
     units = tiles * split
     launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,
            cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]),
            ASTAGES=int(config["astages"]), DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)),
-           PARTS=int(config["parts"]), num_warps=4)
+           PARTS=int(config["parts"]), num_warps=4, **({"launch_pdl": True} if pdl else {}))

@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import _cast_store, _swz_row, e4m3_to_f32, grid_tile, out_tile, pdl_wait, reduce_store, store_out
+from ._fused import (_cast_store, _swz_row, e4m3_to_f32, gdc_launch_dependents, grid_tile, out_tile, pdl_wait,
+                     reduce_store, store_out)
 from ._h2 import _cvt4, _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
@@ -107,11 +108,14 @@ def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr = False
 
 @triton.jit
 def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
-                       PDL: tl.constexpr = False, CVT: tl.constexpr = False):
+                       PDL: tl.constexpr = False, CVT: tl.constexpr = False, EARLY: tl.constexpr = False):
     """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
     wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile.
-    PDL: see ``pdl_wait``."""
+    PDL: see ``pdl_wait``. EARLY (with PDL): each CTA lets the next kernel launch once its own wait is over (so the
+    kernels before this one are done), for a next kernel that waits only where it reads ad (``_wgds``)."""
     pdl_wait(PDL)
+    if PDL and EARLY:
+        gdc_launch_dependents()
     rm = tl.program_id(0) * BR + tl.arange(0, BR)
     kb0 = tl.program_id(1) * BKB
     t = tl.arange(0, BKB)

@@ -173,8 +173,10 @@ def wgds_work(m: int, n: int, kb: int, bm: int, bn: int, bkb: int) -> tuple[int,
 def _wgds_split(tiles: int, steps: int, sms: int) -> int:
     """K parts per wgds tile where its tiles leave SMs idle (N <= 2048 at M = 128 on 132 SMs): the number that
     minimizes the busiest SM's K steps plus the partial sums' cost, ceil(steps / s) + 6 + 3 s (H200, thirteenth
-    session: ~3 us + ~1.45 us per part at ~0.49 us per K step), with every part on an SM of its own (a second wave of
-    parts measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and >= 2 steps each."""
+    session: ~3 us + ~1.45 us per part at ~0.49 us per K step; with the sums read 16 bytes at a time, fourteenth
+    session, 2048x6144 in 2 / 3 / 4 / 6 / 8 parts took 24.0 / 20.9 / 20.0 / 26.7 / 32.3 us and 768x6144 in 3 / 4 / 6
+    / 8 19.4 / 18.4 / 18.6 / 19.4: the same picks), with every part on an SM of its own (a second wave of parts
+    measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and >= 2 steps each."""
     return min(range(1, max(1, min(16, steps // 2, sms // tiles)) + 1),
                key=lambda s: _cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
 
@@ -300,6 +302,16 @@ def _split_args(parts: int, tiles: int, m: int, n: int, out: torch.Tensor) -> tu
     if parts == 1:
         return out, out
     return splitk.buffers(m, n, parts, tiles, out.device)
+
+
+def gluon_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: torch.Tensor) -> tuple:
+    """(workspace, counters) of ``wgds``'s split K (``_wgds.split_epilogue``: a ``block``-element fp32 block per
+    (tile, part)). Typed as for a split launch even when ``parts`` is 1: SPLIT is a runtime value
+    (``do_not_specialize``), so the split epilogue is compiled whatever it is, and its atomics need int32 counters;
+    the 1-element alpha stands in for both, never read or written."""
+    if parts == 1:
+        return alpha, alpha.view(torch.int32)
+    return splitk.buffers(tiles, block, parts, tiles, out.device)
 
 
 def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, **opts) -> torch.Tensor:
