@@ -623,6 +623,32 @@ def test_wgws_cached_descriptors_describe_what_from_tensor_did(monkeypatch, swap
                                w.layout, w.padding)
 
 
+def test_gluon_kernels_wait_for_the_predecode_only_with_pdl(monkeypatch):
+    """With PDL (``fused._pdl``'s options) the pre-decode before wgws triggers its dependents early (EARLY) and wgws
+    launches with launch_pdl (its producer waits for the pre-decode; it has no PDL parameter); without, neither."""
+    from fp4dispatch.kernels import gluon_missing
+    if gluon_missing():
+        pytest.skip(gluon_missing())
+    from fp4dispatch.kernels import gluon_host
+    from fp4dispatch.kernels.fused import gluon_pdl
+
+    assert gluon_pdl({}) == ({}, {})
+    assert gluon_pdl({"launch_pdl": True, "PDL": True}) == ({"launch_pdl": True, "PDL": True, "EARLY": True},
+                                                            {"launch_pdl": True})
+    m, n, k = 300, 1024, 2048
+    pre, got = [], []
+    monkeypatch.setattr(gluon_host, "predecode", lambda *args, **kw: pre.append(kw) or
+                        torch.zeros(m, k // 4, dtype=torch.float16))
+    monkeypatch.setattr(gluon_host, "launch", lambda fn, grid, *args, **kw: got.append(kw))
+    a, b = torch.zeros(m, k // 2, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8)
+    s = torch.zeros(1, dtype=torch.uint8)
+    cfg = {"BM": 256, "BN": 128, "BKB": 4, "stages": 5}
+    gluon_host.run_wgws(a, b, s, s, s, s, cfg, {"launch_pdl": True, "PDL": True})
+    gluon_host.run_wgws(a, b, s, s, s, s, cfg, {})
+    assert pre[0].get("EARLY") and pre[0].get("PDL") and got[0].get("launch_pdl") and "PDL" not in got[0]
+    assert "EARLY" not in pre[1] and "launch_pdl" not in got[1]
+
+
 def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     import triton
 

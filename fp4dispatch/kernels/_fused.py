@@ -53,8 +53,8 @@ def nib_hi(u):
 def pdl_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL) a kernel may start while the previous one on its stream is still
     running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). Only the
-    A-decode kernel before ``wgds`` triggers its dependents early (``wmma_prep_a_kernel``'s EARLY): on the H200 an
-    early trigger there let ``wmma`` CTAs be placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
+    A-decode kernel before ``wgds`` and ``wgws`` triggers its dependents early (``wmma_prep_a_kernel``'s EARLY): on
+    the H200 an early trigger before ``wmma`` let its CTAs be placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
     if PDL:
         gdc_wait()
 

@@ -302,13 +302,13 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
     ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
     ``gluon_host.run_wgds``."""
-    from .fused import _cdiv, gluon_split_args, predecode, wgds_work
+    from .fused import _cdiv, gluon_pdl, gluon_split_args, predecode, wgds_work
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
     kb = k2 // 8
-    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pdl,
-                   **({"EARLY": True} if pdl else {}))
+    pre, opts = gluon_pdl(pdl)
+    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pre)
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
     nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)
@@ -319,4 +319,4 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,
            cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]),
            ASTAGES=int(config["astages"]), DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)),
-           PARTS=int(config["parts"]), num_warps=4, **({"launch_pdl": True} if pdl else {}))
+           PARTS=int(config["parts"]), num_warps=4, **opts)

@@ -112,7 +112,7 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
     """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
     wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile.
     PDL: see ``pdl_wait``. EARLY (with PDL): each CTA lets the next kernel launch once its own wait is over (so the
-    kernels before this one are done), for a next kernel that waits only where it reads ad (``_wgds``)."""
+    kernels before this one are done), for a next kernel that waits only where it reads ad (``fused.gluon_pdl``)."""
     pdl_wait(PDL)
     if PDL and EARLY:
         gdc_launch_dependents()

@@ -304,6 +304,13 @@ def _split_args(parts: int, tiles: int, m: int, n: int, out: torch.Tensor) -> tu
     return splitk.buffers(m, n, parts, tiles, out.device)
 
 
+def gluon_pdl(pdl: dict) -> tuple[dict, dict]:
+    """(pre-decode options, launch options) of a Gluon kernel that runs after ``predecode`` (``wgws``, ``wgds``)
+    with PDL (``pdl``: :func:`_pdl`'s): the pre-decode lets the kernel launch as soon as the kernels before it are
+    done (EARLY), and the kernel waits for the pre-decode only where it loads the decoded operand."""
+    return ({**pdl, "EARLY": True}, {"launch_pdl": True}) if pdl else ({}, {})
+
+
 def gluon_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: torch.Tensor) -> tuple:
     """(workspace, counters) of ``wgds``'s split K (``_wgds.split_epilogue``: a ``block``-element fp32 block per
     (tile, part)). Typed as for a split launch even when ``parts`` is 1: SPLIT is a runtime value

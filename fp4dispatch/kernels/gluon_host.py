@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import _cdiv, _num_sms, predecode
+from .fused import _cdiv, _num_sms, gluon_pdl, predecode
 from .launch import launch, tma_desc
 
 
@@ -24,8 +24,8 @@ def run_wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
                          f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from configs_for()")
     cb = _cdiv(kb, 4)
     nx, ny = x.shape[0], y.shape[0]
-    # with PDL the pre-decode lets wgws launch early, and only wgws's producer waits for it
-    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pdl, **({"EARLY": True} if pdl else {}))
+    pre, opts = gluon_pdl(pdl)  # with PDL only wgws's producer waits for the pre-decode
+    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pre)
     from . import _gluon
 
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
@@ -38,7 +38,7 @@ def run_wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     # a tile's epilogue; else one CTA per tile
     ctas = min(tiles, _num_sms(out.device)) if config.get("persist") else tiles
     launch(_gluon.wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cb, nt, tiles, steps, BN=bn,
-           BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16, **({"launch_pdl": True} if pdl else {}))
+           BM=bm, BKB=bkb, STAGES=stages, SWAP=swap, num_warps=bn // 16, **opts)
 
 
 def run_gvws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
