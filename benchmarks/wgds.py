@@ -39,7 +39,7 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int = 4, DSTAGE
            "UNITS": "i32", "SPLIT": "i32", "SPS": "i32", "STEPS": "i32"}
     consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "ASTAGES": ASTAGES, "DSTAGES": DSTAGES, "DREGS": DREGS,
               "PARTS": PARTS}
-    return build(wgds_kernel, sig, consts, 4, ("out_ptr", "M", "N"), out)
+    return build(wgds_kernel, sig, consts, 4, ("out_ptr", "ws_ptr", "cnt_ptr", "M", "N"), out)
 
 
 def wgds(bn: int, bm: int, bkb: int, stages: int, astages: int = 4, dstages: int = 2, dregs: int = 128,

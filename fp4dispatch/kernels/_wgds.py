@@ -178,14 +178,15 @@ def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, 
     """Part ``part`` of a tile's SPLIT partial sums, by ``_fused.reduce_store``'s protocol: stored in fp32, straight
     from the wgmma layout, to the tile's own [BN, BM] block of ws (block tile * SPLIT + part: a thread writes whole
     32-byte sectors); the CTA that counts itself in last on cnt_ptr[tile] sums the blocks in part order (the result
-    does not depend on arrival order), 32 rows at a time with 16-byte reads, applies alpha, writes out
-    (``epilogue``'s rows, QR) and sets the counter back to zero. (Stored in out's layout and read back 4 bytes at a
-    time, the sum cost ~1.45 us per part on the H200; this way 2048x6144 at M = 128 in 4 parts went from 24.3 to
-    20.8 us, fourteenth session.)"""
+    does not depend on arrival order), 32 rows at a time with 16-byte reads, four parts' reads in flight at once,
+    applies alpha, writes out (``epilogue``'s rows, QR) and sets the counter back to zero. (Stored in out's layout and
+    read back one part at a time, 4 bytes per read, the sum cost ~1.45 us per part on the H200; this way 2048x6144 at
+    M = 128 in 4 parts went from 24.3 to 19.7 us, fourteenth session.)"""
     BN: gl.constexpr = acc.type.shape[0]
     BM: gl.constexpr = acc.type.shape[1]
     L: gl.constexpr = acc.type.layout
     CH: gl.constexpr = 32 if BN > 32 else BN
+    GROUP: gl.constexpr = 4
     r = gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     c = gl.arange(0, BM, layout=gl.SliceLayout(0, L))
     block = ws_ptr + (tile * SPLIT).to(gl.int64) * (BN * BM)  # int64: tiles * SPLIT * BN * BM may pass 2**31
@@ -203,8 +204,12 @@ def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, 
         for r0 in gl.static_range(0, BN, CH):
             chunk = block + (r0 + rr[:, None]) * BM + cc[None, :]
             total = gl.zeros([CH, BM], gl.float32, LD)
-            for p in range(SPLIT):  # .cg: from L2, where the other SMs' partials are
-                total += gl.load(chunk + p * (BN * BM), cache_modifier=".cg")
+            # GROUP parts' loads in flight at once (unrolled, past SPLIT masked off), still added in part order;
+            # .cg: from L2, where the other SMs' partials are
+            for p0 in range(0, SPLIT, GROUP):
+                for i in gl.static_range(GROUP):
+                    total += gl.load(chunk + (p0 + i) * (BN * BM), mask=p0 + i < SPLIT, other=0.0,
+                                     cache_modifier=".cg")
             corner, offs, mask = _tile_offsets(n0, m0, M, N, CH, BM, ST, False, QR, r0)
             gl.store(out_ptr + corner + offs, gl.convert_layout((total * scale).to(out_ptr.dtype.element_ty), ST),
                      mask=mask)

@@ -173,10 +173,11 @@ def wgds_work(m: int, n: int, kb: int, bm: int, bn: int, bkb: int) -> tuple[int,
 def _wgds_split(tiles: int, steps: int, sms: int) -> int:
     """K parts per wgds tile where its tiles leave SMs idle (N <= 2048 at M = 128 on 132 SMs): the number that
     minimizes the busiest SM's K steps plus the partial sums' cost, ceil(steps / s) + 6 + 3 s (H200, thirteenth
-    session: ~3 us + ~1.45 us per part at ~0.49 us per K step; with the sums read 16 bytes at a time, fourteenth
-    session, 2048x6144 in 2 / 3 / 4 / 6 / 8 parts took 24.0 / 20.9 / 20.0 / 26.7 / 32.3 us and 768x6144 in 3 / 4 / 6
-    / 8 19.4 / 18.4 / 18.6 / 19.4: the same picks), with every part on an SM of its own (a second wave of parts
-    measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and >= 2 steps each."""
+    session: ~3 us + ~1.45 us per part at ~0.49 us per K step; with the sums read 16 bytes and four parts at a time,
+    fourteenth session run 7, 2048x6144 in 2 / 3 / 4 / 6 / 8 parts took 23.1 / 20.4 / 19.7 / 26.5 / 29.9 us and
+    768x6144 22.6 / 19.4 / 18.1 / 17.9 / 17.8: the same picks, within 0.3 us of the best), with every part on an SM
+    of its own (a second wave of parts measured far slower: 6144x2048 in 4 parts 41.6 us against 17.9 whole) and
+    >= 2 steps each."""
     return min(range(1, max(1, min(16, steps // 2, sms // tiles)) + 1),
                key=lambda s: _cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
 
