@@ -256,13 +256,13 @@ def test_wgds_split_buffers_typed_even_unsplit(monkeypatch):
     """wgds compiles its split epilogue whatever SPLIT is: unsplit, alpha stands in as an fp32 workspace and int32
     counters (never touched); split, a [BN, BM] fp32 block per (tile, part) and the stream's zeroed counters."""
     from fp4dispatch.kernels import splitk
-    from fp4dispatch.kernels.fused import gluon_split_args
+    from fp4dispatch.kernels.fused import wgds_split_args
 
     monkeypatch.setattr(splitk, "_COUNTERS", {})
     alpha, out = torch.ones(1), torch.empty(3, 5)
-    ws, cnt = gluon_split_args(1, 12, 64 * 128, alpha, out)
+    ws, cnt = wgds_split_args(1, 12, 64 * 128, alpha, out)
     assert ws is alpha and cnt.dtype == torch.int32 and cnt.data_ptr() == alpha.data_ptr()
-    ws, cnt = gluon_split_args(4, 12, 64 * 128, alpha, out)
+    ws, cnt = wgds_split_args(4, 12, 64 * 128, alpha, out)
     assert ws.dtype == torch.float32 and ws.numel() == 4 * 12 * 64 * 128
     assert cnt.dtype == torch.int32 and cnt.numel() >= 12 and int(cnt.count_nonzero()) == 0
 

@@ -307,7 +307,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
     ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
     ``gluon_host.run_wgds``."""
-    from .fused import _cdiv, gluon_pdl, gluon_split_args, predecode, wgds_work
+    from .fused import _cdiv, gluon_pdl, predecode, wgds_split_args, wgds_work
 
     bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
     (m, k2), n = a.shape, b.shape[0]
@@ -319,7 +319,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)
     sps = _cdiv(steps, max(1, min(int(config.get("split", 1)), steps)))
     split = _cdiv(steps, sps)  # every part gets >= 1 step
-    ws, cnt = gluon_split_args(split, tiles, bn * bm, alpha, out)
+    ws, cnt = wgds_split_args(split, tiles, bn * bm, alpha, out)
     units = tiles * split
     launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,
            cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]),

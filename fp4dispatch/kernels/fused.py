@@ -312,7 +312,7 @@ def gluon_pdl(pdl: dict) -> tuple[dict, dict]:
     return ({**pdl, "EARLY": True}, {"launch_pdl": True}) if pdl else ({}, {})
 
 
-def gluon_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: torch.Tensor) -> tuple:
+def wgds_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: torch.Tensor) -> tuple:
     """(workspace, counters) of ``wgds``'s split K (``_wgds.split_epilogue``: a ``block``-element fp32 block per
     (tile, part)). Typed as for a split launch even when ``parts`` is 1: SPLIT is a runtime value
     (``do_not_specialize``), so the split epilogue is compiled whatever it is, and its atomics need int32 counters;
