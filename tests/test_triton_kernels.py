@@ -624,13 +624,14 @@ def test_wgws_cached_descriptors_describe_what_from_tensor_did(monkeypatch, swap
 
 
 def test_gluon_kernels_wait_for_the_predecode_only_with_pdl(monkeypatch):
-    """With PDL (``fused._pdl``'s options) the pre-decode before wgws triggers its dependents early (EARLY) and wgws
-    launches with launch_pdl (its producer waits for the pre-decode; it has no PDL parameter); without, neither."""
+    """With PDL (``fused._pdl``'s options) the pre-decode before wgws and wgds triggers its dependents early (EARLY)
+    and they launch with launch_pdl (only the partition that loads the pre-decoded operand waits; neither kernel has
+    a PDL parameter); without, neither."""
     from fp4dispatch.kernels import gluon_missing
     if gluon_missing():
         pytest.skip(gluon_missing())
-    from fp4dispatch.kernels import gluon_host
-    from fp4dispatch.kernels.fused import gluon_pdl
+    from fp4dispatch.kernels import _wgds, fused, gluon_host
+    from fp4dispatch.kernels.fused import _WGDS, gluon_pdl
 
     assert gluon_pdl({}) == ({}, {})
     assert gluon_pdl({"launch_pdl": True, "PDL": True}) == ({"launch_pdl": True, "PDL": True, "EARLY": True},
@@ -645,8 +646,17 @@ def test_gluon_kernels_wait_for_the_predecode_only_with_pdl(monkeypatch):
     cfg = {"BM": 256, "BN": 128, "BKB": 4, "stages": 5}
     gluon_host.run_wgws(a, b, s, s, s, s, cfg, {"launch_pdl": True, "PDL": True})
     gluon_host.run_wgws(a, b, s, s, s, s, cfg, {})
-    assert pre[0].get("EARLY") and pre[0].get("PDL") and got[0].get("launch_pdl") and "PDL" not in got[0]
-    assert "EARLY" not in pre[1] and "launch_pdl" not in got[1]
+    # wgds (_wgds.run takes predecode from fused): 128 x 768, K = 6144
+    monkeypatch.setattr(fused, "predecode", lambda *args, **kw: pre.append(kw) or
+                        torch.zeros(128, 6144 // 4, dtype=torch.float16))
+    monkeypatch.setattr(_wgds, "launch", lambda fn, grid, *args, **kw: got.append(kw))
+    a, b = torch.zeros(128, 3072, dtype=torch.uint8), torch.zeros(768, 3072, dtype=torch.uint8)
+    sa, sb = torch.zeros(128 * 384, dtype=torch.uint8), torch.zeros(768 * 384, dtype=torch.uint8)
+    for pdl in ({"launch_pdl": True, "PDL": True}, {}):
+        _wgds.run(a, b, sa, sb, torch.ones(1), torch.empty(128, 768), _WGDS, 132, pdl)
+    for i, on in ((0, True), (1, False), (2, True), (3, False)):
+        assert bool(pre[i].get("EARLY")) == on and bool(pre[i].get("PDL")) == on, i
+        assert bool(got[i].get("launch_pdl")) == on and "PDL" not in got[i], i
 
 
 def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
@@ -658,8 +668,7 @@ def test_gluon_missing_names_the_triton_it_needs(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     try:
         assert kernels.gluon_missing() == ("the Gluon kernels (wgws, wgds, gvws) are written for Triton 3.6's Gluon; "
-                                           "this is "
-                                           "Triton 3.9.0")
+                                           "this is Triton 3.9.0")
     finally:
         kernels.gluon_missing.cache_clear()
 
