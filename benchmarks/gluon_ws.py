@@ -12,7 +12,7 @@ Ninth session: the kernel takes whole tiles per CTA (``persist``: one CTA per SM
 (``swap``: the weight pre-decoded, the activation decoded in registers); every variant goes through ``fused_mm``.
 
     python3 benchmarks/gluon_ws.py --compile 128 256 4 5 [1]   # local sm_90a build (BN BM BKB STAGES [SWAP]), no GPU
-    python3 benchmarks/gluon_ws.py [--no-check] [--small [--pdl-ab] [--ms 1024] [--tiles 2]] [--large] [--m128] [--k]
+    python3 benchmarks/gluon_ws.py [--no-check] [--tiles 0,2] [--small [--pdl-ab] [--ms 1024]] [--large] [--m128] [--k]
     ncu --profile-from-start off ... python3 benchmarks/gluon_ws.py --profile 8192 8192 1024 128 256 4 5 0 0
 """
 from __future__ import annotations
@@ -62,12 +62,12 @@ def runner(ops, cfg):
 TILES = ((128, 256, 4, 5), (64, 256, 8, 3), (128, 128, 8, 4), (64, 128, 8, 4))  # (BN, BM, BKB, stages)
 
 
-def check() -> None:
-    """Exactness against the float64 reference, every tile plain / persistent, swapped or not, fp32 and bf16 out,
+def check(tiles=TILES) -> None:
+    """Exactness against the float64 reference, each tile plain / persistent, swapped or not, fp32 and bf16 out,
     NaN-poisoned out; K = 1152 and 2080 give odd step counts and steps past K; persistent CTAs run several tiles."""
     from bench_hopper import check_configs
     named = [((bn, bm, sched, swap), wgws(bn, bm, bkb, stages, sched, swap))
-             for bn, bm, bkb, stages in TILES for sched in SCHEDS for swap in (False, True)]
+             for bn, bm, bkb, stages in tiles for sched in SCHEDS for swap in (False, True)]
     check_configs(named, ((128, 1024, 4096), (3, 512, 2048), (300, 640, 8192), (130, 768, 1152), (257, 1000, 2080),
                           (1024, 768, 6144)), lambda ops, cfg: runner(ops, cfg)())
 
@@ -140,12 +140,13 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--profile"]:
         profile(*map(int, sys.argv[2:]))
     else:
+        # --tiles 0,2: those of TILES (checked and timed by --small); --ms 1024,4096; --pdl-ab: also without PDL
+        arg = {a: sys.argv[sys.argv.index(a) + 1] for a in ("--ms", "--tiles") if a in sys.argv}
+        tiles = tuple(TILES[int(i)] for i in arg["--tiles"].split(",")) if "--tiles" in arg else TILES
         if "--no-check" not in sys.argv:
-            check()
-        if "--small" in sys.argv:  # --pdl-ab: each config also without PDL; --ms 1024,4096; --tiles 2: the first two
-            arg = {a: sys.argv[sys.argv.index(a) + 1] for a in ("--ms", "--tiles") if a in sys.argv}
-            exp_small(ms=tuple(map(int, arg.get("--ms", "1024,4096").split(","))),
-                      tiles=TILES[:int(arg.get("--tiles", len(TILES)))],
+            check(tiles)
+        if "--small" in sys.argv:
+            exp_small(ms=tuple(map(int, arg.get("--ms", "1024,4096").split(","))), tiles=tiles,
                       pdls=(True, False) if "--pdl-ab" in sys.argv else (True,))
         if "--large" in sys.argv:
             exp_large()

@@ -464,11 +464,12 @@ def test_wgws_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
 
     cuda = _gluon_gpu(monkeypatch, cap)
     big, narrow, small = (256, 128, ""), (256, 64, ""), (128, 128, "")  # (BM, BN, variant)
-    persist, swap = (256, 128, "persist"), (256, 128, "swap")
+    persist, swap, swap64 = (256, 128, "persist"), (256, 128, "swap"), (256, 64, "swap")
     for m, n, tiles in ((64, 8192, []), (128, 8192, []), (129, 8192, [small]),
                         (300, 8192, [persist, big, narrow, small]), (512, 8192, [persist, big, narrow, small]),
                         (513, 8192, [persist, big, narrow]), (8192, 8192, [persist, big, narrow]),
-                        (4096, 2048, [swap, persist, big, narrow]), (300, 256, [swap, persist, big, narrow, small])):
+                        (4096, 2048, [swap, persist, big, narrow, swap64]),
+                        (300, 256, [swap, persist, big, narrow, small, swap64])):
         cfgs = fused.configs_for(m, n, 8192, cuda)
         ws = [c for c in cfgs if c["kernel"] == "wgws"]
         got = [(c["BM"], c["BN"], "persist" if c.get("persist") else "swap" if c.get("swap") else "") for c in ws]

@@ -142,7 +142,8 @@ def _gluon_ok(device: torch.device) -> bool:
 # twice the N tiles, 11-20 % faster where BN 128 leaves the SMs under two waves), BM 128 up to M = 512; the largest
 # rings that fit 227 KB of shared memory. From M = 257 the first tile is also offered persistent (one CTA per SM, the
 # loads run on across tile ends) and, where M > N, swapped (the weight is the operand decoded first, so fewer values
-# are: 2048x6144 and 768x6144 at M = 4096 156.6 -> 145.9 us and 90.6 -> 75.5 us, ninth session run 3).
+# are: 2048x6144 and 768x6144 at M = 4096 156.6 -> 145.9 us and 90.6 -> 75.5 us, ninth session run 3); the BN 64 tile
+# swapped as well (768x6144 at M = 8192: 122.9 us against 142.1 for BN 128 swapped, fifteenth session run 1).
 _WGWS_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
 
 
@@ -184,12 +185,14 @@ def _wgds_split(tiles: int, steps: int, sms: int) -> int:
 
 def _wgws_configs(m: int, n: int) -> list[dict]:
     """The wgws candidates for M > 128, best guess first."""
-    out = [{"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": st} for bm, bn, bkb, st in _WGWS_TILES
-           if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
-    if m > 256:
-        out.insert(0, dict(out[0], persist=True))
-        if m > n:
-            out.insert(0, dict(out[1], swap=True))
+    plain = [{"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": st} for bm, bn, bkb, st in _WGWS_TILES
+             if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
+    if m <= 256:
+        return plain
+    out = [dict(plain[0], persist=True)] + plain
+    if m > n:  # both BM 256 tiles swapped, the BN 128 one first
+        swaps = [dict(t, swap=True) for t in plain if t["BM"] == 256]
+        out = swaps[:1] + out + swaps[1:]
     return out
 
 
