@@ -130,6 +130,18 @@ for m, k in [(5, 48), (130, 272)]:
                                  "same": bool(torch.equal(p0, p1) and torch.equal(s0c.view(torch.uint8), s1.view(torch.uint8))),
                                  "shape": list(s1.shape), "want_shape": list(s0c.shape)})
 
+# the pre-decode (A once per call, before wmma with APRE, wgws and wgds) writes the same values whatever its CTA tile;
+# benchmarks/predecode.py times the tiles on a GPU
+from fp4dispatch.kernels.fused import _cdiv, predecode
+res["predecode"] = []
+for r, k in [(3, 80), (20, 272)]:
+    ops = make_operands(Problem(r, 16, k, torch.float32, cpu), seed=r)
+    kb = k // 16
+    args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), r, kb, _cdiv(kb, 4), False)
+    want = predecode(*args)
+    for tile in ((32, 32, 4), (8, 4, 2)):
+        res["predecode"].append({"r": r, "k": k, "tile": tile, "same": bool(torch.equal(predecode(*args, tile), want))})
+
 import fp4dispatch
 from fp4dispatch.backends.triton_dequant import TritonDequantBackend
 from fp4dispatch.backends.triton_fused import TritonFusedBackend
@@ -300,6 +312,11 @@ def test_pdl_only_on_sm90_gpus(monkeypatch):
         assert bool(fused._pdl(torch.device("cuda", 0), {})) is want
         assert fused._pdl(torch.device("cuda", 0), {"pdl": False}) == {}
     fused._pdl_capable.cache_clear()
+
+
+def test_predecode_same_values_whatever_its_tile(child):
+    rows = child["predecode"]
+    assert len(rows) == 4 and all(r["same"] for r in rows), rows
 
 
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):

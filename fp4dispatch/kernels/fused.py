@@ -325,15 +325,18 @@ def wgds_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out
     return splitk.buffers(tiles, block, parts, tiles, out.device)
 
 
-def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, **opts) -> torch.Tensor:
+def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, tile: tuple = (16, 16, 4),
+              **opts) -> torch.Tensor:
     """``wmma``'s APRE step, also ``wgws``'s: one operand (int64 words [m, kb], swizzled scale bytes ``sa``; A, or the
     weight in a swapped ``wgws``) decoded once into [m, ceil(kb/4)*64] in wmma's K order, fp16 (fp32 in the
-    interpreter, ``asm`` False); ``opts``: the PDL and CVT launch options."""
+    interpreter, ``asm`` False); ``tile``: (rows, 16-blocks, warps) per CTA; ``opts``: the PDL and CVT launch
+    options."""
     from . import _wmma
 
+    br, bkb, warps = tile
     ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
-    launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, 16), _cdiv(kb, 16)), a64, sa, ad, m, kb, cb, BR=16, BKB=16, ASM=asm,
-           **opts)
+    launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, br), _cdiv(kb, bkb)), a64, sa, ad, m, kb, cb, BR=br, BKB=bkb, ASM=asm,
+           num_warps=warps, **opts)
     return ad
 
 
