@@ -21,7 +21,7 @@ from bench_hopper import graph_ms, rand_operands  # noqa: E402
 from fp4dispatch.kernels.fused import _cdiv, predecode  # noqa: E402
 
 TILES = ((16, 16, 4), (32, 16, 4), (64, 16, 8), (16, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8))
-# (rows, K) pre-decoded per call: the activation at M = 128 / 1024 / 4096 / 8192, the weight of a swapped 768x6144;
+# (rows, K) pre-decoded per call: the activation at M = 128 / 1024 / 4096 / 8192, the weight of a swapped 768x6144
 ROWS_K = ((128, 8192), (1024, 2048), (1024, 6144), (1024, 8192), (768, 6144), (4096, 6144), (8192, 8192), (3, 1040),
           (130, 1152), (300, 2080))  # the last three: rows and K that no tile divides (bits only)
 
@@ -29,9 +29,8 @@ ROWS_K = ((128, 8192), (1024, 2048), (1024, 6144), (1024, 8192), (768, 6144), (4
 def main(tiles=TILES) -> None:
     for rows, k in ROWS_K:
         ops = rand_operands(rows, 32, k, seed=rows)
-        kb = k // 16
-        run = {t: (lambda t=t: predecode(ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), rows, kb, _cdiv(kb, 4), True, t,
-                                         CVT=True)) for t in tiles}
+        args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), rows, k // 16, _cdiv(k // 16, 4), True)
+        run = {t: (lambda t=t: predecode(*args, t, CVT=True)) for t in tiles}
         want = run[tiles[0]]()
         same = {t: torch.equal(run[t]().view(torch.int16), want.view(torch.int16)) for t in tiles}
         res = sorted((graph_ms(run[t]) * 1e3, t) for t in tiles)
