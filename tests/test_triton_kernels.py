@@ -319,6 +319,15 @@ def test_predecode_same_values_whatever_its_tile(child):
     assert len(rows) == 4 and all(r["same"] for r in rows), rows
 
 
+def test_predecode_refuses_a_tile_that_cuts_a_scale_group():
+    from fp4dispatch.kernels.fused import predecode
+
+    a64 = torch.zeros(4, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"predecode: tile\[1\] \(16-blocks per CTA\) must be a multiple of 4; got "
+                                         r"tile=\(16, 6, 4\)"):
+        predecode(a64, torch.zeros(512 * 2, dtype=torch.uint8), 4, 8, 2, False, (16, 6, 4))
+
+
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):
     assert {r["cfg"]["kernel"] for r in child["nan"]} == {"gemv", "gemv2", "mma", "wmma"}
     assert {r["m"] for r in child["nan"]} == {1, 3, 5}

@@ -334,6 +334,8 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm
     from . import _wmma
 
     br, bkb, warps = tile
+    if bkb % 4:  # the scale swizzle and wmma's K order both go by groups of 4 blocks
+        raise ValueError(f"predecode: tile[1] (16-blocks per CTA) must be a multiple of 4; got tile={tile}")
     ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
     launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, br), _cdiv(kb, bkb)), a64, sa, ad, m, kb, cb, BR=br, BKB=bkb, ASM=asm,
            num_warps=warps, **opts)
