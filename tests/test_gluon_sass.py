@@ -2,7 +2,8 @@
 the register operand of a wgmma still in flight (benchmarks/sass_race.py; the rolled loop that did this gave wrong
 results on the H200), no register spills in the K loop, shared memory within the H200's 227 KB; the racy rolled loop of
 benchmarks/gluon_probe.py is the checker's positive control. ``gvws``: the proxy fence before each ring slot is freed,
-no spills in its step loop, its CTAs per SM within the shared memory. Runs only with the Triton the kernels are written
+no spills in its step loop, its CTAs per SM within the shared memory. ``wgds``: the fence before the decoded tile is
+handed over. The ``wgdy`` benchmark kernel: still builds race-free. Runs only with the Triton the kernels are written
 for."""
 from __future__ import annotations
 
@@ -65,6 +66,18 @@ def test_wgds_sass_fences_the_decoded_tile_no_loop_spills_and_fits(parts):
     assert any("MEMBAR" in x for x in body[max(stores):min(arrives)]), "no fence between the tile and its arrive"
     assert race.hot_loops(code), "no wgmma loop found in the SASS"
     assert race.loop_spills(built["sass"]) == [] and not [x for x in body if "STL" in x or "LDL" in x]
+    assert built["shared"] <= SMEM_SM90
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["out", "swap"])
+def test_wgdy_benchmark_kernel_still_builds_race_free(swap):
+    """``benchmarks/wgdy_kernel.py`` (measured and dropped, sixteenth session) reuses the library's decode, scale
+    layout and epilogue: it must keep building, with no write to an in-flight wgmma operand and no loop spills, so that
+    its RESULTS numbers stay reproducible."""
+    wd, race = _bench("wgdy"), _bench("sass_race")
+    built = wd.build_wgdy(128, 256, 4, 5, swap)
+    assert race.hot_loops(race._parse(built["sass"])), "no wgmma loop found in the SASS"
+    assert race.races(built["sass"]) == [] and race.loop_spills(built["sass"]) == []
     assert built["shared"] <= SMEM_SM90
 
 

@@ -48,18 +48,19 @@ from .launch import launch, tma_desc
 
 
 @triton.constexpr_function
-def scale_layout(bn: int, bkb: int) -> gl.DistributedLinearLayout:
-    """The layout of a step's scale bytes as [4, R, BKB/4, 4] (q, i, j, b) that reshaped to [BN, BKB] (rows q*R + i,
-    blocks 4j + b) is ``raw_layout`` of the words, so each thread gets its words' scales with no data movement."""
-    bn, bkb = (getattr(v, "value", v) for v in (bn, bkb))
-    r, raw = bn // 4, raw_layout(bkb, bn // 16)
+def scale_layout(bn: int, bkb: int, r: int = 0) -> gl.DistributedLinearLayout:
+    """The layout of a step's scale bytes as [BN/R, R, BKB/4, 4] (q, i, j, b) that reshaped to [BN, BKB] (rows
+    q*R + i, blocks 4j + b) is ``raw_layout`` of the words, so each thread gets its words' scales with no data
+    movement. R: rows of each quarter, BN / 4 unless given (``_wgdy``'s chunks: 32, whole quarters)."""
+    bn, bkb, r = (getattr(v, "value", v) for v in (bn, bkb, r))
+    r, raw = r or bn // 4, raw_layout(bkb, bn // 16)
 
     def to4(base):
         return [base[0] // r, base[0] % r, base[1] // 4, base[1] % 4]
     return gl.DistributedLinearLayout(reg_bases=[to4(b) for b in raw.reg_bases],
                                       lane_bases=[to4(b) for b in raw.lane_bases],
                                       warp_bases=[to4(b) for b in raw.warp_bases], block_bases=[],
-                                      shape=[4, r, bkb // 4, 4])
+                                      shape=[bn // r, r, bkb // 4, 4])
 
 
 @gluon.jit
