@@ -22,6 +22,11 @@ best whole-tile config in every small-shape cell at M = 1024 and 4096, v18).
 Fourteenth session: launched with PDL after the pre-decode, whose CTAs let it launch once the kernels before are
 done; only the producer waits for the pre-decode (``gdc_wait``). H200: 0-1.5 us less per call at M >= 1024.
 
+Sixteenth session: the consumers load a step's scale bytes two steps ahead instead of one; the wait for them was
+their largest stall (ncu: 14.5 % of all samples, on one instruction). H200: 2-5 % less per call on the small shapes
+at M = 1024 (2048x6144 46.2 -> 44.1 us), 0.86-0.87x cuBLAS bf16 on 6144x2048 and 2048x6144 where the fifteenth
+session's table had 0.81-0.82x; 8192² at M = 1024 186.8 -> 179.1 us (benchmarks/RESULTS.md sixteenth session).
+
 Two things a correct version needed (benchmarks/notes_hopper.md v12):
 - the consumer loop runs two K steps per pass. A rolled loop decodes every step into the same registers, and with
   a group in flight the decode overwrote the operand that group was still reading (wrong results at BM 256);
@@ -199,17 +204,22 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, T
         n0 = (tile % NT) * BN
         m0 = (tile // NT) * BM
         sptr, smask, t = scale_ptrs(sb_ptr, n0, CB, N, BN, BKB, RAW)
-        sb = load_scales(sptr, smask, t, 0, KB)
+        sb0 = load_scales(sptr, smask, t, 0, KB)
+        sb1 = load_scales(sptr, smask, t, BKB, KB)
         acc = gl.zeros([BN, BM], gl.float32, MMA)
         # Two steps per pass, so that two values hold the decoded operands: a step's decode runs while the step
         # before's wgmma still reads its register operand. In a rolled loop both are one value, the same registers.
+        # A step's scale bytes are loaded two steps ahead: loaded one step ahead, the wait for them was the
+        # consumers' largest stall (ncu, H200, sixteenth session).
         for i in range(STEPS // 2):
-            sb1 = load_scales(sptr, smask, t, (2 * i + 1) * BKB, KB)
-            acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb, acc, RAW, DOT)
-            sb = load_scales(sptr, smask, t, (2 * i + 2) * BKB, KB)
+            sb2 = load_scales(sptr, smask, t, (2 * i + 2) * BKB, KB)
+            acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb0, acc, RAW, DOT)
+            sb3 = load_scales(sptr, smask, t, (2 * i + 3) * BKB, KB)
             acc = _release(w_s, a_s, ready, empty, j + 2 * i + 1, True, sb1, acc, RAW, DOT)
+            sb0 = sb2
+            sb1 = sb3
         if STEPS % 2 == 1:
-            acc = _release(w_s, a_s, ready, empty, j + STEPS - 1, STEPS > 1, sb, acc, RAW, DOT)
+            acc = _release(w_s, a_s, ready, empty, j + STEPS - 1, STEPS > 1, sb0, acc, RAW, DOT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(empty.index((j + STEPS - 1) % STAGES))  # the tile's last slot: the producer runs on
         epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP)
