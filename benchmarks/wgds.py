@@ -73,8 +73,16 @@ def check(configs: list[dict]) -> list[dict]:
     return [cfg for _, cfg in kept]
 
 
-def timings(configs: list[dict], shapes, ms) -> None:
-    """Graph us of every config against the best of the dispatcher's candidates (``configs_for``) and cuBLAS bf16."""
+def label(c: dict) -> str:
+    """A wgds config as printed: BNxBM/BKB/stages/astages/dstages/dregs x parts [p] [sN] [nopdl]."""
+    return (f"{c['BN']}x{c['BM']}/{c['BKB']}/{c['stages']}/{c['astages']}/{c['dstages']}/{c['dregs']}x{c['parts']}"
+            f"{' p' if c.get('persist') else ''}{' s%d' % c['split'] if c.get('split') else ''}"
+            f"{' nopdl' if c.get('pdl') is False else ''}")
+
+
+def timings(configs: list[dict], shapes, ms, kind: str = "wgds", name=label, run=runner) -> None:
+    """Graph us of every config (``run(ops, cfg)`` returns the call; printed as ``kind``: ``name(cfg)``) against the
+    best of the dispatcher's candidates (``configs_for``, through ``fused_mm``) and cuBLAS bf16."""
     from bench_hopper import cublas_bf16_graph_ms, graph_ms, rand_operands
 
     from fp4dispatch.kernels.fused import configs_for
@@ -87,17 +95,14 @@ def timings(configs: list[dict], shapes, ms) -> None:
             res = []
             for cfg in configs:
                 try:
-                    res.append((graph_ms(runner(ops, cfg)), cfg))
+                    res.append((graph_ms(run(ops, cfg)), name(cfg)))
                 except Exception as e:  # noqa: BLE001 - a config that fails to build or launch is reported, not fatal
-                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            res.sort(key=lambda tc: tc[0])
-            name = {key: v for key, v in bc.items() if key not in ("kernel",)}
+                    print(f"  {name(cfg)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            res.sort()
+            pick = {key: v for key, v in bc.items() if key != "kernel"}
             print(f"N={n} K={k} M={m} us: cuBLAS bf16 {cub * 1e3:.1f}; candidates' best {best * 1e3:.1f} "
-                  f"({cub / best:.2f}x, {bc['kernel']} {name}); wgds: " + ", ".join(
-                      f"{c['BN']}x{c['BM']}/{c['BKB']}/{c['stages']}/{c['astages']}/{c['dstages']}/{c['dregs']}"
-                      f"x{c['parts']}{' p' if c.get('persist') else ''}{' s%d' % c['split'] if c.get('split') else ''}"
-                      f"{' nopdl' if c.get('pdl') is False else ''} {t * 1e3:.1f} ({cub / t:.2f}x)"
-                      for t, c in res), flush=True)
+                  f"({cub / best:.2f}x, {bc['kernel']} {pick}); {kind}: " +
+                  ", ".join(f"{nm} {t * 1e3:.1f} ({cub / t:.2f}x)" for t, nm in res), flush=True)
 
 
 def main(argv: list[str]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_probe import build, profile_once, report  # noqa: E402
-from wgds import SHAPES  # noqa: E402
+from wgds import SHAPES, timings  # noqa: E402
 
 KEYS = ("BN", "BM", "BKB", "stages", "swap", "persist")
 DEFAULT = "128,256,4,5,0;128,256,4,5,1;128,256,4,5,0,1;128,256,4,5,1,1"
@@ -61,10 +61,7 @@ def name(cfg: dict) -> str:
 
 
 def runner(ops, cfg):
-    """A call of ``fused_mm`` (the dispatcher's candidates) or of the benchmark kernel (``kernel: wgdy``)."""
-    from fp4dispatch.kernels.fused import fused_mm
-    if cfg.get("kernel") != "wgdy":
-        return lambda: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+    """A call of the benchmark kernel."""
     from wgdy_kernel import run
     sa, sb = ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8)
 
@@ -85,30 +82,6 @@ def check(configs: list[dict]) -> list[dict]:
     return [cfg for _, cfg in kept]
 
 
-def timings(configs: list[dict], shapes, ms) -> None:
-    """Graph us of every config against the best of the dispatcher's candidates (``configs_for``) and cuBLAS bf16."""
-    from bench_hopper import cublas_bf16_graph_ms, graph_ms, rand_operands
-
-    from fp4dispatch.kernels.fused import configs_for
-    for n, k in shapes:
-        for m in ms:
-            ops = rand_operands(m, n, k, seed=m)
-            cub = cublas_bf16_graph_ms(m, n, k)
-            cands = [(graph_ms(runner(ops, c)), c) for c in configs_for(m, n, k, ops.a.device)]
-            best, bc = min(cands, key=lambda tc: tc[0])
-            res = []
-            for cfg in configs:
-                try:
-                    res.append((graph_ms(runner(ops, cfg)), name(cfg)))
-                except Exception as e:  # noqa: BLE001 - a config that fails to build or launch is reported, not fatal
-                    print(f"  {name(cfg)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            res.sort()
-            pick = {key: v for key, v in bc.items() if key != "kernel"}
-            print(f"N={n} K={k} M={m} us: cuBLAS bf16 {cub * 1e3:.1f}; candidates' best {best * 1e3:.1f} "
-                  f"({cub / best:.2f}x, {bc['kernel']} {pick}); wgdy: " +
-                  ", ".join(f"{nm} {t * 1e3:.1f} ({cub / t:.2f}x)" for t, nm in res), flush=True)
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--compile"]:
         report(build_wgdy(*map(int, argv[1:]), out=os.environ.get("OUT", "/tmp/wgdy")))
@@ -125,7 +98,7 @@ def main(argv: list[str]) -> None:
     if "--no-check" not in argv:
         configs = check(configs)
     shapes = SHAPES[opt("--shapes", "small")]
-    timings(configs, shapes, [int(x) for x in opt("--ms", "1024,4096").split(",")])
+    timings(configs, shapes, [int(x) for x in opt("--ms", "1024,4096").split(",")], "wgdy", name, runner)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from .launch import launch, tma_desc
 def scale_layout(bn: int, bkb: int, r: int = 0) -> gl.DistributedLinearLayout:
     """The layout of a step's scale bytes as [BN/R, R, BKB/4, 4] (q, i, j, b) that reshaped to [BN, BKB] (rows
     q*R + i, blocks 4j + b) is ``raw_layout`` of the words, so each thread gets its words' scales with no data
-    movement. R: rows of each quarter, BN / 4 unless given (``_wgdy``'s chunks: 32, whole quarters)."""
+    movement. R: rows of each quarter, BN / 4 unless given (32, whole quarters: benchmarks/wgdy_kernel.py's chunks)."""
     bn, bkb, r = (getattr(v, "value", v) for v in (bn, bkb, r))
     r, raw = r or bn // 4, raw_layout(bkb, bn // 16)
 
