@@ -156,7 +156,7 @@ def _setup(ops, m, n, k, BN, BKB, split):
     grid = (triton.cdiv(n, BN), triton.cdiv(kb // BKB, per))
 
     def run(stages, wait):
-        ad = predecode(a64, sa, m, kb, cb, True, CVT=True)
+        ad = predecode(a64, sa, True, CVT=True)
         add = TensorDescriptor.from_tensor(ad, [16, BKB * 16], a_layout)
         out.zero_()
         probe_kernel[grid](bd, add, sb, ops.alpha, out, m, n, kb, cb, per, BN=BN, BM=16, BKB=BKB, STAGES=stages,

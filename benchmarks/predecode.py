@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hopper import graph_ms, rand_operands  # noqa: E402
 
-from fp4dispatch.kernels.fused import _cdiv, predecode  # noqa: E402
+from fp4dispatch.kernels.fused import predecode  # noqa: E402
 
 TILES = ((16, 16, 4), (32, 16, 4), (64, 16, 8), (16, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8))
 # (rows, K) pre-decoded per call: the activation at M = 128 / 1024 / 4096 / 8192, the weight of a swapped 768x6144
@@ -29,7 +29,7 @@ ROWS_K = ((128, 8192), (1024, 2048), (1024, 6144), (1024, 8192), (768, 6144), (4
 def main(tiles=TILES) -> None:
     for rows, k in ROWS_K:
         ops = rand_operands(rows, 32, k, seed=rows)
-        args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), rows, k // 16, _cdiv(k // 16, 4), True)
+        args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), True)
         run = {t: (lambda t=t: predecode(*args, t, CVT=True)) for t in tiles}
         want = run[tiles[0]]()
         same = {t: torch.equal(run[t]().view(torch.int16), want.view(torch.int16)) for t in tiles}

@@ -44,7 +44,7 @@ def main() -> None:
             fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
 
         def pre():
-            predecode(ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), m, k // 16, -(-k // 64), True, CVT=True)
+            predecode(ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), True, CVT=True)
         steps = -(-k // 128)
         print(f"N={n} K={k} steps={steps} split={split}: call {graph_ms(call) * 1e3:.1f} us flushed, "
               f"{warm_ms(call) * 1e3:.1f} warm; predecode {graph_ms(pre) * 1e3:.1f} flushed, "

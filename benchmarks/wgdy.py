@@ -25,7 +25,7 @@ DEFAULT = "128,256,4,5,0;128,256,4,5,1;128,256,4,5,0,1;128,256,4,5,1,1"
 
 def build_wgdy(BN: int, BM: int, BKB: int, STAGES: int, SWAP: int = 0, out: str | None = None,
                out_type: str = "bf16") -> dict:
-    """``gluon_probe.build`` of the library kernel (sm_90a, no GPU), specialized as a launch would be."""
+    """``gluon_probe.build`` of the benchmark kernel (sm_90a, no GPU), specialized as a launch would be."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 

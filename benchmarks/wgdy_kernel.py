@@ -168,7 +168,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
         out: torch.Tensor, config: dict) -> None:
     """Launch ``wgdy_kernel`` for ``config`` (BM 128 or 256, BN, BKB, stages; swap: X the activation; persist: one CTA
     per SM) on canonical operands (uint8 words, swizzled scale bytes viewed as uint8)."""
-    from fp4dispatch.kernels.fused import _num_sms
+    from fp4dispatch.kernels.fused import _cdiv, _num_sms
 
     swap = bool(config.get("swap"))
     x, sx, y, sy = (a, sa, b, sb) if swap else (b, sb, a, sa)
@@ -178,8 +178,8 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
         raise ValueError(f"wgdy needs BM 128 or 256, K % 32 == 0 and 16-byte aligned operands; got BM={bm}, "
                          f"K={kb * 16}")
     x_desc, y_desc, ys_desc = descriptors(x, y, sy, bn, bm, bkb)
-    nt, steps = -(-x.shape[0] // bn), -(-kb // bkb)
-    tiles = nt * -(-y.shape[0] // bm)
+    nt, steps = _cdiv(x.shape[0], bn), _cdiv(kb, bkb)
+    tiles = nt * _cdiv(y.shape[0], bm)
     ctas = min(tiles, _num_sms(out.device)) if config.get("persist") else tiles
-    launch(wgdy_kernel, (ctas,), x_desc, y_desc, ys_desc, sx, alpha, out, y.shape[0], x.shape[0], kb, -(-kb // 4), nt,
+    launch(wgdy_kernel, (ctas,), x_desc, y_desc, ys_desc, sx, alpha, out, y.shape[0], x.shape[0], kb, _cdiv(kb, 4), nt,
            tiles, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]), SWAP=swap, num_warps=bn // 16)

@@ -132,12 +132,11 @@ for m, k in [(5, 48), (130, 272)]:
 
 # the pre-decode (A once per call, before wmma with APRE, wgws and wgds) writes the same values whatever its CTA tile;
 # benchmarks/predecode.py times the tiles on a GPU
-from fp4dispatch.kernels.fused import _cdiv, predecode
+from fp4dispatch.kernels.fused import predecode
 res["predecode"] = []
 for r, k in [(3, 80), (20, 272)]:
     ops = make_operands(Problem(r, 16, k, torch.float32, cpu), seed=r)
-    kb = k // 16
-    args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), r, kb, _cdiv(kb, 4), False)
+    args = (ops.a.view(torch.int64), ops.a_scale.view(torch.uint8), False)
     want = predecode(*args)
     for tile in ((32, 32, 4), (8, 4, 2)):
         res["predecode"].append({"r": r, "k": k, "tile": tile, "same": bool(torch.equal(predecode(*args, tile), want))})
@@ -325,7 +324,7 @@ def test_predecode_refuses_a_tile_that_cuts_a_scale_group():
     a64 = torch.zeros(4, 8, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"predecode: tile\[1\] \(16-blocks per CTA\) must be a multiple of 4; got "
                                          r"tile=\(16, 6, 4\)"):
-        predecode(a64, torch.zeros(512 * 2, dtype=torch.uint8), 4, 8, 2, False, (16, 6, 4))
+        predecode(a64, torch.zeros(512 * 2, dtype=torch.uint8), False, (16, 6, 4))
 
 
 def test_nan_scale_propagates_and_subnormal_scales_exact(child):

@@ -314,7 +314,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     (m, k2), n = a.shape, b.shape[0]
     kb = k2 // 8
     pre, opts = gluon_pdl(pdl)
-    ad = predecode(a.view(torch.int64), sa, m, kb, _cdiv(kb, 4), True, CVT=True, **pre)
+    ad = predecode(a.view(torch.int64), sa, True, CVT=True, **pre)
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
     nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)

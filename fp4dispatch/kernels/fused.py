@@ -325,20 +325,19 @@ def wgds_split_args(parts: int, tiles: int, block: int, alpha: torch.Tensor, out
     return splitk.buffers(tiles, block, parts, tiles, out.device)
 
 
-def predecode(a64: torch.Tensor, sa: torch.Tensor, m: int, kb: int, cb: int, asm: bool, tile: tuple = (16, 16, 4),
-              **opts) -> torch.Tensor:
+def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16, 16, 4), **opts) -> torch.Tensor:
     """``wmma``'s APRE step, also ``wgws``'s: one operand (int64 words [m, kb], swizzled scale bytes ``sa``; A, or the
     weight in a swapped ``wgws``) decoded once into [m, ceil(kb/4)*64] in wmma's K order, fp16 (fp32 in the
     interpreter, ``asm`` False); ``tile``: (rows, 16-blocks, warps) per CTA; ``opts``: the PDL and CVT launch
     options."""
     from . import _wmma
 
-    br, bkb, warps = tile
+    (m, kb), (br, bkb, warps) = a64.shape, tile
     if bkb % 4:  # the scale swizzle and wmma's K order both go by groups of 4 blocks
         raise ValueError(f"predecode: tile[1] (16-blocks per CTA) must be a multiple of 4; got tile={tile}")
     ad = torch.empty((m, _cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
-    launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, br), _cdiv(kb, bkb)), a64, sa, ad, m, kb, cb, BR=br, BKB=bkb, ASM=asm,
-           num_warps=warps, **opts)
+    launch(_wmma.wmma_prep_a_kernel, (_cdiv(m, br), _cdiv(kb, bkb)), a64, sa, ad, m, kb, _cdiv(kb, 4), BR=br, BKB=bkb,
+           ASM=asm, num_warps=warps, **opts)
     return ad
 
 
@@ -390,7 +389,7 @@ def fused_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         # placement ("CVT": False, kept for A/B runs); the interpreter forms the same values in fp32 either way
         cvt = {"CVT": True} if asm and config.get("CVT", True) else {}
         if config.get("APRE"):
-            a64 = predecode(a64, sa, m, kb, cb, asm, **pdl, **cvt)
+            a64 = predecode(a64, sa, asm, **pdl, **cvt)
         opts = dict(BM=bm, BN=bn, BKB=bkb, ASM=asm, APRE=bool(config.get("APRE")), num_warps=warps,
                     num_stages=int(config.get("stages", 3)), **_launch_extras(config), **pdl, **cvt)
         if config.get("stream"):  # stream-K: one wave of CTAs, each the same number of K steps

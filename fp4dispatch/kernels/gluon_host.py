@@ -25,7 +25,7 @@ def run_wgws(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tenso
     cb = _cdiv(kb, 4)
     nx, ny = x.shape[0], y.shape[0]
     pre, opts = gluon_pdl(pdl)  # with PDL only wgws's producer waits for the pre-decode
-    yd = predecode(y.view(torch.int64), sy, ny, kb, cb, True, CVT=True, **pre)
+    yd = predecode(y.view(torch.int64), sy, True, CVT=True, **pre)
     from . import _gluon
 
     bm, bn, bkb, stages = (int(config[key]) for key in ("BM", "BN", "BKB", "stages"))
