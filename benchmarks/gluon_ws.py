@@ -12,17 +12,13 @@ Ninth session: the kernel takes whole tiles per CTA (``persist``: one CTA per SM
 (``swap``: the weight pre-decoded, the activation decoded in registers); every variant goes through ``fused_mm``.
 
     python3 benchmarks/gluon_ws.py --compile 128 256 4 5 [1]   # local sm_90a build (BN BM BKB STAGES [SWAP]), no GPU
-    python3 benchmarks/gluon_ws.py [--no-check] [--indec] [--tiles 0,2] [--small [--pdl-ab] [--ms 1024]] [--large] [--m128]
-        [--k]
+    python3 benchmarks/gluon_ws.py [--no-check] [--tiles 0,2] [--small [--pdl-ab] [--ms 1024]] [--large] [--m128] [--k]
     ncu --profile-from-start off ... python3 benchmarks/gluon_ws.py --profile 8192 8192 1024 128 256 4 5 0 0
 """
 from __future__ import annotations
 
-import itertools
 import os
 import sys
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_probe import build, desc_types, profile_once, report  # noqa: E402
@@ -35,34 +31,27 @@ def signature(BN: int, BM: int, BKB: int, out: str = "bf16") -> dict:
     bd, ad = desc_types(BN, BM, BKB)
     return {"x_desc": bd, "y_desc": ad, "sx_ptr": "*u8", "alpha_ptr": "*fp32",
             "out_ptr": f"*{out}", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32", "NT": "i32", "TILES": "i32",
-            "STEPS": "i32", "yw_ptr": "*i64", "sy_ptr": "*u8", "yd_ptr": "*fp16", "sync_ptr": "*i32"}
+            "STEPS": "i32"}
 
 
-def build_wgws(BN: int, BM: int, BKB: int, STAGES: int, SWAP: bool = False, out: str | None = None,
-               INDEC: bool = False) -> dict:
+def build_wgws(BN: int, BM: int, BKB: int, STAGES: int, SWAP: bool = False, out: str | None = None) -> dict:
     """``gluon_probe.build`` of the library kernel (sm_90a, no GPU), specialized as a launch with 16-divisible sizes
     and pointers would be."""
-    return build(wgws_kernel, signature(BN, BM, BKB),
-                 {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "SWAP": SWAP, "INDEC": INDEC}, BN // 16,
-                 ("sx_ptr", "out_ptr", "M", "N", "KB", "CB", "yw_ptr", "sy_ptr", "yd_ptr", "sync_ptr"), out)
+    return build(wgws_kernel, signature(BN, BM, BKB), {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "SWAP": SWAP},
+                 BN // 16, ("sx_ptr", "out_ptr", "M", "N", "KB", "CB"), out)
 
 
-def compile_only(BN=128, BM=256, BKB=4, STAGES=5, SWAP=0, INDEC=0):
-    report(build_wgws(BN, BM, BKB, STAGES, bool(SWAP), os.environ.get("OUT", "/tmp/gluon_ws"), bool(INDEC)))
+def compile_only(BN=128, BM=256, BKB=4, STAGES=5, SWAP=0):
+    report(build_wgws(BN, BM, BKB, STAGES, bool(SWAP), os.environ.get("OUT", "/tmp/gluon_ws")))
 
 
-def wgws(bn: int, bm: int, bkb: int, stages: int, sched: str = "", swap: bool = False, indec: bool = False) -> dict:
+def wgws(bn: int, bm: int, bkb: int, stages: int, sched: str = "", swap: bool = False) -> dict:
     """A ``fused_mm`` config of the library kernel; ``sched`` "" or "persist"."""
     return {"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages,
-            **({sched: True} if sched else {}), **({"swap": True} if swap else {}), **({"indec": True} if indec else {})}
+            **({sched: True} if sched else {}), **({"swap": True} if swap else {})}
 
 
 SCHEDS = ("", "persist")
-INDECS = [False]  # --indec: each config also with the pre-decode inside the kernel (seventeenth session)
-
-
-def name(bn, bm, bkb, stages, sched, swap, indec=False) -> str:
-    return f"{bn}x{bm}/{bkb}/{stages} {sched}{' swap' if swap else ''}{' indec' if indec else ''}"
 
 
 def runner(ops, cfg):
@@ -77,43 +66,10 @@ def check(tiles=TILES) -> None:
     """Exactness against the float64 reference, each tile plain / persistent, swapped or not, fp32 and bf16 out,
     NaN-poisoned out; K = 1152 and 2080 give odd step counts and steps past K; persistent CTAs run several tiles."""
     from bench_hopper import check_configs
-    named = [((bn, bm, sched, swap, indec), wgws(bn, bm, bkb, stages, sched, swap, indec))
-             for bn, bm, bkb, stages in tiles for sched in SCHEDS for swap in (False, True) for indec in INDECS]
+    named = [((bn, bm, sched, swap), wgws(bn, bm, bkb, stages, sched, swap))
+             for bn, bm, bkb, stages in tiles for sched in SCHEDS for swap in (False, True)]
     check_configs(named, ((128, 1024, 4096), (3, 512, 2048), (300, 640, 8192), (130, 768, 1152), (257, 1000, 2080),
                           (1024, 768, 6144)), lambda ops, cfg: runner(ops, cfg)())
-    if True in INDECS:
-        check_repeats(tiles)
-
-
-def check_repeats(tiles, reps: int = 300) -> None:
-    """An indec grid leaves its shared state zero for the next call: the same inputs give the same bits call after
-    call, eager and replayed in a graph, also when calls of other shapes come in between."""
-    from bench_hopper import capture, rand_operands
-    for bn, bm, bkb, stages in tiles:
-        for sched in SCHEDS:
-            for swap in (False, True):
-                cfg = wgws(bn, bm, bkb, stages, sched, swap, True)
-                big, small = rand_operands(1024, 2048, 6144, seed=1), rand_operands(130, 768, 1152, seed=2)
-                run_big, run_small = runner(big, cfg), runner(small, cfg)
-                run_big()
-                want_big = big.out.clone()
-                run_small()
-                want_small = small.out.clone()
-                bad = 0
-                for i in range(reps):
-                    big.out.fill_(float("nan"))
-                    run_big()
-                    if i % 3 == 0:
-                        run_small()
-                        bad += not torch.equal(small.out, want_small)
-                    bad += not torch.equal(big.out, want_big)
-                g = capture(run_big, run_small)
-                for _ in range(reps):
-                    g.replay()
-                torch.cuda.synchronize()
-                bad += (not torch.equal(big.out, want_big)) + (not torch.equal(small.out, want_small))
-                print(f"repeats {name(bn, bm, bkb, stages, sched, swap, True)}: {reps} eager + {reps} graph replays, "
-                      f"{'same bits every time' if not bad else f'{bad} DIFFERENT results'}", flush=True)
 
 
 def exp_small(shapes=((6144, 2048), (2048, 6144), (768, 6144)), ms=(1024, 4096), tiles=TILES, pdls=(True,)) -> None:
@@ -128,17 +84,19 @@ def exp_small(shapes=((6144, 2048), (2048, 6144), (768, 6144)), ms=(1024, 4096),
             res = []
             for bn, bm, bkb, stages in tiles:
                 for sched in SCHEDS:
-                    for swap, pdl, indec in itertools.product((False, True), pdls, INDECS):
-                        t = graph_ms(runner(ops, dict(wgws(bn, bm, bkb, stages, sched, swap, indec), pdl=pdl)))
-                        res.append((t, name(bn, bm, bkb, stages, sched, swap, indec) + ('' if pdl else ' nopdl')))
+                    for swap in (False, True):
+                        for pdl in pdls:
+                            t = graph_ms(runner(ops, dict(wgws(bn, bm, bkb, stages, sched, swap), pdl=pdl)))
+                            res.append((t, f"{bn}x{bm}/{bkb}/{stages} {sched}{' swap' if swap else ''}"
+                                           f"{'' if pdl else ' nopdl'}"))
             res.sort()
             print(f"N={n} K={k} M={m} cuBLAS bf16 {cub * 1e3:.1f} us; " +
                   ", ".join(f"{name} {t * 1e3:.1f} ({cub / t:.2f}x)" for t, name in res), flush=True)
 
 
-def exp_large(ms=(1024, 4096)) -> None:
+def exp_large() -> None:
     """The large shapes at M >= 1024: the dispatcher's tiles plain and persistent against cuBLAS bf16."""
-    exp_small(((8192, 8192), (28672, 8192), (8192, 28672)), ms, TILES[:2])
+    exp_small(((8192, 8192), (28672, 8192), (8192, 28672)), (1024, 4096), TILES[:2])
 
 
 def exp_m128() -> None:
@@ -170,11 +128,10 @@ def exp_k() -> None:
               f"{graph_ms(runner(ops, wgws(128, 256, 4, 5))) * 1e3:.1f}", flush=True)
 
 
-def profile(N=8192, K=8192, M=1024, BN=128, BM=256, BKB=4, STAGES=5, SCHED=0, SWAP=0, INDEC=0) -> None:
+def profile(N=8192, K=8192, M=1024, BN=128, BM=256, BKB=4, STAGES=5, SCHED=0, SWAP=0) -> None:
     """One launch inside cudaProfilerStart/Stop (warm-up outside), for ncu --profile-from-start off."""
     from bench_hopper import rand_operands
-    profile_once(runner(rand_operands(M, N, K, seed=M),
-                        wgws(BN, BM, BKB, STAGES, SCHEDS[SCHED], bool(SWAP), bool(INDEC))))
+    profile_once(runner(rand_operands(M, N, K, seed=M), wgws(BN, BM, BKB, STAGES, SCHEDS[SCHED], bool(SWAP))))
 
 
 if __name__ == "__main__":
@@ -186,17 +143,13 @@ if __name__ == "__main__":
         # --tiles 0,2: those of TILES (checked and timed by --small); --ms 1024,4096; --pdl-ab: also without PDL
         arg = {a: sys.argv[sys.argv.index(a) + 1] for a in ("--ms", "--tiles") if a in sys.argv}
         tiles = tuple(TILES[int(i)] for i in arg["--tiles"].split(",")) if "--tiles" in arg else TILES
-        if "--indec" in sys.argv:
-            INDECS.append(True)
         if "--no-check" not in sys.argv:
             check(tiles)
-        elif "--repeats" in sys.argv:
-            check_repeats(tiles)
         if "--small" in sys.argv:
             exp_small(ms=tuple(map(int, arg.get("--ms", "1024,4096").split(","))), tiles=tiles,
                       pdls=(True, False) if "--pdl-ab" in sys.argv else (True,))
         if "--large" in sys.argv:
-            exp_large(tuple(map(int, arg.get("--ms", "1024,4096").split(","))))
+            exp_large()
         if "--m128" in sys.argv:
             exp_m128()
         if "--k" in sys.argv:

@@ -52,11 +52,6 @@ _dec16 = gluon.jit(_wmma._dec16.fn)
 _scale_cols = gluon.jit(_wmma._scale_cols.fn)
 _swz_row = gluon.jit(_fused._swz_row.fn)
 
-# INDEC (the pre-decode inside the kernel): Y is decoded in chunks of 16 * decode warps rows x _DKB 16-blocks
-_DKB = gl.constexpr(8)
-_DWARPS = gl.constexpr(2)
-_DR = gl.constexpr(4 * 16 * 2)  # 4 parts of 16 rows per decode warp
-
 
 @triton.constexpr_function
 def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
@@ -152,10 +147,9 @@ def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.c
 
 
 @gluon.jit
-def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS, sync_ptr, NY, INDEC):
+def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS):
     """TMA loads of this CTA's tiles, step after step, into the ring: it runs on into the next tile while the
-    consumers finish one. INDEC (a value here): Y is decoded by the kernel itself (``_ydecode``), so before its first
-    load of a chunk column the producer waits until every row of that column is decoded."""
+    consumers finish one."""
     # (Triton 3.6 passes a worker partition's constexpr arguments as i32 values: sizes come from the buffers' types)
     STAGES: gl.constexpr = w_s.type.shape[0]
     BN: gl.constexpr = w_s.type.shape[1]
@@ -166,10 +160,6 @@ def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS, sync_ptr
     # kernel launch once the kernels before it are done; the consumers read only inputs from before that and wait
     # for the ring. (Safe without PDL: then the pre-decode is done already.)
     gdc_wait()
-    chunks = (NY + _DR - 1) // _DR  # a column is done when all its row chunks are
-    cols = (STEPS * BKB + _DKB - 1) // _DKB
-    i32 = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    known = 0  # chunk columns [0, known) seen done: columns are needed in order, and stay done
     lo = _first_tile(gl.program_id(0), TILES)
     for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
         tile = lo + j // STEPS
@@ -177,104 +167,9 @@ def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS, sync_ptr
         s = j % STAGES
         # a fresh barrier counts as having finished the phase before phase 0: the first pass does not wait
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        col = ks * BKB // _DKB
-        if INDEC != 0 and col >= known:
-            # the next 32 columns' counts at once: the decode runs ahead, so one read mostly covers many steps
-            lead = col * 0
-            while lead == 0:
-                v = gl.load(sync_ptr + 2 + col + i32, mask=col + i32 < cols, other=0, volatile=True)
-                lead = gl.min(gl.where(v < chunks, i32, 32), axis=0)
-            _fence_acquire()  # with the relaxed reads: an acquire; then the TMA's reads (async proxy) after it
-            known = col + lead
         mbarrier.expect(ready.index(s), NBYTES)
         tma.async_copy_global_to_shared(b_desc, [(tile % NT) * BN, ks * BKB], ready.index(s), w_s.index(s))
         tma.async_copy_global_to_shared(a_desc, [(tile // NT) * BM, ks * BKB * 16], ready.index(s), a_s.index(s))
-
-
-@gluon.jit
-def _fence_acquire():
-    """fence.acq_rel.gpu (after relaxed reads that saw a release: an acquire), then the generic -> async proxy fence."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _proxy_fence():
-    """fence.proxy.async.global: orders this thread's generic-proxy global accesses with async-proxy (TMA) ones."""
-    gl.inline_asm_elementwise("fence.proxy.async.global; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _leave(sync_ptr, KB):
-    """Count one party of this CTA out (its consumers, its decode warps); the last of all the grid's 2 * grid
-    resets the state for the next call: then every claim and wait of this call is over."""
-    one = KB * 0 + 1
-    if gl.atomic_add(sync_ptr + 1, one, sem="acq_rel", scope="gpu") == 2 * gl.num_programs(0) - 1:
-        ZL: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        size = 2 + (KB + _DKB - 1) // _DKB
-        for i in range(0, size, 32 * gl.num_warps()):
-            idx = i + gl.arange(0, 32 * gl.num_warps(), layout=ZL)
-            gl.store(sync_ptr + idx, idx * 0, mask=idx < size)
-
-
-@gluon.jit
-def _part_load(y_ptr, sy_ptr, r0, kb0, r, t, NY, KB, CB):
-    """Words and scale bytes of Y rows r0 + r, blocks kb0 + t (0 past NY and K)."""
-    rows = r0 + r
-    mask = (rows < NY)[:, None] & (kb0 + t < KB)[None, :]
-    x = gl.load(y_ptr + rows[:, None].to(gl.int64) * KB + (kb0 + t)[None, :], mask=mask, other=0)
-    sc = gl.load(sy_ptr + _swz_row(rows, CB)[:, None] + (kb0 // 4) * 512 + _scale_cols(t)[None, :], mask=mask,
-                 other=0)
-    return x, sc
-
-
-@gluon.jit
-def _part_store(yd_ptr, x, sc, rows, kk, NY, kp, OUT: gl.constexpr):
-    """The decoded part, as ``fused.predecode`` writes it (columns kk of rows ``rows``, in layout OUT)."""
-    v = gl.convert_layout(_dec16(x, sc, x.type.shape[1], True, True), OUT)
-    gl.store(yd_ptr + rows[:, None].to(gl.int64) * kp + kk[None, :], v, mask=(rows < NY)[:, None] & (kk < kp)[None, :])
-
-
-@gluon.jit
-def _ydecode(y_ptr, sy_ptr, yd_ptr, sync_ptr, NY, KB, CB):
-    """INDEC's pre-decode, shared by the grid: Y's words (int64 [NY, KB], block scales ``sy_ptr``) -> ``yd_ptr``
-    [NY, ceil(KB/4)*64] fp16, as ``fused.predecode`` writes it, in chunks of _DR rows x _DKB blocks that the CTAs'
-    decode warps claim in order from a ticket (sync[0]), columns first, and count done per column (sync[2 + col]).
-    Claimed, never assigned: a chunk is only ever taken by a CTA that runs, so a wait for it always ends, whatever
-    CTAs the GPU holds at once. A chunk's _DSUB parts are loaded before any is decoded (loads in flight hide the
-    latency that a few warps per SM cannot hide by numbers)."""
-    RAW: gl.constexpr = raw_layout(_DKB, gl.num_warps())
-    OUT: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    SUB: gl.constexpr = _DR // 4  # rows of a part: 16 per warp
-    gdc_wait()  # Y may be the kernel before's output
-    chunks = (NY + _DR - 1) // _DR
-    total = (KB + _DKB - 1) // _DKB * chunks
-    kp = (KB + 3) // 4 * 64
-    t = gl.arange(0, _DKB, layout=gl.SliceLayout(0, RAW))
-    r = gl.arange(0, SUB, layout=gl.SliceLayout(1, RAW))
-    ro = gl.arange(0, SUB, layout=gl.SliceLayout(1, OUT))
-    ko = gl.arange(0, _DKB * 16, layout=gl.SliceLayout(0, OUT))
-    one = KB * 0 + 1
-    c = gl.atomic_add(sync_ptr, one, sem="relaxed", scope="gpu")
-    while c < total:
-        col = c // chunks
-        r0 = (c % chunks) * _DR
-        kb0 = col * _DKB
-        x0, s0 = _part_load(y_ptr, sy_ptr, r0, kb0, r, t, NY, KB, CB)
-        x1, s1 = _part_load(y_ptr, sy_ptr, r0 + SUB, kb0, r, t, NY, KB, CB)
-        x2, s2 = _part_load(y_ptr, sy_ptr, r0 + 2 * SUB, kb0, r, t, NY, KB, CB)
-        x3, s3 = _part_load(y_ptr, sy_ptr, r0 + 3 * SUB, kb0, r, t, NY, KB, CB)
-        nxt = gl.atomic_add(sync_ptr, one, sem="relaxed", scope="gpu")  # the next claim's latency overlaps this one
-        kk = kb0 * 16 + ko
-        _part_store(yd_ptr, x0, s0, r0 + ro, kk, NY, kp, OUT)
-        _part_store(yd_ptr, x1, s1, r0 + SUB + ro, kk, NY, kp, OUT)
-        _part_store(yd_ptr, x2, s2, r0 + 2 * SUB + ro, kk, NY, kp, OUT)
-        _part_store(yd_ptr, x3, s3, r0 + 3 * SUB + ro, kk, NY, kp, OUT)
-        _proxy_fence()  # these stores (generic proxy) before other CTAs' TMA reads of them (async proxy)
-        gl.thread_barrier()  # every thread's stores before the count; its release publishes them to the GPU
-        gl.atomic_add(sync_ptr + 2 + col, one, sem="release", scope="gpu")
-        c = nxt
-    _leave(sync_ptr, KB)
 
 
 @gluon.jit
@@ -343,17 +238,13 @@ def _consume_swap(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, 
 
 
 @gluon.jit
-def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TILES, STEPS, yw_ptr, sy_ptr, yd_ptr,
-                sync_ptr, BN: gl.constexpr, BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr,
-                SWAP: gl.constexpr, INDEC: gl.constexpr = False):
+def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TILES, STEPS, BN: gl.constexpr,
+                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr):
     """acc [BN, BM] = X @ Y.T tiles: X the N rows of NVFP4 words (``x_desc``, block scales ``sx_ptr``), decoded in
     registers; Y the M rows pre-decoded to fp16 (``y_desc``). out [M, N] = acc.T (X the weight), or with SWAP out
     [N, M] = acc (X the activation). The TILES tiles (NT along N) of STEPS K steps each are shared out in order
     (``_first_tile``): a grid of TILES CTAs is the plain tiled kernel, a smaller one persistent (the loads run on
-    across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads. With INDEC, Y's
-    pre-decode is this kernel's own: _DWARPS more warps per CTA decode Y's words (``yw_ptr``, scales ``sy_ptr``)
-    into ``y_desc``'s buffer ``yd_ptr`` (``_ydecode``), synchronised through ``sync_ptr`` (int32, zero before the
-    call and left zero after it); else ``yw_ptr``, ``sy_ptr``, ``yd_ptr`` and ``sync_ptr`` are not read."""
+    across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], x_desc.layout)
     a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -361,18 +252,9 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if INDEC:
-        gdc_wait()  # the consumers may read the kernel before's output too (X's scales with SWAP)
     args = (w_s, a_s, ready, empty, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS)
-    load = (x_desc, y_desc, w_s, a_s, ready, empty, TILES, NT, STEPS, sync_ptr, M, INDEC)
-    dec = (yw_ptr, sy_ptr, yd_ptr, sync_ptr, M, KB, CB)
-    if INDEC:
-        if SWAP:
-            gl.warp_specialize([(_consume_swap, args), (_producer, load), (_ydecode, dec)], [1, _DWARPS], [80, 80])
-        else:
-            gl.warp_specialize([(_consume_out, args), (_producer, load), (_ydecode, dec)], [1, _DWARPS], [80, 80])
-        _leave(sync_ptr, KB)
-    elif SWAP:
+    load = (x_desc, y_desc, w_s, a_s, ready, empty, TILES, NT, STEPS)
+    if SWAP:
         gl.warp_specialize([(_consume_swap, args), (_producer, load)], [1], [40])
     else:
         gl.warp_specialize([(_consume_out, args), (_producer, load)], [1], [40])
