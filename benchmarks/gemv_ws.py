@@ -3,7 +3,7 @@ tenth and eleventh sessions; benchmarks/RESULTS.md, notes_hopper.md v14-v15).
 
     python3 benchmarks/gemv_ws.py --compile 16 32 1 5 4 2 1   # sm_90a build here (R BW MB STAGES WARPS CTAS DP)
     python3 benchmarks/gemv_ws.py [--no-check] [--shapes large|small|all] [--ms 1,2]   # H200: exactness, then times
-    python3 benchmarks/gemv_ws.py --configs "8,32,6,4,3,1;16,32,5,4,2,1"   # configs: R,BW,STAGES,WARPS,CTAS,DP[,DYN]
+    python3 benchmarks/gemv_ws.py --configs "8,32,6,4,3,1;16,32,5,4,2,1"   # configs: R,BW,STAGES,WARPS,CTAS,DP
     python3 benchmarks/gemv_ws.py --feed default --compute ...   # also the feed alone and the consumers alone
     ncu --profile-from-start off ... python3 benchmarks/gemv_ws.py --profile 28672 8192 1 8 32 6 4 3 --dp 1
 
@@ -26,20 +26,19 @@ GEMV2 = {"kernel": "gemv2", "MB": 1, "BN": 4, "BKB": 128, "split": 1, "warps": 2
          "prefetch": True, "H2": True, "CVT": True}  # the M = 1 pick of the eighth session's table
 
 
-def gvws(r: int, bw: int, stages: int, warps: int, mb: int = 1, ctas: int = 1, dp: int = 0, dyn: int = 0) -> dict:
-    """A ``fused_mm`` config of the library kernel (``dp``: its DP, the int8 dot-product path; ``dyn``: tiles
-    claimed from a counter)."""
+def gvws(r: int, bw: int, stages: int, warps: int, mb: int = 1, ctas: int = 1, dp: int = 0) -> dict:
+    """A ``fused_mm`` config of the library kernel (``dp``: its DP, the int8 dot-product path)."""
     return {"kernel": "gvws", "MB": mb, "R": r, "BW": bw, "stages": stages, "warps": warps, "ctas": ctas,
-            "DP": bool(dp), **({"dyn": True} if dyn else {})}
+            "DP": bool(dp)}
 
 
 # (R, BW, stages, warps, CTAs per SM, DP): shared memory per stage is 4R*BW*8 + R*BW*4 + MB*BW*12 bytes, <= 227 KB
 # per SM in all
-CONFIGS = tuple((r, bw, st, 4, c, dp, 0) for r, bw, st, c in ((16, 32, 5, 2), (8, 32, 6, 3)) for dp in (0, 1))
+CONFIGS = tuple((r, bw, st, 4, c, dp) for r, bw, st, c in ((16, 32, 5, 2), (8, 32, 6, 3)) for dp in (0, 1))
 
 
 def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1, out: str | None = None,
-               DP: bool = False, DYN: bool = False) -> dict:
+               DP: bool = False) -> dict:
     """``gluon_probe.build`` of the library kernel (sm_90a, no GPU) with the register cap ``_gvws.run`` launches it
     with for CTAS CTAs per SM, specialized as a launch is at M = MB: M = 1 becomes a constant."""
     from gluon_probe import build
@@ -54,18 +53,18 @@ def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1,
     d = _gvws.descriptors(a, b, sa, sb, R, BW, MB)
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
            "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-           "TILES": "i32", "STEPS": "i32", "ctr_ptr": "*i32"}
-    consts = {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP, "DYN": DYN}
+           "TILES": "i32", "STEPS": "i32"}
+    consts = {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP}
     if MB == 1:  # Triton specializes an int argument equal to 1
         del sig["M"]
         consts["M"] = 1
     return build(_gvws.gvws_kernel, sig, consts, WARPS, ("out_ptr", "N"), out, **_gvws.reg_cap(WARPS, CTAS))
 
 
-def compile_only(R=16, BW=32, MB=1, STAGES=5, WARPS=4, CTAS=2, DP=0, DYN=0) -> None:
+def compile_only(R=16, BW=32, MB=1, STAGES=5, WARPS=4, CTAS=2, DP=0) -> None:
     """Build for sm_90a here (no GPU): ptxas's register and spill report, shared memory."""
     from gluon_probe import report
-    report(build_gvws(R, BW, MB, STAGES, WARPS, CTAS, os.environ.get("OUT", "/tmp/gemv_ws"), bool(DP), bool(DYN)))
+    report(build_gvws(R, BW, MB, STAGES, WARPS, CTAS, os.environ.get("OUT", "/tmp/gemv_ws"), bool(DP)))
 
 
 def runner(ops, cfg):
@@ -83,20 +82,20 @@ def check(configs) -> bool:
         for dt in (torch.float32, torch.bfloat16):
             ops = rand_operands(m, n, k, seed=5 + m + n, out_dtype=dt, scale_lo=0x01, scale_hi=0x50)
             ref = ref64(ops, m, n, k)
-            for r, bw, stages, warps, ctas, dp, dyn in configs:
+            for r, bw, stages, warps, ctas, dp in configs:
                 for mb in sorted({m, 2}):
                     ops.out.fill_(float("nan"))
-                    o = runner(ops, gvws(r, bw, stages, warps, mb, ctas, dp, dyn))()
+                    o = runner(ops, gvws(r, bw, stages, warps, mb, ctas, dp))()
                     torch.cuda.synchronize()
                     e = rel_err(o, ref)
-                    key = (str(dt)[6:], r, bw, warps, ctas, dp, dyn, mb)
+                    key = (str(dt)[6:], r, bw, warps, ctas, dp, mb)
                     worst[key] = max(worst.get(key, 0.0), e)
                     if not e <= (1e-5 if dt == torch.float32 else 4e-3):
                         ok = False
                         again = []  # a race gives other errors on the same inputs, a wrong address the same
                         for _ in range(3):
                             ops.out.fill_(float("nan"))
-                            again.append(rel_err(runner(ops, gvws(r, bw, stages, warps, mb, ctas, dp, dyn))(), ref))
+                            again.append(rel_err(runner(ops, gvws(r, bw, stages, warps, mb, ctas, dp))(), ref))
                         bad = (o.double() - ref).abs() > 1e-3 * ref.abs().max()
                         print(f"FAIL m={m} n={n} k={k} {key}: rel err {e:.3g}, again {[f'{x:.3g}' for x in again]}, "
                               f"wrong columns {bad.nonzero()[:8, 1].tolist()} of {int(bad.sum())}", flush=True)
@@ -118,7 +117,7 @@ def times(shapes, ms, configs) -> None:
             wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = bench_ms(lambda: torch.mm(wa, wb.t())) * 1e3
             roof = ((m + n) * k * 9 / 16 + 2 * m * n) / bw * 1e6
-            cfgs = [dict(GEMV2, MB=m)] + [gvws(r, b, s, w, m, c, dp, dyn) for r, b, s, w, c, dp, dyn in configs]
+            cfgs = [dict(GEMV2, MB=m)] + [gvws(r, b, s, w, m, c, dp) for r, b, s, w, c, dp in configs]
             res = []
             for cfg in cfgs:
                 try:
@@ -129,8 +128,7 @@ def times(shapes, ms, configs) -> None:
                 res.append((t, cfg))
             for t, cfg in sorted(res, key=lambda x: x[0]):
                 name = cfg["kernel"] + ("" if cfg["kernel"] == "gemv2" else f" R={cfg['R']} BW={cfg['BW']} "
-                                        f"st={cfg['stages']} w={cfg['warps']} ctas={cfg['ctas']} DP={int(cfg['DP'])}"
-                                        f"{' dyn' if cfg.get('dyn') else ''}")
+                                        f"st={cfg['stages']} w={cfg['warps']} ctas={cfg['ctas']} DP={int(cfg['DP'])}")
                 print(f"{n}x{k} M={m} {name}: {t:.1f} us, {roof / t * 100:.0f} % roofline, {t_bf16 / t:.2f}x bf16 "
                       f"({t_bf16:.1f})", flush=True)
 
@@ -161,12 +159,12 @@ def _feed_kernel():
         gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(gl.sum(gl.sum(acc, 3), 2), 1), 0))
 
     @gluon.jit
-    def feed_kernel(w_desc, ws_desc, a_desc, as_desc, out_ptr, ctr_ptr, TILES, STEPS, R: gl.constexpr,
-                    BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr):
-        w_s, ws_s, a_s, as_s, tid_s, ready, empty = _gvws.ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
+    def feed_kernel(w_desc, ws_desc, a_desc, as_desc, out_ptr, TILES, STEPS, R: gl.constexpr, BW: gl.constexpr,
+                    MB: gl.constexpr, STAGES: gl.constexpr):
+        w_s, ws_s, a_s, as_s, ready, empty = _gvws.ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
         gl.warp_specialize([(consume, (w_s, ready, empty, out_ptr, TILES, STEPS)),
-                            (_gvws._producer, (w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, tid_s, ready,
-                                               empty, TILES, STEPS, ctr_ptr, 0))], [1], [40])
+                            (_gvws._producer, (w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, empty,
+                                               TILES, STEPS))], [1], [40])
     return feed_kernel
 
 
@@ -181,23 +179,20 @@ def _compute_kernel():
     from fp4dispatch.kernels._gluon import _first_tile
 
     @gluon.jit
-    def produce(tid_s, ready, empty, TILES, STEPS):
+    def produce(ready, empty, TILES, STEPS):
         STAGES: gl.constexpr = ready.type.shape[0]
-        lo = _first_tile(gl.program_id(0), TILES)
-        n = (_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS
-        for it in range(n + 1):  # then the slot that ends the consumers
+        for it in range((_first_tile(gl.program_id(0) + 1, TILES) - _first_tile(gl.program_id(0), TILES)) * STEPS):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            _gvws._hand(tid_s, s, gl.where(it < n, lo + it // STEPS, -1))
             mbarrier.arrive(ready.index(s))
 
     @gluon.jit
     def compute_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILES, STEPS, R: gl.constexpr,
                        BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, DP: gl.constexpr):
-        w_s, ws_s, a_s, as_s, tid_s, ready, empty = _gvws.ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
-        gl.warp_specialize([(_gvws._consume, (w_s, ws_s, a_s, as_s, tid_s, ready, empty, alpha_ptr, out_ptr, M, N,
-                                              STEPS, out_ptr, 0, DP)),
-                            (produce, (tid_s, ready, empty, TILES, STEPS))], [1], [40])
+        w_s, ws_s, a_s, as_s, ready, empty = _gvws.ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
+        gl.warp_specialize([(_gvws._consume, (w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES,
+                                              STEPS, DP)),
+                            (produce, (ready, empty, TILES, STEPS))], [1], [40])
     return compute_kernel
 
 
@@ -207,7 +202,7 @@ def compute_runner(ops, n: int, k: int, cfg: tuple):
     from fp4dispatch.kernels.launch import launch
     global _COMPUTE
     _COMPUTE = _COMPUTE or _compute_kernel()
-    r, bwd, st, w, c, dp = cfg[:6]
+    r, bwd, st, w, c, dp = cfg
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     d = _gvws.descriptors(ops.a, ops.b, ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8), r, bwd, 1)
     tiles, steps = _gvws.work(n, k // 16, r, bwd)
@@ -241,13 +236,12 @@ def feed(shapes, configs) -> None:
     for n, k in shapes:
         ops = rand_operands(1, n, k, seed=3)
         sink = torch.empty(4 * sms, dtype=torch.int64, device="cuda")
-        ctr = torch.zeros(2, dtype=torch.int32, device="cuda")  # unread: the feed takes static tiles
         roof = ((1 + n) * k * 9 / 16 + 2 * n) / bw * 1e6
         for r, bwd, st, w, c in configs:
             d = _gvws.descriptors(ops.a, ops.b, ops.a_scale.view(torch.uint8), ops.b_scale.view(torch.uint8), r, bwd,
                                   1)
             tiles, steps = _gvws.work(n, k // 16, r, bwd)
-            t = graph_ms(lambda: launch(kern, (min(tiles, sms * c),), *d, sink, ctr, tiles, steps, R=r, BW=bwd, MB=1,
+            t = graph_ms(lambda: launch(kern, (min(tiles, sms * c),), *d, sink, tiles, steps, R=r, BW=bwd, MB=1,
                                         STAGES=st, num_warps=w, **_gvws.reg_cap(w, c))) * 1e3
             print(f"feed {n}x{k} R={r} BW={bwd} st={st} w={w} ctas={c}: {t:.1f} us, {roof / t * 100:.0f} % roofline",
                   flush=True)
@@ -269,7 +263,7 @@ SHAPES = {"large": ((8192, 8192), (28672, 8192), (8192, 28672)), "small": ((6144
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--compile", nargs="+", type=int, metavar="R BW MB STAGES WARPS CTAS DP [DYN]")
+    p.add_argument("--compile", nargs=7, type=int, metavar=("R", "BW", "MB", "STAGES", "WARPS", "CTAS", "DP"))
     p.add_argument("--profile", nargs=8, type=int, metavar=("N", "K", "M", "R", "BW", "STAGES", "WARPS", "CTAS"))
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--feed", help="first time the feed-only kernel (the ring's ceiling) for these 'R,BW,STAGES,"
@@ -290,10 +284,10 @@ def main() -> None:
         return
     shapes = SHAPES["large"] + SHAPES["small"] if args.shapes == "all" else SHAPES[args.shapes]
 
-    def parse(text, n=7):  # a config's missing trailing fields (DYN) are 0
-        return tuple((*(int(x) for x in c.split(",")), 0, 0)[:n] for c in text.split(";"))
+    def parse(text):
+        return tuple(tuple(int(x) for x in c.split(",")) for c in text.split(";"))
     if args.feed:
-        feed(shapes, sorted({c[:5] for c in CONFIGS}) if args.feed == "default" else parse(args.feed, 5))
+        feed(shapes, sorted({c[:5] for c in CONFIGS}) if args.feed == "default" else parse(args.feed))
     configs = parse(args.configs) if args.configs else CONFIGS
     if args.compute:
         compute(shapes, configs)

@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import _dp4, _h2, splitk
+from . import _dp4, _h2
 from ._gluon import _first_tile
 from .launch import launch, tma_desc
 
@@ -72,62 +72,27 @@ def plain(rank: int) -> gl.SwizzledSharedLayout:
 
 
 @gluon.jit
-def _hand(tid_s, s, tile):
-    """Write the tile of ring slot s's step beside the slot (the slot's arrive publishes it to the consumers)."""
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    tid_s.index(s).store(gl.zeros([1], gl.int32, L) + tile)
-
-
-@gluon.jit
-def _producer(w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, tid_s, ready, empty, TILES, STEPS, ctr_ptr,
-              DYN):
-    """TMA loads of this CTA's tiles, step after step, into the ring, each step's tile beside its slot; then a slot
-    with tile -1 and no loads, which ends the consumers. Its tiles: ``_first_tile``'s share, or with DYN (a value
-    here) tiles claimed one at a time from the counter ``ctr_ptr[0]`` until none is left."""
+def _producer(w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, empty, TILES, STEPS):
+    """TMA loads of this CTA's tiles, step after step, into the ring."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     R: gl.constexpr = w_s.type.shape[2]
     BW: gl.constexpr = w_s.type.shape[3]
     MB: gl.constexpr = a_s.type.shape[1]
     NBYTES: gl.constexpr = 4 * R * BW * 8 + R * BW * 4 + MB * BW * 8 + MB * BW * 4
-    one = TILES * 0 + 1
-    hi = _first_tile(gl.program_id(0) + 1, TILES)
-    tile = _first_tile(gl.program_id(0), TILES)
-    if DYN != 0:
-        hi = TILES
-        tile = gl.atomic_add(ctr_ptr, one, sem="relaxed", scope="gpu")
-    it = 0
-    while tile < hi:
-        nxt = tile + 1
-        if DYN != 0:  # the next claim's round trip overlaps this tile's loads
-            nxt = gl.atomic_add(ctr_ptr, one, sem="relaxed", scope="gpu")
+    lo = _first_tile(gl.program_id(0), TILES)
+    for it in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+        tile = lo + it // STEPS
+        kw = (it % STEPS) * BW
         g = tile // (32 // R)
         i0 = (tile % (32 // R)) * R
-        for ks in range(STEPS):
-            kw = ks * BW
-            s = it % STAGES
-            # a fresh barrier counts as having finished the phase before phase 0: the first pass does not wait
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            _hand(tid_s, s, tile)
-            mbarrier.expect(ready.index(s), NBYTES)
-            tma.async_copy_global_to_shared(w_desc, [4 * g, i0, kw], ready.index(s), w_s.index(s))
-            tma.async_copy_global_to_shared(ws_desc, [g, kw // 4, 4 * i0], ready.index(s), ws_s.index(s))
-            tma.async_copy_global_to_shared(a_desc, [0, kw], ready.index(s), a_s.index(s))
-            tma.async_copy_global_to_shared(as_desc, [0, kw // 4, 0], ready.index(s), as_s.index(s))
-            it += 1
-        tile = nxt
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    _hand(tid_s, s, one * -1)
-    mbarrier.arrive(ready.index(s))
-
-
-@gluon.jit
-def _next_tile(tid_s, ready, it):
-    """The tile of ring step ``it`` (-1: no more), once its slot is full."""
-    STAGES: gl.constexpr = tid_s.type.shape[0]
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return gl.max(tid_s.index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+        s = it % STAGES
+        # a fresh barrier counts as having finished the phase before phase 0: the first pass does not wait
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), NBYTES)
+        tma.async_copy_global_to_shared(w_desc, [4 * g, i0, kw], ready.index(s), w_s.index(s))
+        tma.async_copy_global_to_shared(ws_desc, [g, kw // 4, 4 * i0], ready.index(s), ws_s.index(s))
+        tma.async_copy_global_to_shared(a_desc, [0, kw], ready.index(s), a_s.index(s))
+        tma.async_copy_global_to_shared(as_desc, [0, kw // 4, 0], ready.index(s), as_s.index(s))
 
 
 @gluon.jit
@@ -204,68 +169,53 @@ def _store(acc, m, n0, M, N, alpha, out_ptr, LW: gl.constexpr, UNDO: gl.constexp
 
 
 @gluon.jit
-def _consume(w_s, ws_s, a_s, as_s, tid_s, ready, empty, alpha_ptr, out_ptr, M, N, STEPS, ctr_ptr, DYN,
-             DP: gl.constexpr):
-    """For each tile the producer hands over: the dot products of its 4R rows with the activation row(s), then the
-    store. With DYN, the last CTA to finish sets the claim counter back to zero for the next call."""
+def _consume(w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS, DP: gl.constexpr):
+    """For each of this CTA's tiles: the dot products of its 4R rows with the activation row(s), then the store."""
     R: gl.constexpr = w_s.type.shape[2]
     BW: gl.constexpr = w_s.type.shape[3]
     MB: gl.constexpr = a_s.type.shape[1]
     LW: gl.constexpr = word_layout(BW, gl.num_warps())
     alpha = gl.load(alpha_ptr)
     tbl = _dp4_table(N)  # (from N: a launch makes M = 1 a constant, and ptxas would fold the table again)
-    it = 0
-    tile = _next_tile(tid_s, ready, it)
-    while tile >= 0:
+    lo = _first_tile(gl.program_id(0), TILES)
+    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
         acc0 = gl.zeros([4, R, BW // 4, 4], gl.float32, LW)
         acc1 = acc0
         for ks in range(STEPS):
-            acc0, acc1 = _step(w_s, ws_s, a_s, as_s, ready, empty, it + ks, acc0, acc1, tbl, LW, DP)
+            acc0, acc1 = _step(w_s, ws_s, a_s, as_s, ready, empty, (tile - lo) * STEPS + ks, acc0, acc1, tbl,
+                               LW, DP)
         n0 = (tile // (32 // R)) * 128 + (tile % (32 // R)) * R
         _store(acc0, 0, n0, M, N, alpha, out_ptr, LW, _undo(DP))
         if MB > 1:
             _store(acc1, 1, n0, M, N, alpha, out_ptr, LW, _undo(DP))
-        it += STEPS
-        tile = _next_tile(tid_s, ready, it)
-    if DYN != 0:
-        # every claim of this grid is made before its CTA's last slot: the last CTA out zeroes the counters
-        one = N * 0 + 1
-        if gl.atomic_add(ctr_ptr + 1, one, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
-            L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-            gl.store(ctr_ptr + gl.arange(0, 2, layout=L), gl.zeros([2], gl.int32, L))
 
 
 @gluon.jit
 def ring(w_desc, ws_desc, a_desc, as_desc, R: gl.constexpr, BW: gl.constexpr, MB: gl.constexpr,
          STAGES: gl.constexpr):
-    """The STAGES-deep shared-memory ring of the four TMA boxes and each step's tile, with its ready and empty
-    barriers."""
+    """The STAGES-deep shared-memory ring of the four TMA boxes, with its ready and empty barriers."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, 4, R, BW], w_desc.layout)
     ws_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * R], ws_desc.layout)
     a_s = gl.allocate_shared_memory(gl.int64, [STAGES, MB, BW], a_desc.layout)
     as_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * MB], as_desc.layout)
-    tid_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1], plain(1))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    return w_s, ws_s, a_s, as_s, tid_s, ready, empty
+    return w_s, ws_s, a_s, as_s, ready, empty
 
 
 @gluon.jit
-def gvws_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILES, STEPS, ctr_ptr, R: gl.constexpr,
-                BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, DP: gl.constexpr = False,
-                DYN: gl.constexpr = False):
+def gvws_kernel(w_desc, ws_desc, a_desc, as_desc, alpha_ptr, out_ptr, M, N, TILES, STEPS, R: gl.constexpr,
+                BW: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, DP: gl.constexpr = False):
     """out [M, N] (M <= MB) = alpha * A @ W.T over TILES tiles of 4R weight rows, STEPS steps of BW 16-blocks each
     (the views: ``descriptors``); the default partition (num_warps) consumes, a worker warp loads. DP: the products
-    by ``_dp4``'s int8 dot products (else ``_h2``'s fp16 pairs). DYN: CTAs claim tiles from ``ctr_ptr`` (int32 [2],
-    zero before the call and left zero), else each takes ``_first_tile``'s share (``ctr_ptr`` unread)."""
-    w_s, ws_s, a_s, as_s, tid_s, ready, empty = ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
-    gl.warp_specialize([(_consume, (w_s, ws_s, a_s, as_s, tid_s, ready, empty, alpha_ptr, out_ptr, M, N, STEPS,
-                                    ctr_ptr, DYN, DP)),
-                        (_producer, (w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, tid_s, ready, empty,
-                                     TILES, STEPS, ctr_ptr, DYN))], [1], [40])
+    by ``_dp4``'s int8 dot products (else ``_h2``'s fp16 pairs)."""
+    w_s, ws_s, a_s, as_s, ready, empty = ring(w_desc, ws_desc, a_desc, as_desc, R, BW, MB, STAGES)
+    gl.warp_specialize([(_consume, (w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS, DP)),
+                        (_producer, (w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, empty, TILES,
+                                     STEPS))], [1], [40])
 
 
 @functools.cache
@@ -316,10 +266,8 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     r, bw, mb, warps, per_sm = (int(config[key]) for key in ("R", "BW", "MB", "warps", "ctas"))
     m, n = a.shape[0], b.shape[0]
     tiles, steps = work(n, a.shape[1] // 8, r, bw)
-    dyn = bool(config.get("dyn"))
-    ctr = splitk.counters(2, out.device) if dyn else alpha.view(torch.int32)  # a typed stand-in when unread
     launch(gvws_kernel, (min(tiles, sms * per_sm),), *descriptors(a, b, sa, sb, r, bw, mb), alpha, out, m, n, tiles,
-           steps, ctr, R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)), DYN=dyn,
+           steps, R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)),
            num_warps=warps, **reg_cap(warps, per_sm))
 
 

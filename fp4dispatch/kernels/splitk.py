@@ -1,6 +1,5 @@
 """Host side of the split-K epilogue (``_fused.store_out``): the fp32 partial-sum workspace and the per-tile arrival
-counters, so that a split-K launch needs no memset and no finalize launch. ``gvws`` with ``dyn`` claims its tiles
-through the same counters.
+counters, so that a split-K launch needs no memset and no finalize launch.
 
 The kernels leave every counter at zero when they finish, so a counter buffer is zeroed once, when it is created,
 and reused by every later launch on its stream (launches on one stream never overlap). There is one buffer per
@@ -20,7 +19,7 @@ import torch
 
 from . import cuda_index
 
-__all__ = ["buffers", "counters", "prepare", "prepare_capture"]
+__all__ = ["buffers", "prepare", "prepare_capture"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -71,18 +70,13 @@ def prepare_capture(device: torch.device) -> None:
 
 def buffers(m: int, n: int, split: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(workspace fp32 [split, m, n], int32 counters with >= ``tiles`` zeros) for one split-K launch."""
-    return torch.empty((split, m, n), dtype=torch.float32, device=device), counters(tiles, device)
-
-
-def counters(size: int, device: torch.device) -> torch.Tensor:
-    """The current stream's int32 counters, >= ``size`` of them zero, for a launch that leaves them zero (split-K's
-    tile counters; ``gvws``'s tile claims with ``dyn``)."""
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=device)
     key = _key(device, None)
     have = _COUNTERS.get(key)
-    if have is not None and have.numel() >= size:
-        return have
+    if have is not None and have.numel() >= tiles:
+        return ws, have
     if _capturing(device):
         log.debug("fp4dispatch: split-K counters zeroed inside the CUDA graph (no prepared buffer for this stream)")
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    prepare(device, None, size)
-    return _COUNTERS[key]
+        return ws, torch.zeros(tiles, dtype=torch.int32, device=device)
+    prepare(device, None, tiles)
+    return ws, _COUNTERS[key]
