@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backends.base import Backend, Config, config_id
+from .backends.base import Backend, Config, config_id, config_json
 from .backends.reference import reference_mm
 from .bench import DoBench
 from .probe import describe_exception, reset_cuda_error
@@ -35,7 +35,7 @@ class Trial:
         return math.isfinite(self.time_ms)
 
     def to_json(self) -> dict:
-        return {"backend": self.backend, "config": self.config,
+        return {"backend": self.backend, "config": config_json(self.config),
                 "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
 
 

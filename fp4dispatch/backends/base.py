@@ -3,8 +3,9 @@
 A backend is a small object with a ``name`` that
   * says why it cannot run on a device at all (``unavailable(device) -> reason | None``: library missing, SM refused);
   * says why it cannot run one problem (``unsupported(problem) -> reason | None``: alignment, out dtype);
-  * offers configs to tune (``configs(problem) -> list[dict]``; JSON-able dicts, ``[{}]`` when there is nothing to
-    tune);
+  * offers configs to tune (``configs(problem) -> list[Config]``, ``[{}]`` when there is nothing to tune): a
+    JSON-able dict, or a frozen dataclass with ``to_json() -> dict``; that JSON form is what the cache stores, and a
+    cached config is used again only if it equals the JSON form of a config the backend still offers;
   * computes ``ops.out = alpha * dequant(ops.a) @ dequant(ops.b).T`` from canonical operands
     (``run(problem, ops, config)``); adapting to a library's own layout is the backend's job.
 
@@ -20,16 +21,23 @@ import torch
 
 from ..problem import Operands, Problem
 
-__all__ = ["Backend", "BaseBackend", "Config", "config_id"]
+__all__ = ["Backend", "BaseBackend", "Config", "config_id", "config_json"]
 
-Config = dict[str, Any]
+Config = Any  # a JSON-able dict, or a frozen dataclass with to_json() -> dict
+
+
+def config_json(config: Config) -> dict:
+    """The JSON form of a config: what the cache stores and what a cached config is matched by."""
+    to_json = getattr(config, "to_json", None)
+    return to_json() if to_json is not None else dict(config)
 
 
 def config_id(config: Config) -> str:
     """Stable short text for a config, used in cache entries and reports."""
-    if not config:
+    d = config_json(config)
+    if not d:
         return "default"
-    return ",".join(f"{k}={config[k]}" for k in sorted(config))
+    return ",".join(f"{k}={d[k]}" for k in sorted(d))
 
 
 @runtime_checkable
