@@ -1,42 +1,64 @@
-"""On-disk decision cache: one JSON file per device fingerprint, safe for many processes.
+"""On-disk decision cache: one JSON file per device fingerprint, safe for many processes and users.
 
 File ``<cache_dir>/decisions-<fingerprint hash>.json``::
 
-    {"schema_version": 1,
-     "fingerprint": {...},                               # what the hash was made of
-     "health":    {"<backend>": {"status": "unavailable", "reason": "..."}},
-     "decisions": {"<key>": {"backend": "...", "config": {...}, "time_us": 12.3, "ranking": [...], ...}},
-     "shape_blacklist": {"<key>": {"<backend>": "incorrect: all zeros at M=300"}}}
+    {"schema_version": 1, "fingerprint": {...}, "health": {...}, "decisions": {...}, "shape_blacklist": {...},
+     "verified": {...}, "faults": {...}}                 (sections: fp4dispatch/records.py)
 
-Writes re-read the file under a ``filelock`` lock, merge, write a temp file and ``os.replace`` it, so concurrent
-processes never lose each other's entries and readers never see half a file. JSON only: a cache dir may be shared.
-A corrupt, truncated, foreign or future-schema file is reported once and rebuilt; it never raises.
+Rules (docs/tuning.md, "The cache"):
+  * Reading never raises: an unreadable, corrupt, foreign, future-schema or oversized file is ignored with one
+    warning and rebuilt; an entry that does not parse is dropped with one warning (records.py checks each).
+  * A write merges into the file under a ``filelock`` lock (read, merge, temp file, ``os.replace``), so concurrent
+    processes lose nothing and readers never see half a file. The lock is waited for briefly: if another process
+    holds it longer, the update stays in memory (it is used at once) and is written with the next update or at exit;
+    a call never stalls on a peer.
+  * Bounded: at most ``MAX_KEYS`` keys per section and ``MAX_RANKING`` trials per decision are kept; a file larger
+    than ``MAX_FILE_BYTES`` is not read.
+  * Files are created with the mode the umask gives (0644 under umask 022): with a group-writable umask (002) and a
+    shared directory, several users share one cache. Temp files left by a killed writer are removed on open (when
+    the lock is free) and by ``clear``.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import logging
 import os
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from .fingerprint import fingerprint_hash
+from .records import SECTIONS, clean_section
 
-__all__ = ["DecisionCache", "SCHEMA_VERSION", "SECTIONS", "write_json_atomic"]
+__all__ = ["DecisionCache", "SCHEMA_VERSION", "SECTIONS", "write_json_atomic", "remove_leftovers", "nested_merge"]
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("fp4dispatch")
-SECTIONS = ("health", "decisions", "shape_blacklist")
+MAX_KEYS = 4096
+MAX_RANKING = 16
+MAX_FILE_BYTES = 16 << 20
+LOCK_TIMEOUT_S = 1.0
+
+
+@functools.cache
+def _umask() -> int:
+    # the only way to read the umask is to set it: do it once (another thread creating a file in between gets 022)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` as JSON to a temp file beside ``path``, then ``os.replace`` it: readers see the old file or
-    the new one, never half of one."""
+    the new one, never half of one. The file gets the umask's mode (``mkstemp`` alone would make it 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
@@ -45,12 +67,56 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
+def remove_leftovers(directory: Path, name: str = "decisions-*.json") -> list[Path]:
+    """Remove the temp files that writers of ``name`` (a glob) left when killed mid-write; returns them. Call it
+    only while holding the file's lock (or for ``clear``): a live writer's temp file exists only under the lock."""
+    gone = []
+    for p in Path(directory).glob(f".{name}.*.tmp"):
+        try:
+            p.unlink()
+            gone.append(p)
+        except OSError:
+            pass
+    return gone
+
+
 def _empty(fp: dict) -> dict:
     return {"schema_version": SCHEMA_VERSION, "fingerprint": fp, **{s: {} for s in SECTIONS}}
 
 
+def _merge(section: dict, entries: dict, merge) -> None:
+    for k, v in entries.items():
+        old = section.get(k)
+        section[k] = merge(old, v) if merge is not None and old is not None else v
+
+
+def nested_merge(old, new):
+    """Merge for two-level sections: the new entry's items over the old entry's."""
+    return {**old, **new} if isinstance(old, dict) and isinstance(new, dict) else new
+
+
+def _bounded(data: dict) -> dict:
+    for s in SECTIONS:
+        sec = data[s]
+        if len(sec) > MAX_KEYS:  # the oldest keys go first: the file is sorted, new keys were merged in last
+            data[s] = dict(list(sec.items())[-MAX_KEYS:])
+    for e in data["decisions"].values():
+        if len(e.get("ranking", ())) > MAX_RANKING:
+            e["ranking"] = e["ranking"][:MAX_RANKING]
+    return data
+
+
+_pending_caches: "weakref.WeakSet[DecisionCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for cache in list(_pending_caches):
+        cache.flush()
+
+
 class DecisionCache:
-    """Decisions and health verdicts of one device fingerprint, mirrored in memory."""
+    """The sections of one device fingerprint, mirrored in memory."""
 
     def __init__(self, cache_dir: Path, fingerprint: dict):
         self.dir = Path(cache_dir)
@@ -58,78 +124,126 @@ class DecisionCache:
         self.hash = fingerprint_hash(fingerprint)
         self.path = self.dir / f"decisions-{self.hash}.json"
         self._lock_path = self.dir / f"decisions-{self.hash}.json.lock"
-        self._warned = False
-        self._mutex = threading.Lock()
+        self._warned: set[str] = set()
+        self._mutex = threading.RLock()
+        self._pending: list[tuple[str, dict, object]] = []
+        self.write_error: str | None = None  # why the last write failed; None once one succeeds
         self.data = self._read()
+        self._clean_leftovers()
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def _warn_once(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("fp4dispatch: ignoring cache file %s (%s); it will be rebuilt", self.path, why)
+    def _warn_once(self, what: str, message: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def _ignore(self, why: str) -> dict:
+        self._warn_once("file", "fp4dispatch: ignoring cache file %s (%s); it will be rebuilt", self.path, why)
+        return _empty(self.fingerprint)
 
     def _read(self) -> dict:
         try:
-            text = self.path.read_text()
+            size = self.path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                return self._ignore(f"{size} bytes, over the {MAX_FILE_BYTES}-byte bound")
+            data = json.loads(self.path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             return _empty(self.fingerprint)
         except OSError as e:
-            self._warn_once(f"unreadable: {e}")
-            return _empty(self.fingerprint)
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            self._warn_once(f"corrupt or truncated JSON: {e}")
-            return _empty(self.fingerprint)
+            return self._ignore(f"unreadable: {e}")
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            return self._ignore(f"corrupt or truncated: {type(e).__name__}: {str(e)[:100]}")
         if not isinstance(data, dict):
-            self._warn_once("not a JSON object")
-            return _empty(self.fingerprint)
+            return self._ignore("not a JSON object")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            self._warn_once(f"schema_version {version!r}, this fp4dispatch reads {SCHEMA_VERSION}")
-            return _empty(self.fingerprint)
+            return self._ignore(f"schema_version {version!r}, this fp4dispatch reads {SCHEMA_VERSION}")
         if data.get("fingerprint") != self.fingerprint:
-            self._warn_once("foreign file: its fingerprint is not this device's")
-            return _empty(self.fingerprint)
+            return self._ignore("foreign file: its fingerprint is not this device's")
+        out, dropped = _empty(self.fingerprint), []
         for s in SECTIONS:
-            if not isinstance(data.get(s), dict):
-                self._warn_once(f"section {s!r} missing or malformed")
-                return _empty(self.fingerprint)
-        return data
+            sec = data.get(s, {})
+            if not isinstance(sec, dict):
+                return self._ignore(f"section {s!r} is not a JSON object")
+            out[s], bad = clean_section(s, sec)
+            dropped += bad
+        if dropped:
+            self._warn_once("entries", "fp4dispatch: dropped %d malformed entries of cache file %s (they are decided "
+                            "again): %s", len(dropped), self.path, "; ".join(dropped[:3]))
+        return out
 
     def reload(self) -> None:
         with self._mutex:
             self.data = self._read()
+            for section, entries, merge in self._pending:
+                _merge(self.data[section], entries, merge)
+
+    def _clean_leftovers(self) -> None:
+        if not self.dir.is_dir():
+            return
+        try:
+            with FileLock(str(self._lock_path), timeout=0):
+                remove_leftovers(self.dir, self.path.name)
+        except (Timeout, OSError):
+            pass  # a writer is busy (its temp file is live) or the directory is not ours to write
 
     # -- writing ---------------------------------------------------------------------------------------------
-    def update(self, section: str, entries: dict, *, merge_nested: bool = False) -> None:
-        """Merge ``entries`` into ``section`` on disk (read-merge-write under the file lock) and in memory."""
+    def update(self, section: str, entries: dict, *, merge=None, merge_nested: bool = False) -> bool:
+        """Merge ``entries`` into ``section`` in memory at once and on disk if the lock comes within
+        ``LOCK_TIMEOUT_S`` (else with a later write). ``merge(old, new)`` combines an entry with the one already
+        there (default: the new one replaces it). Returns True when everything pending reached the disk."""
+        if merge_nested:
+            merge = nested_merge
         with self._mutex:
+            _merge(self.data[section], entries, merge)
+            self._pending.append((section, entries, merge))
+            return self.flush()
+
+    def flush(self, timeout: float = LOCK_TIMEOUT_S) -> bool:
+        """Write every pending update now (read, merge, write under the lock); False if they stay pending."""
+        with self._mutex:
+            if not self._pending:
+                return True
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                with FileLock(str(self._lock_path), timeout=60):
+                with FileLock(str(self._lock_path), timeout=timeout):
                     data = self._read()
-                    for k, v in entries.items():
-                        if merge_nested and isinstance(data[section].get(k), dict):
-                            data[section][k].update(v)
-                        else:
-                            data[section][k] = v
-                    write_json_atomic(self.path, data)
-                    self.data = data
-            except OSError as e:  # a read-only or full cache dir must not break the GEMM
-                log.warning("fp4dispatch: could not write the cache %s (%s); decisions stay in memory", self.path, e)
-                for k, v in entries.items():
-                    if merge_nested and isinstance(self.data[section].get(k), dict):
-                        self.data[section][k].update(v)
-                    else:
-                        self.data[section][k] = v
+                    for section, entries, merge in self._pending:
+                        _merge(data[section], entries, merge)
+                    write_json_atomic(self.path, _bounded(data))
+            except Timeout:
+                _pending_caches.add(self)
+                self._warn_once("lock", "fp4dispatch: the cache lock %s is held by another process; decisions are "
+                                "used from memory and written later", self._lock_path)
+                return False
+            except OSError as e:  # a read-only, full or missing cache dir must not break the GEMM
+                self.write_error = f"{type(e).__name__}: {e}"
+                self._pending.clear()
+                self._warn_once("write", "fp4dispatch: could not write the cache %s (%s); decisions stay in memory",
+                                self.path, e)
+                return False
+            self._pending.clear()
+            _pending_caches.discard(self)
+            self.write_error = None
+            self.data = data
+            return True
 
-    def clear(self) -> None:
+    def clear(self) -> list[Path]:
+        """Remove this fingerprint's file, its writers' leftovers and its lock file; returns what was removed."""
         with self._mutex:
-            with FileLock(str(self._lock_path), timeout=60):
-                if self.path.exists():
-                    self.path.unlink()
+            removed = []
+            self._pending.clear()
+            if self.dir.is_dir():
+                with FileLock(str(self._lock_path), timeout=10):
+                    if self.path.exists():
+                        self.path.unlink()
+                        removed.append(self.path)
+                    removed += remove_leftovers(self.dir, self.path.name)
+                if self._lock_path.exists():
+                    self._lock_path.unlink(missing_ok=True)
+                    removed.append(self._lock_path)
             self.data = _empty(self.fingerprint)
+            return removed
 
     # -- views -----------------------------------------------------------------------------------------------
     @property
@@ -143,3 +257,11 @@ class DecisionCache:
     @property
     def shape_blacklist(self) -> dict:
         return self.data["shape_blacklist"]
+
+    @property
+    def verified(self) -> dict:
+        return self.data["verified"]
+
+    @property
+    def faults(self) -> dict:
+        return self.data["faults"]

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import InvalidInputError
+
 __all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV"]
 
 # Env variables of other libraries that can change which kernel runs or what it computes: part of the fingerprint.
@@ -33,11 +35,43 @@ RELEVANT_ENV = (
 )
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _bad(name: str, raw: str, accepted: str, default) -> InvalidInputError:
+    return InvalidInputError(f"{name}={raw!r} is not valid; accepted: {accepted}. Unset it for the default "
+                             f"{default!r}")
+
+
 def _flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
+    if raw.lower() in _TRUE + _FALSE:
+        return raw.lower() in _TRUE
+    raise _bad(name, raw, "/".join(_TRUE) + " or " + "/".join(_FALSE), "1" if default else "0")
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0 < v < float("inf"):
+        raise _bad(name, raw, "a positive number of seconds", default)
+    return v
+
+
+def _log_level() -> None:
+    raw = os.environ.get("FP4DISPATCH_LOG", "").strip()
+    if raw:
+        if raw.upper() not in _LEVELS:
+            raise _bad("FP4DISPATCH_LOG", raw, ", ".join(_LEVELS) + " (any case)", "WARNING")
+        logging.getLogger("fp4dispatch").setLevel(raw.upper())
 
 
 @dataclass(frozen=True)
@@ -64,9 +98,7 @@ def default_cache_dir() -> Path:
 
 def read_settings() -> Settings:
     """Read the environment now."""
-    level = os.environ.get("FP4DISPATCH_LOG")
-    if level:
-        logging.getLogger("fp4dispatch").setLevel(level.upper())
+    _log_level()
     disabled = frozenset(x.strip() for x in os.environ.get("FP4DISPATCH_DISABLE", "").split(",") if x.strip())
     return Settings(
         forced_backend=os.environ.get("FP4DISPATCH_BACKEND") or None,
@@ -74,7 +106,7 @@ def read_settings() -> Settings:
         cache_dir=Path(os.environ["FP4DISPATCH_CACHE_DIR"]) if os.environ.get("FP4DISPATCH_CACHE_DIR") else None,
         tune=_flag("FP4DISPATCH_TUNE", True),
         isolate=_flag("FP4DISPATCH_ISOLATE", False),
-        probe_timeout_s=float(os.environ.get("FP4DISPATCH_PROBE_TIMEOUT", "30")),
+        probe_timeout_s=_seconds("FP4DISPATCH_PROBE_TIMEOUT", 30.0),
         guard=_flag("FP4DISPATCH_GUARD", False),
         guard_every=_positive_int("FP4DISPATCH_GUARD_EVERY", 64, "calls between guard checks"),
         timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
@@ -84,9 +116,7 @@ def read_settings() -> Settings:
 def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name, "").strip().lower() or default
     if raw not in choices:
-        from .errors import InvalidInputError
-
-        raise InvalidInputError(f"{name} must be one of {choices}; got {raw!r}. Unset it for the default {default!r}")
+        raise _bad(name, raw, " or ".join(choices), default)
     return raw
 
 
@@ -99,8 +129,6 @@ def _positive_int(name: str, default: int, what: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        from .errors import InvalidInputError
-
         raise InvalidInputError(f"{name} must be a positive integer ({what}); got {raw!r}. Unset it for the "
                                 f"default {default}")
     return n

@@ -1,64 +1,60 @@
-"""The self-selecting dispatcher: probe once per device, tune once per key, remember on disk, fall back on faults.
+"""The self-selecting dispatcher: probe once per device, tune once per key, prove the pick at every M it serves,
+remember on disk, fall back on faults.
 
 Key = (device, M bucket, N, K, out_dtype); the device fingerprint (GPU, driver, CUDA, library versions, env) names
-the cache file. After a key is decided, a call costs one dict lookup and the chosen backend's run.
+the cache file. Once a key is decided and the call's M proven, a call costs one dict lookup, one set lookup and the
+chosen backend's run. The rules (docs/tuning.md):
+  * a decision serves an M bucket, and is proven at each M before its first result there: one run on the
+    dispatcher's own hostile inputs against the exact reference (fp4dispatch/verify.py), remembered on disk;
+    a backend wrong at some M (probing or proving) is banned from the key of that M's bucket;
+  * a runtime exception in a user's call is redone on the next proven backend; it counts as the backend's fault
+    only if another backend then computed that same call (otherwise the call is the likely cause and nothing is
+    recorded). A faulted backend is benched for the key in this process; a new process tries it again, until it
+    has faulted ``FAULT_LIMIT`` times, when it is banned from the key until ``tune clear``.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from . import api
 from .backends import default_backends
-from .backends.base import Backend, Config
+from .backends.base import Backend, Config, config_id, config_json
+from .backends.reference import reference_mm
 from .bench import DoBench, for_device
 from .cache import DecisionCache
 from .config import Settings, default_cache_dir, read_settings
-from .errors import BackendError, InvalidInputError, NoUsableBackendError
+from .errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from .fingerprint import device_fingerprint
-from .isolate import probe_isolated
-from .probe import Verdict, describe_exception, probe_backend, reset_cuda_error
+from .health import device_health, wrong_in_bucket
 from .problem import Operands, Problem, m_bucket
-from .tuner import Trial, tune, verify_only
+from .records import Verdict, key_str
+from .report import BackendRecord, Report, build_report
+from .tuner import tune, verify_only
+from .verify import check_run, make_case, reset_cuda_error
 
-__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str"]
+__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT"]
 
 log = logging.getLogger("fp4dispatch")
+FAULT_LIMIT = 3  # runtime faults (each one another backend then computed right) before a backend is banned
+MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-class Choice(NamedTuple):
+@dataclass(eq=False)
+class Choice:
     backend: Backend
     config: Config
     fallbacks: tuple = ()  # ((backend, config), ...) verified on this key, best first
     key: tuple | None = None  # None for a forced backend: no fallback, errors surface
+    verified: set = field(default_factory=set)  # the M at which this backend and config were proven right
 
 
-@dataclass
-class BackendRecord:
-    """One backend's standing on a device: status, reason, and what it won or lost per key."""
-
-    name: str
-    status: str
-    reason: str
-    wins: list[str] = field(default_factory=list)
-    losses: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class _DeviceState:
-    cache: DecisionCache
-    health: dict[str, Verdict]
-
-
-def key_str(key: tuple) -> str:
-    _, bucket, n, k, dt = key
-    return f"m{bucket}-n{n}-k{k}-{str(dt).replace('torch.', '')}"
+def _ident(backend: Backend, config: Config) -> str:
+    return f"{backend.name}|{config_id(config)}"
 
 
 class Dispatcher:
@@ -68,7 +64,9 @@ class Dispatcher:
         backends: ordered backends (priority order); default: every built-in backend.
         cache_dir: decision cache directory; default ``FP4DISPATCH_CACHE_DIR`` or platformdirs' user cache dir.
         do_bench: ``fn -> milliseconds``; default on CUDA the median GPU time of CUDA-graph replays
-            (``FP4DISPATCH_TIMER=eager``: eager launches, ``triton.testing.do_bench``), a timer loop on CPU.
+            (``FP4DISPATCH_TIMER=eager``: eager launches). On the CPU nothing is timed unless ``do_bench`` is given:
+            backends keep their priority order (the reference is the only one that matters there, and a loaded
+            machine's timings would decide at random).
         settings: environment knobs (default: read from ``FP4DISPATCH_*`` now).
         guard: guard mode (default ``FP4DISPATCH_GUARD``).
     """
@@ -78,12 +76,14 @@ class Dispatcher:
         self.settings = settings or read_settings()
         self.backends: list[Backend] = list(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}
+        self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
         self._do_bench = do_bench
         self._forced = self.settings.forced_backend
         self._choices: dict[tuple, Choice] = {}
         self._named: dict[tuple, Choice] = {}
-        self._states: dict[torch.device, _DeviceState] = {}
+        self._proven: dict[tuple, set] = {}  # (key, ident) -> M proven, shared by every Choice of that pair
+        self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         # guard mode (fp4dispatch.guard): checks outputs for non-finite values without a host sync per call
@@ -93,20 +93,35 @@ class Dispatcher:
 
             self.guard = Guard(every=self.settings.guard_every)
 
+    def _check_disabled(self) -> None:
+        from .backends import names
+
+        unknown = self.settings.disabled - set(self._by_name)
+        if unknown and unknown - set(names()):
+            known = sorted(set(self._by_name) | set(names()))
+            raise InvalidInputError(f"FP4DISPATCH_DISABLE={','.join(sorted(self.settings.disabled))!r} names no "
+                                    f"backend {sorted(unknown - set(names()))}; accepted names: {known}. Fix the names "
+                                    "or unset the variable")
+
     # -- the call ------------------------------------------------------------------------------------------------
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
-        return api.run_fp4_mm(self, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
+        from .validate import check_fp4_mm_args
+
+        problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
+        if problem.m == 0:
+            return ops.out
+        return self.execute(self.choose(problem, backend), problem, ops)
 
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
-        """The backend and config for ``problem``: one dict lookup once the key is decided."""
+        """The backend and config for ``problem``: a dict and a set lookup once the key is decided and M proven."""
         if backend is not None or self._forced is not None:
-            return self._named_choice(backend or self._forced, problem)
+            return self._named_choice(backend, problem)
         m, n, k, dt, dev = problem
         key = (dev, m_bucket(m), n, k, dt)
         c = self._choices.get(key)
-        return c if c is not None else self._decide(key, problem)
+        return c if c is not None and m in c.verified else self._decide(key, problem)
 
     def execute(self, choice: Choice, problem: Problem, ops: Operands) -> torch.Tensor:
         try:
@@ -115,148 +130,267 @@ class Dispatcher:
             if choice.key is None:
                 raise BackendError(f"fp4_mm: backend {choice.backend.name!r} failed on {problem}: "
                                    f"{describe_exception(e)}") from e
-            return self.execute(self._runtime_fault(choice, problem, e), problem, ops)
+            return self._recover(choice, problem, ops, e)
         if self.guard is not None and choice.key is not None:
             return self.guard.after_run(self, choice, problem, ops)
         return ops.out
+
+    def blacklist(self, choice: Choice, problem: Problem, reason: str) -> Choice:
+        """Ban ``choice``'s backend from its key (memory and disk) and return the next pick, proven at
+        ``problem.m`` (the key is tuned again when no verified fallback is left). Raises NoUsableBackendError."""
+        with self._lock:
+            cache, _ = self._state(problem.device)
+            self._ban(cache, choice.key, choice.backend.name, reason)
+            new = self._prove(choice.key, problem, self._next(choice))
+            self._choices[choice.key] = new
+            return new
 
     # -- decisions -----------------------------------------------------------------------------------------------
     def _decide(self, key: tuple, problem: Problem) -> Choice:
         with self._lock:
             c = self._choices.get(key)
-            if c is not None:
+            if c is not None and problem.m in c.verified:
                 return c
             if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return self._capture_fallback(key, problem)
-            st = self._state(problem.device)
-            ks = key_str(key)
-            entry = st.cache.decisions.get(ks)
-            c = self._choice_from_entry(entry, st, key) if entry else None
+                return self._capture_choice(key, problem, c)
+            self._state(problem.device)
             if c is None:
-                c = self._tune_key(key, problem, st)
+                c = self._cached_choice(key, problem) or self._tune_key(key, problem)
+            c = self._prove(key, problem, c)
             self._choices[key] = c
             return c
 
-    def _healthy(self, st: _DeviceState, name: str) -> bool:
-        v = st.health.get(name)
-        return v is not None and v.status == "ok"
+    def _choice(self, key: tuple, backend: Backend, config: Config, fallbacks: tuple) -> Choice:
+        return Choice(backend, config, fallbacks, key, self._proven.setdefault((key, _ident(backend, config)), set()))
 
-    def _choice_from_entry(self, entry: dict, st: _DeviceState, key: tuple) -> Choice | None:
-        banned = st.cache.shape_blacklist.get(key_str(key), {})
-        ranked = []
-        for t in [entry] + list(entry.get("ranking", [])):
-            name = t.get("backend")
-            if t.get("time_us") is None or name in banned or name not in self._by_name:
-                continue
-            if not self._healthy(st, name) or any(r[0].name == name for r in ranked):
-                continue
-            ranked.append((self._by_name[name], dict(t.get("config") or {})))
-        if not ranked or ranked[0][0].name != entry.get("backend"):
-            return None  # the cached winner is gone or banned: decide again
-        return Choice(ranked[0][0], ranked[0][1], tuple(ranked[1:]), key)
+    def _next(self, c: Choice) -> Choice | None:
+        return self._choice(c.key, *c.fallbacks[0], c.fallbacks[1:]) if c.fallbacks else None
 
-    def _tune_key(self, key: tuple, problem: Problem, st: _DeviceState) -> Choice:
+    def _usable(self, key: tuple, name: str) -> str | None:
+        """Why backend ``name`` may not serve ``key`` (unhealthy, banned, wrong at a probe M in its bucket)."""
+        cache, health = self._states[key[0]]
+        v = health.get(name)
+        if v is None or v.status != "ok":
+            return f"{v.status}: {v.reason}" if v else "unknown backend"
+        return cache.shape_blacklist.get(key_str(key), {}).get(name) or self._wrong_when_probed(key, v)
+
+    @staticmethod
+    def _wrong_when_probed(key: tuple, v: Verdict) -> str | None:
+        m = wrong_in_bucket(v, key[1])
+        return f"incorrect at M={m} when probed (M bucket {key[1]} holds it): {v.reason}" if m else None
+
+    def _cached_choice(self, key: tuple, problem: Problem) -> Choice | None:
+        """The cached decision of ``key``, or None when there is none or its winner can no longer serve (unhealthy,
+        banned, or its config is no longer offered: the key is then tuned again). Never raises."""
+        cache, _ = self._states[key[0]]
         ks = key_str(key)
-        banned = st.cache.shape_blacklist.get(ks, {})
+        entry = cache.decisions.get(ks)
+        if entry is None:
+            return None
+        try:
+            ranked: list[tuple[Backend, Config]] = []
+            for t in [entry] + list(entry.get("ranking", [])):
+                b = self._by_name.get(t["backend"])
+                if t.get("time_us") is None or b is None or any(r[0] is b for r in ranked):
+                    continue
+                if self._usable(key, b.name) is None:
+                    cfg = next((c for c in b.configs(problem) if config_json(c) == t.get("config", {})), None)
+                    if cfg is not None:
+                        ranked.append((b, cfg))
+                    elif t is entry:  # new candidates may exist: they are tried
+                        self._warn(f"stale:{ks}", "fp4dispatch: the cached config of %s (%s %s) is no longer "
+                                   "offered; tuning the key again", ks, b.name, t.get("config"))
+                        return None
+        except Exception as e:  # noqa: BLE001 - cache content never raises out of fp4_mm
+            self._warn(f"entry:{ks}", "fp4dispatch: ignoring the cached decision of %s (%s)", ks, describe_exception(e))
+            return None
+        if not ranked:
+            return None  # nothing the entry ranked can serve any more: decide again
+        proven = cache.verified.get(ks, {})
+        for b, cfg in ranked:
+            who = _ident(b, cfg)
+            self._proven.setdefault((key, who), set()).update(proven.get(who, ()))
+        return self._choice(key, *ranked[0], tuple(ranked[1:]))
+
+    def _timer(self, problem: Problem) -> DoBench | None:
+        if not self.settings.tune:
+            return None
+        if self._do_bench is not None:
+            return self._do_bench
+        return None if problem.device.type == "cpu" else for_device(problem.device, self.settings.timer)
+
+    def _tune_key(self, key: tuple, problem: Problem) -> Choice:
+        cache, _ = self._states[key[0]]
+        ks = key_str(key)
         reasons: dict[str, str] = {}
         candidates = []
         for b in self.backends:
-            v = st.health[b.name]
-            if v.status != "ok":
-                reasons[b.name] = f"{v.status}: {v.reason}"
-            elif b.name in banned:
-                reasons[b.name] = banned[b.name]
+            why = self._usable(key, b.name)
             # a decision serves the whole M bucket: a backend must accept the bucket's largest M too
-            elif (why := b.unsupported(problem) or b.unsupported(problem.with_m(key[1]))) is not None:
-                reasons[b.name] = f"unsupported: {why}"
-            else:
+            if why is None and (u := b.unsupported(problem) or b.unsupported(problem.with_m(key[1]))) is not None:
+                why = f"unsupported: {u}"
+            if why is None:
                 candidates.append(b)
+            else:
+                reasons[b.name] = why
         if not candidates:
             raise self._no_backend(problem, reasons)
-        if self.settings.tune:
-            trials = tune(problem, candidates, self._do_bench or for_device(problem.device, self.settings.timer))
-        else:
-            trials = verify_only(problem, candidates)
-        best: dict[str, Trial] = {}
+        timer = self._timer(problem)
+        trials = tune(problem, candidates, timer) if timer else verify_only(problem, candidates)
+        best: dict[str, object] = {}
         for t in trials:  # sorted: the first trial of a backend is its best config
             best.setdefault(t.backend, t)
         bad = {n: t.reason for n, t in best.items() if not t.ok}
+        health = self._states[key[0]][1]
+        bad.update((n, r) for n, r in reasons.items() if r == self._wrong_when_probed(key, health[n]))
         if bad:
-            st.cache.update("shape_blacklist", {ks: bad}, merge_nested=True)
+            cache.update("shape_blacklist", {ks: bad}, merge_nested=True)
             reasons.update(bad)
         ok = [t for t in best.values() if t.ok]
         if not ok:
             raise self._no_backend(problem, reasons)
         entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
-                 "mode": "tuned" if self.settings.tune else "priority"}
-        st.cache.update("decisions", {ks: entry})
+                 "mode": "tuned" if timer else "priority", "at": round(time.time())}
+        cache.update("decisions", {ks: entry})
         ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
+        for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
+            self._proven.setdefault((key, _ident(b, cfg)), set()).add(problem.m)
+        cache.update("verified", {ks: {_ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=_add_proven)
         log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
-        return Choice(ranked[0][0], ranked[0][1], ranked[1:], key)
+        return self._choice(key, *ranked[0], ranked[1:])
 
-    def _runtime_fault(self, choice: Choice, problem: Problem, e: Exception) -> Choice:
+    def _prove(self, key: tuple, problem: Problem, c: Choice | None, *, retune: bool = True,
+               walk: bool = True) -> Choice:
+        """``c`` or (``walk``) the first of its fallbacks proven right at ``problem.m`` (each one found wrong is
+        banned from the key); with none left, the key is tuned again at this M (``retune``) or
+        NoUsableBackendError."""
+        cache, _ = self._states[key[0]]
+        m, case = problem.m, None
+        while c is not None and m not in c.verified:
+            if case is None:
+                case = make_case(problem, 1000 + m, reference_mm)
+            outcome = check_run(c.backend, case, c.config)
+            if outcome is None:
+                c.verified.add(m)
+                self._remember_proven(cache, key, m, _ident(c.backend, c.config))
+                return c
+            self._ban(cache, key, c.backend.name, f"{outcome[0]} when proven at M={m}: {outcome[1]}")
+            c = self._next(c) if walk else None
+        if c is not None:
+            return c
+        if not retune:
+            raise NoUsableBackendError(f"fp4_mm: no verified fallback is left for {problem} on {problem.device}")
+        return self._tune_key(key, problem)
+
+    @staticmethod
+    def _remember_proven(cache: DecisionCache, key: tuple, m: int, ident: str) -> None:
+        ks = key_str(key)
+        if len(cache.verified.get(ks, {}).get(ident, ())) < MAX_VERIFIED_M:
+            cache.update("verified", {ks: {ident: [m]}}, merge=_add_proven)
+
+    def _ban(self, cache: DecisionCache, key: tuple, name: str, reason: str) -> None:
+        ks = key_str(key)
+        cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
+        self._warn(f"ban:{ks}:{name}", "fp4dispatch: backend %s is banned from %s: %s", name, ks, reason)
+
+    # -- faults --------------------------------------------------------------------------------------------------
+    def _recover(self, first: Choice, problem: Problem, ops: Operands, e: Exception) -> torch.Tensor:
+        """Redo a call whose backend raised: on its verified fallbacks, then on the key's whole cached ranking (a
+        backend benched earlier may work again), each proven at this M, skipping those that raised on this call.
+        The faults are recorded only once one of them computed the call."""
         reset_cuda_error(problem.device)
-        key, name = choice.key, choice.backend.name
-        reason = f"failed at runtime: {describe_exception(e)} (at M={problem.m})"
-        with self._lock:
-            if name not in self._warned:
-                self._warned.add(name)
-                log.warning("fp4dispatch: backend %s raised on %s (%s); blacklisted for this shape, using the next "
-                            "best", name, problem, describe_exception(e))
-            st = self._state(problem.device)
-            ks = key_str(key)
-            st.cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
-            if not choice.fallbacks:
-                self._choices.pop(key, None)
-                raise self._no_backend(problem, {name: reason})
-            nb, ncfg = choice.fallbacks[0]
-            new = Choice(nb, ncfg, choice.fallbacks[1:], key)
-            self._choices[key] = new
-            entry = dict(st.cache.decisions.get(ks) or {})
-            entry.update(backend=nb.name, config=ncfg, replaced=f"{name}: {reason}")
-            entry["ranking"] = [t for t in entry.get("ranking", []) if t.get("backend") != name]
-            entry["time_us"] = next((t["time_us"] for t in entry["ranking"] if t.get("backend") == nb.name), None)
-            st.cache.update("decisions", {ks: entry})
-            return new
+        faults = {first.backend.name: describe_exception(e)}
+        key = first.key
+        for c in self._alternatives(first, problem):
+            if c.backend.name in faults:
+                continue
+            with self._lock:
+                try:
+                    c = self._prove(key, problem, c, retune=False, walk=False)
+                except NoUsableBackendError:
+                    continue  # wrong at this M: banned by _prove
+            try:
+                c.backend.run(problem, ops, c.config)
+            except Exception as e2:  # noqa: BLE001
+                reset_cuda_error(problem.device)
+                faults[c.backend.name] = describe_exception(e2)
+                continue
+            self._record_faults(key, problem, faults, c)
+            if self.guard is not None:
+                return self.guard.after_run(self, c, problem, ops)
+            return ops.out
+        lines = "\n".join(f"  {n}: {r}" for n, r in faults.items())
+        raise NoUsableBackendError(
+            f"fp4_mm: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
+            "recorded against them: when no backend can run a call, the call itself (its tensors or the process's "
+            "state, e.g. out of memory) is the likely cause.", faults) from e
 
-    def _capture_fallback(self, key: tuple, problem: Problem) -> Choice:
-        """During CUDA-graph capture nothing may probe or tune: reuse the nearest decided bucket, else the first
-        backend in priority order whose health is known to be ok."""
-        near = [(abs(k[1].bit_length() - key[1].bit_length()), c) for k, c in self._choices.items()
-                if k[0] == key[0] and k[2:] == key[2:]]
-        if near:
-            c = min(near, key=lambda x: x[0])[1]
-        else:
-            st = self._states.get(problem.device)
-            pick = next((b for b in self.backends if st and self._healthy(st, b.name)
-                         and b.unsupported(problem) is None), None)
-            if pick is None:
-                raise NoUsableBackendError(f"fp4_mm: {problem} has no decision and none can be made during CUDA "
-                                           "graph capture; warm the shape up before capture (fp4dispatch.warmup)")
-            c = Choice(pick, pick.configs(problem)[0], (), key)
-        msg = f"capture:{key_str(key)}"
-        if msg not in self._warned:
-            self._warned.add(msg)
-            log.warning("fp4dispatch: %s was not warmed up before CUDA graph capture; using %s untuned",
-                        key_str(key), c.backend.name)
+    def _alternatives(self, first: Choice, problem: Problem):
+        c = self._next(first)
+        while c is not None:
+            yield c
+            c = self._next(c)
+        with self._lock:
+            c = self._cached_choice(first.key, problem)
+        while c is not None:
+            yield c
+            c = self._next(c)
+
+    def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], good: Choice) -> None:
+        ks = key_str(key)
+        now = round(time.time(), 3)
+        with self._lock:
+            self._choices[key] = good  # the faulted backends are benched for this key in this process
+            cache, _ = self._states[key[0]]
+            cache.update("faults", {ks: {n: {"count": 1, "last": now, "reason": f"{r} (at M={problem.m})"}
+                                         for n, r in faults.items()}}, merge=_add_faults)
+            for name, why in faults.items():
+                count = cache.faults.get(ks, {}).get(name, {}).get("count", 1)
+                self._warn(f"fault:{name}", "fp4dispatch: backend %s raised on %s (%s); this call was redone on %s "
+                           "(fault %d of %d before it is banned from this key)", name, problem, why,
+                           good.backend.name, count, FAULT_LIMIT)
+                if count >= FAULT_LIMIT:
+                    self._ban(cache, key, name, f"failed at runtime on {count} calls, last: {why} (at M={problem.m})")
+
+    def _capture_choice(self, key: tuple, problem: Problem, c: Choice | None) -> Choice:
+        """During CUDA-graph capture nothing may probe, tune or prove: use the key's pick unproven at this M, else the
+        nearest decided bucket, else the first healthy backend in priority order; warn once."""
+        if c is None:
+            near = [(abs(k[1].bit_length() - key[1].bit_length()), c) for k, c in self._choices.items()
+                    if k[0] == key[0] and k[2:] == key[2:]]
+            if near:
+                c = min(near, key=lambda x: x[0])[1]
+            else:
+                health = self._states[key[0]][1] if key[0] in self._states else {}
+                pick = next((b for b in self.backends if health.get(b.name) is not None
+                             and health[b.name].status == "ok" and b.unsupported(problem) is None), None)
+                if pick is None:
+                    raise NoUsableBackendError(f"fp4_mm: {problem} has no decision and none can be made during CUDA "
+                                               "graph capture; warm the shape up before capture (fp4dispatch.warmup)")
+                c = Choice(pick, pick.configs(problem)[0], (), key)
+        self._warn(f"capture:{key_str(key)}:{problem.m}", "fp4dispatch: %s at M=%d was not warmed up before CUDA "
+                   "graph capture; using %s unproven at this M (fp4dispatch.warmup proves it)", key_str(key),
+                   problem.m, c.backend.name)
         return c
 
-    def _named_choice(self, name: str, problem: Problem) -> Choice:
-        nk = (name, problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+    def _named_choice(self, name: str | None, problem: Problem) -> Choice:
+        nk = (name or self._forced, problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
         c = self._named.get(nk)
         if c is not None:
             return c
-        b = self._by_name.get(name)
+        b = self._by_name.get(nk[0])
         if b is None:
-            raise InvalidInputError(f"fp4_mm: backend must be one of {sorted(self._by_name)}; got {name!r}")
+            what = "backend" if name is not None else "FP4DISPATCH_BACKEND"
+            raise InvalidInputError(f"fp4_mm: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
+                                    + ("" if name is not None else ". Fix or unset the variable"))
         with self._lock:
-            v = self._state(problem.device).health[name]
+            v = self._state(problem.device)[1][b.name]
         if v.status != "ok":
-            raise BackendError(f"fp4_mm: backend {name!r} was requested but is {v.status} on {problem.device}: "
+            raise BackendError(f"fp4_mm: backend {b.name!r} was requested but is {v.status} on {problem.device}: "
                                f"{v.reason}")
         why = b.unsupported(problem)
         if why is not None:
-            raise BackendError(f"fp4_mm: backend {name!r} was requested but does not support {problem}: {why}")
+            raise BackendError(f"fp4_mm: backend {b.name!r} was requested but does not support {problem}: {why}")
         c = self._named[nk] = Choice(b, b.configs(problem)[0], (), None)
         return c
 
@@ -267,74 +401,33 @@ class Dispatcher:
             "Install a backend's library, unset FP4DISPATCH_DISABLE, or clear the cache (python -m fp4dispatch.tune "
             "clear) if a library was fixed.", reasons)
 
+    def _warn(self, what: str, message: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
     # -- probing -------------------------------------------------------------------------------------------------
-    def _state(self, device: torch.device) -> _DeviceState:
+    def _state(self, device: torch.device) -> tuple[DecisionCache, dict[str, Verdict]]:
         st = self._states.get(device)
-        if st is not None:
-            return st
-        cache = DecisionCache(self.cache_dir, device_fingerprint(device))
-        st = _DeviceState(cache, {})
-        fresh = {}
-        isolated = []  # probed in worker processes, all at once: each may take up to the probe timeout
-        # safe backends first, native ones last: a crash must not take the safe verdicts with it
-        for b in sorted(self.backends, key=lambda b: bool(b.risky)):
-            if b.name in self.settings.disabled:
-                st.health[b.name] = Verdict("unavailable", "disabled by FP4DISPATCH_DISABLE")
-                continue
-            cached = cache.health.get(b.name)
-            if isinstance(cached, dict):
-                st.health[b.name] = Verdict.from_json(cached)
-            elif self.settings.isolate and b.risky and b.unavailable(device) is None:
-                isolated.append(b)
-            else:
-                st.health[b.name] = fresh[b.name] = probe_backend(b, device)
-        if isolated:
-            with ThreadPoolExecutor(max_workers=len(isolated)) as pool:
-                verdicts = pool.map(lambda b: probe_isolated(b, device, self.settings.probe_timeout_s), isolated)
-                for b, v in zip(isolated, verdicts):
-                    st.health[b.name] = v
-                    if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
-                        fresh[b.name] = v
-        for name, v in st.health.items():
-            if name in fresh or v.transient:
-                log.info("fp4dispatch: probe %s on %s: %s %s", name, device, v.status, v.reason)
-        if fresh:
-            cache.update("health", {n: v.to_json() for n, v in fresh.items()})
-        self._states[device] = st
+        if st is None:
+            _check_device(device)
+            cache = DecisionCache(self.cache_dir, device_fingerprint(device))
+            st = self._states[device] = (cache, device_health(self.backends, device, cache, self.settings))
         return st
 
     # -- public helpers ------------------------------------------------------------------------------------------
     def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None) -> dict[tuple, Choice]:
-        """Decide every (M, N, K) in ``shapes`` now (before CUDA-graph capture or serving)."""
+        """Decide every (M, N, K) in ``shapes`` now and prove it at that M (before CUDA-graph capture or serving)."""
         dev = _resolve_device(device)
-        out = {}
-        for m, n, k in shapes:
-            p = Problem(int(m), int(n), int(k), out_dtype, dev)
-            out[(m, n, k)] = self.choose(p)
-        return out
+        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev)) for m, n, k in shapes}
 
-    def report(self, device=None) -> list[BackendRecord]:
-        """One record per backend: status, reason and its wins/losses per decided key on ``device``."""
+    def report(self, device=None) -> Report:
+        """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
+        table."""
         dev = _resolve_device(device)
         with self._lock:
-            st = self._state(dev)
-        recs = []
-        for b in self.backends:
-            v = st.health[b.name]
-            rec = BackendRecord(b.name, v.status, v.reason)
-            for ks, e in st.cache.decisions.items():
-                if e.get("backend") == b.name:
-                    rec.wins.append(ks)
-                    continue
-                for t in e.get("ranking", []):
-                    if t.get("backend") == b.name and t.get("time_us") is not None:
-                        rec.losses.setdefault(ks, f"slower: {t['time_us']} us vs {e.get('time_us')} us "
-                                                  f"({e.get('backend')})")
-            for ks, banned in st.cache.shape_blacklist.items():
-                if b.name in banned:
-                    rec.losses[ks] = banned[b.name]
-            recs.append(rec)
-        return recs
+            cache, health = self._state(dev)
+            return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)
 
     def entry_for(self, problem: Problem) -> dict | None:
         """The cached decision record (winner, time, ranking) of ``problem``'s key, deciding it if needed."""
@@ -347,23 +440,45 @@ class Dispatcher:
         writes them to the disk cache. In-memory choices of those keys are re-derived on next use."""
         dev = _resolve_device(device)
         with self._lock:
-            st = self._state(dev)
+            cache, _ = self._state(dev)
             if persist:
-                st.cache.update("decisions", entries)
+                cache.update("decisions", entries)
             else:
-                st.cache.decisions.update(entries)
+                cache.decisions.update(entries)
             for key in [k for k in self._choices if k[0] == dev and key_str(k) in entries]:
                 del self._choices[key]
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
-            return self._state(_resolve_device(device)).cache
+            return self._state(_resolve_device(device))[0]
+
+
+def _add_proven(old: dict, new: dict) -> dict:
+    """Merge of the verified section: the union of the M proven per backend and config."""
+    return {**old, **{who: sorted(set(old.get(who, [])) | set(ms)) for who, ms in new.items()}}
+
+
+def _add_faults(old: dict, new: dict) -> dict:
+    """Merge of the faults section: counts add up, the newest time and reason win."""
+    out = dict(old)
+    for name, rec in new.items():
+        prev = out.get(name)
+        out[name] = {**rec, "count": prev["count"] + rec["count"]} if isinstance(prev, dict) else rec
+    return out
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"fp4_mm: device {device} was asked for, but CUDA is not available here "
+                                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use CPU tensors")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"fp4_mm: tensors must hold data on a CPU or CUDA device; got device {device}. "
+                                "Meta and fake tensors go through torch.compile (the custom op), not a direct call")
 
 
 def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
+    _check_device(d)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

@@ -5,7 +5,7 @@ All classes pickle (they cross process boundaries when probes run in worker proc
 """
 from __future__ import annotations
 
-__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError"]
+__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError", "describe_exception"]
 
 
 class FP4DispatchError(Exception):
@@ -29,3 +29,9 @@ class NoUsableBackendError(FP4DispatchError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.reasons))
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters): how a failure is recorded as data."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg[:300]}" if msg else type(e).__name__

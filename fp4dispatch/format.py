@@ -122,7 +122,9 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tens
 # quantize / dequantize
 # ---------------------------------------------------------------------------------------------------------------
 def default_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """``448*6/amax(x)`` as a float32 1-element tensor (1.0 for an all-zero x)."""
+    """``448*6/amax(x)`` as a float32 1-element tensor (1.0 for an all-zero or empty x)."""
+    if x.numel() == 0:
+        return torch.ones(1, dtype=torch.float32, device=x.device)
     amax = x.detach().abs().amax().float()
     gs = (E4M3_MAX * E2M1_MAX) / amax
     return torch.where(amax > 0, gs, torch.ones_like(gs)).reshape(1)

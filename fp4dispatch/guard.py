@@ -22,17 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidInputError, NoUsableBackendError
+from .records import key_str
 
-__all__ = ["Guard", "Finding", "NonFiniteOutputError", "check", "DEFAULT_EVERY"]
+__all__ = ["Guard", "Finding", "check", "DEFAULT_EVERY"]
 
 log = logging.getLogger("fp4dispatch")
 
 DEFAULT_EVERY = 64
 _NAN_E4M3 = 0x7F  # e4m3fn has no Inf; its NaN is S.1111.111
-
-
-class NonFiniteOutputError(RuntimeError):
-    """A backend wrote NaN/Inf although every input was finite (raised internally, recorded as the reason)."""
 
 
 @dataclass(frozen=True)
@@ -159,16 +156,15 @@ class Guard:
     def _blacklist(self, dispatcher, w: _Watch, must_recompute: bool):
         choice, problem = w.choice, w.problem
         name, ks = choice.backend.name, _key_str(choice.key)
-        err = NonFiniteOutputError(f"non-finite output from finite inputs (guard mode, {problem})")
+        reason = f"incorrect: non-finite output from finite inputs (guard mode, {problem})"
         try:
-            new = dispatcher._runtime_fault(choice, problem, err)
+            new = dispatcher.blacklist(choice, problem, reason)
         except NoUsableBackendError:
-            # no verified fallback on record (e.g. a capture-time choice): decide the key again without it
-            if not must_recompute:
-                log.warning("fp4dispatch guard: backend %s returned non-finite values from finite inputs on %s; "
-                            "blacklisted for this key, which is re-decided on its next call", name, ks)
-                return None
-            new = dispatcher.choose(problem)
+            if must_recompute:
+                raise
+            log.warning("fp4dispatch guard: backend %s returned non-finite values from finite inputs on %s; "
+                        "blacklisted for this key, and no other backend can serve it", name, ks)
+            return None
         log.warning("fp4dispatch guard: backend %s returned non-finite values from finite inputs on %s; "
                     "blacklisted for this key, using %s%s", name, ks, new.backend.name,
                     " (this call recomputed)" if must_recompute else "")
@@ -182,8 +178,6 @@ class Guard:
 
 
 def _key_str(key) -> str:
-    from .dispatcher import key_str
-
     return key_str(key) if key is not None else "forced"
 
 

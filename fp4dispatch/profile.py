@@ -15,6 +15,7 @@ from .cache import SECTIONS as _SECTIONS
 from .cache import DecisionCache, write_json_atomic
 from .errors import FP4DispatchError
 from .fingerprint import fingerprint_diff, fingerprint_hash
+from .records import clean_section
 
 __all__ = ["ProfileError", "PROFILE_FORMAT", "PROFILE_VERSION", "export_profile", "read_profile", "import_profile"]
 
@@ -66,10 +67,17 @@ def read_profile(path: str | Path) -> dict:
                            f"version {PROFILE_VERSION}. Re-export it with this fp4dispatch")
     if not isinstance(data.get("fingerprint"), dict):
         raise ProfileError(f"import: {str(p)!r} has no fingerprint object; re-export the profile")
+    bad = []
     for s in _SECTIONS:
-        if not isinstance(data.get(s), dict):
+        data[s] = data.get(s, {})  # a section this version added may be missing from an older profile
+        if not isinstance(data[s], dict):
             raise ProfileError(f"import: {str(p)!r} section {s!r} must be a JSON object; got "
-                               f"{type(data.get(s)).__name__}. Re-export the profile")
+                               f"{type(data[s]).__name__}. Re-export the profile")
+        bad += clean_section(s, data[s])[1]
+    if bad:
+        lines = "\n".join(f"  {b}" for b in bad[:10])
+        raise ProfileError(f"import: {str(p)!r} has {len(bad)} malformed entries, so nothing was imported:\n{lines}"
+                           "\nRe-export the profile with `python -m fp4dispatch.tune export FILE`")
     return data
 
 

@@ -11,8 +11,8 @@ import torch
 
 from .backends.base import BaseBackend, Config
 from .backends.reference import reference_mm
-from .format import swizzle_scales
 from .problem import Operands, Problem
+from .verify import random_operands
 
 __all__ = ["make_nvfp4_inputs", "FakeBackend", "fake_do_bench", "make_operands"]
 
@@ -23,19 +23,9 @@ def make_nvfp4_inputs(m: int, n: int, k: int, *, device="cpu", seed: int = 0):
     if k % 16:
         raise ValueError(f"make_nvfp4_inputs: K must be a multiple of 16; got {k}")
     dev = torch.device(device)
-    # generate where the data will live: large weights made on the CPU and copied cost seconds when tuning
-    g = torch.Generator(device=dev).manual_seed(seed)
-    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g, device=dev)
-    b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g, device=dev)
-
-    def scales(rows: int) -> torch.Tensor:
-        exps = torch.randint(-3, 4, (rows, k // 16), generator=g, device=dev).float()
-        mant = 1 + torch.randint(0, 8, (rows, k // 16), generator=g, device=dev).float() / 8
-        return swizzle_scales((mant * torch.exp2(exps)).to(torch.float8_e4m3fn))
-
-    sa, sb = scales(m), scales(n)
-    alpha = 0.5 + torch.rand(1, generator=g, device=dev, dtype=torch.float32)
-    return a, b, sa, sb, alpha
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"make_nvfp4_inputs: device={device!r}, but CUDA is not available here; use device='cpu'")
+    return random_operands(m, n, k, dev, seed)
 
 
 def make_operands(problem: Problem, seed: int = 0) -> Operands:
@@ -60,17 +50,27 @@ def fake_do_bench(fn: Callable[[], object]) -> float:
     return _cost_acc.total * 1e3
 
 
+RESULTS = ("correct", "zeros", "nan", "transposed", "scaled", "abs_alpha", "nan_scale_as_zero")
+OUT_FAULTS = ("resize", "past_end", "transposed_strides")
+
+
 class FakeBackend(BaseBackend):
     """A scriptable backend. It computes with the exact reference, then misbehaves as asked.
 
     Args:
         cost: seconds per run as seen by :func:`fake_do_bench`; a float or ``callable(M, N, K) -> float``.
-        result: "correct", "zeros", "nan" (NaN rows), "transposed" (b's layout misread), "scaled" (x2).
+        result: "correct", "zeros", "nan" (NaN rows), "transposed" (b's layout misread), "scaled" (x2),
+            "abs_alpha" (uses |alpha|), "nan_scale_as_zero" (reads a NaN block scale as 0).
         unavailable / unsupported: a reason string (the backend says it cannot run on the device / the problem).
         raises: an exception raised by every run.
         wrong_for_m: M values at which it returns zeros.
         nan_rows_for_m: M values at which it writes NaN into its first rows.
+        nan_rows_after: once it has run more than this many times, it writes NaN rows (a backend that goes bad
+            while serving; may be set on the object at any time).
         fail_after: runs raise RuntimeError after this many successful runs.
+        mutates: the name of an input ("a", "b", "a_scale", "b_scale", "alpha") it zeroes after computing right.
+        out_fault: "resize" (``out.set_`` to [M, N+1]), "past_end" (also writes the row after out, where the
+            storage has one) or "transposed_strides" (right values, out left with strides (1, M)).
         crash: "exit" (os._exit(3)), "segv" (SIGSEGV to itself) or "hang" (sleeps forever) on every run.
         risky: probe it in a worker process when isolation is on.
     ``.calls`` counts every run (probe, tuning, verification, real calls).
@@ -78,10 +78,15 @@ class FakeBackend(BaseBackend):
 
     def __init__(self, name: str, *, cost=1e-5, result: str = "correct", unavailable: str | None = None,
                  unsupported: str | None = None, raises: BaseException | None = None, wrong_for_m=(),
-                 nan_rows_for_m=(), fail_after: int | None = None, crash: str | None = None, risky: bool = False,
-                 configs: list[Config] | None = None):
-        if result not in ("correct", "zeros", "nan", "transposed", "scaled"):
-            raise ValueError(f"FakeBackend: unknown result {result!r}")
+                 nan_rows_for_m=(), nan_rows_after: int | None = None, fail_after: int | None = None,
+                 mutates: str | None = None, out_fault: str | None = None, crash: str | None = None,
+                 risky: bool = False, configs: list[Config] | None = None):
+        if result not in RESULTS:
+            raise ValueError(f"FakeBackend: result must be one of {RESULTS}; got {result!r}")
+        if out_fault not in (None, *OUT_FAULTS):
+            raise ValueError(f"FakeBackend: out_fault must be one of {OUT_FAULTS}; got {out_fault!r}")
+        if mutates not in (None, *Operands._fields[:5]):
+            raise ValueError(f"FakeBackend: mutates must name an input {Operands._fields[:5]}; got {mutates!r}")
         self.name = name
         self.cost = cost
         self.result = result
@@ -90,7 +95,10 @@ class FakeBackend(BaseBackend):
         self.raises = raises
         self.wrong_for_m = tuple(wrong_for_m)
         self.nan_rows_for_m = tuple(nan_rows_for_m)
+        self.nan_rows_after = nan_rows_after
         self.fail_after = fail_after
+        self.mutates = mutates
+        self.out_fault = out_fault
         self.crash = crash
         self.risky = risky
         self._configs = configs or [{}]
@@ -121,25 +129,48 @@ class FakeBackend(BaseBackend):
             raise RuntimeError(f"{self.name}: failing after {self.fail_after} runs (scripted)")
         self.successes += 1
         c = self.cost(problem.m, problem.n, problem.k) if callable(self.cost) else self.cost
-        c = c * config.get("cost_factor", 1.0)
-        _charge(c)
+        _charge(c * config.get("cost_factor", 1.0))
         if problem.m in self.wrong_for_m or self.result == "zeros":
             ops.out.zero_()
             return
+        ops.out.copy_(self._compute(problem, ops))
+        if (self.result == "nan" or problem.m in self.nan_rows_for_m
+                or (self.nan_rows_after is not None and self.calls > self.nan_rows_after)):
+            ops.out[: max(1, problem.m // 4)] = float("nan")
+        if self.mutates:
+            getattr(ops, self.mutates).view(torch.uint8).zero_()
+        if self.out_fault:
+            self._break_out(problem, ops)
+
+    def _compute(self, problem: Problem, ops: Operands) -> torch.Tensor:
         if self.result == "transposed":
             k2 = problem.k // 2
             bt = ops.b.reshape(-1)[: problem.n * k2].view(k2, problem.n).t().contiguous()
-            ops.out.copy_(reference_mm(problem, ops._replace(b=bt)))
-            return
+            return reference_mm(problem, ops._replace(b=bt))
+        if self.result == "abs_alpha":
+            return reference_mm(problem, ops._replace(alpha=ops.alpha.abs()))
+        if self.result == "nan_scale_as_zero":
+            return reference_mm(problem, ops._replace(a_scale=_nan_as_zero(ops.a_scale),
+                                                      b_scale=_nan_as_zero(ops.b_scale)))
         ref = reference_mm(problem, ops)
-        if self.result == "scaled":
-            ref = ref * 2
-        ops.out.copy_(ref)
-        if self.result == "nan" or problem.m in self.nan_rows_for_m:
-            ops.out[: max(1, problem.m // 4)] = float("nan")
+        return ref * 2 if self.result == "scaled" else ref
+
+    def _break_out(self, problem: Problem, ops: Operands) -> None:
+        m, n = problem.m, problem.n
+        out = ops.out
+        if self.out_fault == "resize":
+            out.set_(torch.zeros(m, n + 1, dtype=out.dtype, device=out.device))
+        elif self.out_fault == "transposed_strides":
+            out.set_(out.t().clone(memory_format=torch.contiguous_format).t())
+        elif out.untyped_storage().nbytes() >= (out.storage_offset() + (m + 1) * n) * out.element_size():
+            torch.as_strided(out, (m + 1, n), (n, 1))[m] = out[m - 1]
 
     def __getstate__(self):
         d = dict(self.__dict__)
         if callable(d.get("cost")) and not isinstance(d["cost"], float):
             d["cost"] = 1e-5  # lambdas do not pickle; a worker process only needs the result behaviour
         return d
+
+
+def _nan_as_zero(s: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(s.float(), nan=0.0).to(torch.float8_e4m3fn)

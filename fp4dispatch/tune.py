@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import distributed, presets
-from .cache import DecisionCache
+from .cache import DecisionCache, remove_leftovers
 from .config import default_cache_dir, read_settings
 from .distributed import TuneOptions, backend_rows, make_dispatcher
 from .fingerprint import device_fingerprint
@@ -108,9 +108,18 @@ def _failed_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def _finish(args, payload: dict, rows: list[dict], backends: list[dict], notes: list[str]) -> int:
+def _finish(args, payload: dict, rows: list[dict], backends: list[dict], notes: list[str],
+            cache: DecisionCache | None = None) -> int:
     failed = _failed_lines(rows)
     code = 1 if failed else 0
+    if cache is not None:
+        cache.flush(timeout=30)  # updates kept in memory while another process held the lock
+        if cache.write_error:
+            code = 1
+            notes = notes + [f"could not write the cache {cache.path} ({cache.write_error}): these decisions are "
+                             "lost when this process ends. Make the directory writable or pass --cache-dir"]
+        else:
+            notes = notes + [f"cache: {cache.path}"]
     if args.json:
         payload.update(notes=notes, shapes=rows, backends=backends, failed=[r["key"] for r in rows
                                                                           if r["status"] != "ok"], exit_code=code)
@@ -169,7 +178,7 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
     d = make_dispatcher(opts, backends, do_bench)
     rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev))
     payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path))
-    return _finish(args, payload, rows, backend_rows(d, dev), notes)
+    return _finish(args, payload, rows, backend_rows(d, dev), notes, d.cache_for(dev))
 
 
 def _cmd_self_test(args, opts: TuneOptions, backends) -> int:
@@ -225,13 +234,16 @@ def _cmd_show(args, opts: TuneOptions) -> int:
 
 def _cmd_clear(args, opts: TuneOptions) -> int:
     cache = _device_cache(args, opts)
-    paths = sorted(cache.dir.glob("decisions-*.json")) if args.all else [cache.path]
-    removed = [p for p in paths if p.exists()]
-    for p in removed:
-        if p == cache.path:
-            cache.clear()  # under the file lock
-        else:
-            p.unlink(missing_ok=True)
+    try:
+        removed = cache.clear()
+        if args.all and cache.dir.is_dir():  # every fingerprint's file, writers' leftovers and lock files
+            removed += remove_leftovers(cache.dir)
+            for p in sorted(cache.dir.glob("decisions-*.json")) + sorted(cache.dir.glob("decisions-*.json.lock")):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    except OSError as e:
+        print(f"fp4dispatch.tune: could not clear {cache.dir}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"command": "clear", "removed": [str(p) for p in removed]}))
     else:
@@ -250,6 +262,14 @@ def _cmd_profile(args, opts: TuneOptions) -> int:
             msg = {"command": "import", "file": args.file, "cache": str(cache.path), **import_profile(args.file, cache)}
     except ProfileError as e:
         print(f"fp4dispatch.tune: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"fp4dispatch.tune: could not write {args.file if args.command == 'export' else cache.path}: {e}",
+              file=sys.stderr)
+        return 1
+    if cache.write_error:
+        print(f"fp4dispatch.tune: {args.command}: nothing was written to {cache.path}: {cache.write_error}. Make "
+              "the cache directory writable or pass --cache-dir", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(msg))

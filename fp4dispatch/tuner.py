@@ -1,6 +1,8 @@
 """Autotune one key: verify every candidate (backend x config) on that shape, time the correct ones.
 
-A candidate that raises or is wrong scores ``inf`` with its reason; failures are data (Triton's ``_bench``).
+A candidate that raises or is wrong scores ``inf`` with its reason; failures are data (Triton's ``_bench``). The
+inputs are the hostile check inputs of :mod:`fp4dispatch.verify`, so a candidate is timed only once it has been
+proven right on them.
 """
 from __future__ import annotations
 
@@ -8,17 +10,14 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from .backends.base import Backend, Config, config_id, config_json
 from .backends.reference import reference_mm
 from .bench import DoBench
-from .probe import describe_exception, reset_cuda_error
+from .errors import describe_exception
 from .problem import Problem
-from .testing import make_operands
-from .verify import check_output, poison
+from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
-__all__ = ["Trial", "tune", "verify_only"]
+__all__ = ["Trial", "tune", "verify_only", "check_trial"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -39,31 +38,35 @@ class Trial:
                 "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
 
 
-def _verify(backend: Backend, problem: Problem, ops, ref, cfg: Config) -> str | None:
-    poison(ops.out)
+def check_trial(backend: Backend, case: CheckCase, cfg: Config) -> str:
+    """"" when ``backend`` with ``cfg`` computes ``case`` right, else ``"failed: ..."`` / ``"incorrect: ..."``."""
+    outcome = check_run(backend, case, cfg)
+    return f"{outcome[0]}: {outcome[1]}" if outcome else ""
+
+
+def _configs(backend: Backend, problem: Problem) -> tuple[list, str]:
+    """(configs, "") or ([], reason): a backend that cannot list a config is a failed candidate, not a crash."""
     try:
-        backend.run(problem, ops, cfg)
-        if problem.device.type == "cuda":
-            torch.cuda.synchronize(problem.device)
+        cfgs = list(backend.configs(problem))
     except Exception as e:  # noqa: BLE001
-        reset_cuda_error(problem.device)
-        return f"failed: {describe_exception(e)}"
-    bad = check_output(ops.out, ref, problem)
-    return f"incorrect: {bad}" if bad else None
+        return [], f"failed: configs() raised {describe_exception(e)}"
+    return cfgs, "" if cfgs else "failed: configs() offered none"
 
 
 def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7) -> list[Trial]:
     """Every candidate x config, fastest correct first; failed/incorrect trials last with their reasons."""
-    ops = make_operands(problem, seed=seed)
-    ref = reference_mm(problem, ops)
+    case = make_case(problem, seed, reference_mm)
     trials: list[Trial] = []
     for backend in candidates:
-        for cfg in backend.configs(problem):
+        cfgs, why = _configs(backend, problem)
+        if why:
+            trials.append(Trial(backend.name, {}, reason=why))
+        for cfg in cfgs:
             t = Trial(backend.name, cfg)
-            t.reason = _verify(backend, problem, ops, ref, cfg) or ""
+            t.reason = check_trial(backend, case, cfg)
             if not t.reason:
                 try:
-                    t.time_ms = float(do_bench(lambda b=backend, c=cfg: b.run(problem, ops, c)))
+                    t.time_ms = float(do_bench(lambda b=backend, c=cfg: b.run(problem, case.ops, c)))
                 except Exception as e:  # noqa: BLE001
                     reset_cuda_error(problem.device)
                     t.reason = f"failed while timing: {describe_exception(e)}"
@@ -77,14 +80,14 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
 
 
 def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> list[Trial]:
-    """``FP4DISPATCH_TUNE=0``: keep priority order, verify each backend's first config, time nothing."""
-    ops = make_operands(problem, seed=seed)
-    ref = reference_mm(problem, ops)
+    """Priority order, no timing (``FP4DISPATCH_TUNE=0``, and the CPU, where load would decide): the first config
+    of each backend is verified; its rank stands in for a time so that the order survives sorting and the cache."""
+    case = make_case(problem, seed, reference_mm)
     trials = []
     for rank, backend in enumerate(candidates):
-        cfg = backend.configs(problem)[0]
-        reason = _verify(backend, problem, ops, ref, cfg)
-        # the rank stands in for a time so that the order survives sorting and the cache
-        trials.append(Trial(backend.name, cfg, math.inf if reason else float(rank), reason or ""))
+        cfgs, why = _configs(backend, problem)
+        cfg = cfgs[0] if cfgs else {}
+        reason = why or check_trial(backend, case, cfg)
+        trials.append(Trial(backend.name, cfg, math.inf if reason else float(rank), reason))
     trials.sort(key=lambda t: t.time_ms)
     return trials

@@ -4,6 +4,9 @@ The common case (everything right) costs a handful of attribute reads; messages 
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from .errors import InvalidInputError
@@ -37,13 +40,17 @@ def _check_b_layout(a: torch.Tensor, b: torch.Tensor) -> None:
     k2 = a.shape[1]
     if b.shape[1] == k2:
         return
-    if b.shape[0] == k2:
+    # only a transposed *view* ([K/2, N] with strides (1, K/2)) is surely FlashInfer's b.T: a contiguous b whose
+    # first dim happens to equal K/2 (N == K/2) is as likely a weight of another K
+    if b.shape[0] == k2 and b.dim() == 2 and b.stride() == (1, k2) and b.shape[1] > 1:
         raise _fail(
-            f"b must be [N, K/2] (the nn.Linear weight layout); got b.shape={tuple(b.shape)}, which looks like "
-            f"[K/2, N] = FlashInfer's transposed b.T. fp4_mm takes the weight untransposed: pass `b.T` "
-            f"(or the original [N, K/2] weight), and its scale likewise"
+            f"b must be [N, K/2] (the nn.Linear weight layout); got b.shape={tuple(b.shape)} with strides "
+            f"{b.stride()}: the transposed view [K/2, N] = FlashInfer's b.T. fp4_mm takes the weight "
+            f"untransposed: pass `b.T` (or the original [N, K/2] weight), and its scale likewise"
         )
-    raise _fail(f"b.shape[1] (K/2) must equal a.shape[1]={k2}; got b.shape={tuple(b.shape)}")
+    hint = (f" (if b is a transposed [K/2, N] weight, pass the [N, K/2] one)" if b.shape[0] == k2 else "")
+    raise _fail(f"b.shape[1] (K/2) must equal a.shape[1]={k2}: a and b disagree on K; got a.shape="
+                f"{tuple(a.shape)}, b.shape={tuple(b.shape)}{hint}")
 
 
 def _check_scale(s: object, name: str, rows: int, k: int, rows_name: str, layout: str, device) -> torch.Tensor:
@@ -94,10 +101,20 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 _ONES[device] = one
         return one
-    if isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
-        return torch.full((1,), float(alpha), dtype=torch.float32, device=device)
+    if isinstance(alpha, numbers.Real) and not isinstance(alpha, bool):  # Python and NumPy scalars
+        try:
+            value = float(alpha)
+            too_big = math.isfinite(value) and abs(value) > _F32_MAX
+        except OverflowError:  # an int past the float range
+            value, too_big = math.nan, True
+        if too_big:
+            text = repr(alpha) if len(repr(alpha)) <= 24 else repr(alpha)[:20] + "..."
+            raise _fail(f"alpha={text} does not fit in float32 (largest {_F32_MAX:.4g}); alpha is 1/(gs_a*gs_b) and "
+                        "is normally far smaller: check the global scales")
+        return torch.full((1,), value, dtype=torch.float32, device=device)
     if not isinstance(alpha, torch.Tensor):
-        raise _fail(f"alpha must be a float32 1-element tensor, a Python float, or None; got {type(alpha).__name__}")
+        raise _fail(f"alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got "
+                    f"{_type_name(alpha)}")
     if alpha.dtype != torch.float32:
         raise _fail(
             f"alpha must be float32; got dtype={alpha.dtype}. Compute 1/(gs_a*gs_b) in float32 (a bf16 global scale "
@@ -111,6 +128,12 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
 
 
 _U8, _E4M3, _F32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _type_name(x: object) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
@@ -132,7 +155,8 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
                 and a.is_contiguous() and b.is_contiguous() and a_scale.is_contiguous() and b_scale.is_contiguous()):
             if out is None:
                 out = torch.empty((m, n), dtype=out_dtype, device=dev)
-            elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()):
+            elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()
+                      and not out.requires_grad):
                 raise ValueError  # explained by the slow path
             return Problem(m, n, 2 * k2, out_dtype, dev), Operands(a, b, a_scale, b_scale, alpha, out)
     except (AttributeError, ValueError, TypeError):
@@ -177,4 +201,7 @@ def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> 
             f"shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, contiguous={out.is_contiguous()}. "
             f"Allocate it with torch.empty(({m}, {n}), dtype={out_dtype}, device={str(device)!r}) or pass out_dtype"
         )
+    elif out.requires_grad:
+        raise _fail("out must not require grad (fp4_mm is not differentiable and writes out in place); got "
+                    "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
     return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)

@@ -80,9 +80,10 @@ def test_dispatcher_survives_corrupt_file(tmp_path):
 
 def test_no_temp_files_left_and_nested_merge(tmp_path):
     c = DecisionCache(tmp_path, FP)
-    c.update("shape_blacklist", {"k": {"a": "incorrect"}}, merge_nested=True)
-    c.update("shape_blacklist", {"k": {"b": "failed"}}, merge_nested=True)
-    assert c.shape_blacklist == {"k": {"a": "incorrect", "b": "failed"}}
+    k = "m4-n64-k128-float32"
+    c.update("shape_blacklist", {k: {"a": "incorrect"}}, merge_nested=True)
+    c.update("shape_blacklist", {k: {"b": "failed"}}, merge_nested=True)
+    assert c.shape_blacklist == {k: {"a": "incorrect", "b": "failed"}}
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [c.path.name]
 
 

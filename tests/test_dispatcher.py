@@ -92,19 +92,24 @@ def test_backend_wrong_at_one_m_used_elsewhere(tmp_path):
     assert st["flaky"][0] == "ok" and "all zeros at M=300" in st["flaky"][1]
     rec = {r.name: r for r in d.report("cpu")}
     assert rec["flaky"].wins == ["m64-n64-k128-float32"]
-    assert "incorrect: all zeros at M=300" in rec["flaky"].losses["m512-n64-k128-float32"]
+    assert "incorrect at M=300 when probed" in rec["flaky"].losses["m512-n64-k128-float32"]
+    assert "all zeros at M=300" in rec["flaky"].losses["m512-n64-k128-float32"]
     assert rec["safe"].wins == ["m512-n64-k128-float32"]
 
 
 def test_warm_cache_runs_no_probe_and_no_tuning(tmp_path):
     d1 = _disp([FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)], tmp_path)
-    _call(d1, 16)
+    for m in (16, 9, 10, 11):
+        _call(d1, m)  # tunes the bucket at 16, proves the pick at 9, 10 and 11
     fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
     d2 = _disp([fast, slow], tmp_path)  # a new process, in effect: same cache dir, fresh objects
     for i in range(3):
-        out, ref = _call(d2, 9 + i, seed=i)  # same bucket (16)
+        out, ref = _call(d2, 9 + i, seed=i)  # same bucket (16), M proven on disk
         assert _close(out, ref)
     assert fast.calls == 3 and slow.calls == 0
+    _call(d2, 12)  # a new M of the bucket is proven once (one extra run), then served
+    _call(d2, 12, seed=1)
+    assert fast.calls == 6 and slow.calls == 0
 
 
 def test_fingerprint_change_reprobes(tmp_path, monkeypatch):
@@ -132,22 +137,37 @@ def test_changed_library_source_retunes(tmp_path, monkeypatch):
     assert len(list((tmp_path / "c").glob("decisions-*.json"))) == 2
 
 
-def test_runtime_fault_falls_back_and_blacklists(tmp_path, caplog):
-    flaky = FakeBackend("flaky", cost=1e-6, fail_after=6)
+def test_runtime_fault_falls_back_benches_and_retries_in_a_new_process(tmp_path, caplog):
+    flaky = FakeBackend("flaky", cost=1e-6)
     safe = FakeBackend("safe", cost=1e-3)
     d = _disp([flaky, safe], tmp_path)
+    _call(d, 8)
+    flaky.fail_after = flaky.successes  # it raises from now on
     with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
         for i in range(6):
             out, ref = _call(d, 8, seed=i)
             assert _close(out, ref)
     warnings = [r for r in caplog.records if "flaky raised" in r.getMessage()]
-    assert len(warnings) == 1
+    assert len(warnings) == 1 and "fault 1 of 3" in warnings[0].getMessage()
+    assert flaky.calls == flaky.successes + 1  # benched for this key after its one fault
     rec = {r.name: r for r in d.report("cpu")}
-    assert "failed at runtime: RuntimeError" in rec["flaky"].losses["m8-n64-k128-float32"]
-    # a new process keeps using the fallback for this key
+    assert "raised at runtime on 1 call(s), last: RuntimeError" in rec["flaky"].losses["m8-n64-k128-float32"]
+    fault = d.cache_for("cpu").faults["m8-n64-k128-float32"]["flaky"]
+    assert fault["count"] == 1 and fault["reason"].startswith("RuntimeError: flaky: failing after")
+    # a new process tries it again (a fault may be transient) ...
     flaky2, safe2 = FakeBackend("flaky", cost=1e-6), FakeBackend("safe", cost=1e-3)
     _call(_disp([flaky2, safe2], tmp_path), 8)
-    assert flaky2.calls == 0 and safe2.calls == 1
+    assert flaky2.calls == 1 and safe2.calls == 0
+    # ... until it has faulted FAULT_LIMIT times: then it is banned from the key
+    for _ in range(2):  # warm processes: no probe, no proving; the user's call is its first run, and it raises
+        bad, ok = FakeBackend("flaky", cost=1e-6, fail_after=0), FakeBackend("safe", cost=1e-3)
+        out, ref = _call(_disp([bad, ok], tmp_path), 8)
+        assert _close(out, ref) and bad.calls == 1
+    last, ok = FakeBackend("flaky", cost=1e-6), FakeBackend("safe", cost=1e-3)
+    d = _disp([last, ok], tmp_path)
+    _call(d, 8)
+    assert last.calls == 0
+    assert "failed at runtime on 3 calls" in d.cache_for("cpu").shape_blacklist["m8-n64-k128-float32"]["flaky"]
 
 
 def test_no_usable_backend_lists_every_reason(tmp_path):
@@ -185,7 +205,7 @@ def test_forced_unhealthy_backend_says_why(tmp_path, monkeypatch):
 
 
 def test_disable_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FP4DISPATCH_DISABLE", "fast, other")
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "fast, triton:fused")  # built-in names are accepted too
     fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
     d = _disp([fast, slow], tmp_path)
     _call(d, 4)
@@ -208,9 +228,10 @@ def test_hot_path_runs_only_the_chosen_backend(tmp_path):
     win, lose = FakeBackend("win", cost=1e-6), FakeBackend("lose", cost=1e-3)
     d = _disp([win, lose], tmp_path)
     _call(d, 32)
+    _call(d, 17)  # proves the pick at M=17: one more run of it
     w, l = win.calls, lose.calls
     for i in range(5):
-        _call(d, 17 + i, seed=i)
+        _call(d, 32 if i % 2 else 17, seed=i)
     assert win.calls == w + 5 and lose.calls == l
 
 
@@ -261,7 +282,7 @@ def test_timer_knob(monkeypatch):
     assert for_device(torch.device("cuda", 0), "eager") is default_do_bench
     assert for_device(torch.device("cpu")) not in (cuda_graph_do_bench, default_do_bench)
     monkeypatch.setenv("FP4DISPATCH_TIMER", "wallclock")
-    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_TIMER must be one of \('graph', 'eager'\); got 'wallclock'"):
+    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_TIMER='wallclock' is not valid; accepted: graph or eager"):
         read_settings()
 
 

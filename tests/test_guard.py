@@ -33,15 +33,17 @@ def _call(d, m, seed=0):
 
 def test_guard_every_call_blacklists_and_recomputes(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
-    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    bad = FakeBackend("bad", cost=1e-6)
     good = FakeBackend("good", cost=1e-5)
     d = _guarded(tmp_path, bad, good)
     assert d.guard.every == 1
     y, ref = _call(d, 6)  # tunes the M<=8 bucket at M=6, where "bad" is right and fastest
     torch.testing.assert_close(y, ref)
+    _call(d, 5)  # proven right at M=5 too
     assert d.choose(Problem(6, 64, 128, torch.float32, CPU)).backend.name == "bad"
+    bad.nan_rows_after = bad.calls  # it goes bad while serving (after every check it was given passed)
     with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
-        y, ref = _call(d, 5, seed=1)  # same bucket; "bad" writes NaN rows here
+        y, ref = _call(d, 5, seed=1)  # "bad" writes NaN rows now
     torch.testing.assert_close(y, ref)  # recomputed with the next best
     assert "bad returned non-finite values from finite inputs" in caplog.text
     assert d.choose(Problem(5, 64, 128, torch.float32, CPU)).backend.name == "good"
@@ -54,13 +56,15 @@ def test_guard_every_call_blacklists_and_recomputes(tmp_path, monkeypatch, caplo
 
 
 def test_guard_checks_every_n_calls_without_sync_in_between(tmp_path, monkeypatch):
-    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    bad = FakeBackend("bad", cost=1e-6)
     d = _guarded(tmp_path, bad, FakeBackend("good", cost=1e-5))
     d.guard = Guard(every=4)
     checks = []
     real = Guard._check
     monkeypatch.setattr(Guard, "_check", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
     _call(d, 6)
+    d.choose(Problem(5, 64, 128, torch.float32, CPU))  # proves M=5 (no call, so no guard count)
+    bad.nan_rows_after = bad.calls
     outs = [_call(d, 5, seed=i)[0] for i in range(2)]
     assert checks == []  # calls 1-3: flags accumulate on the device, nobody reads them
     assert all(bool(torch.isnan(o).any()) for o in outs)  # the documented lag: bad outputs until the check
@@ -72,11 +76,13 @@ def test_guard_checks_every_n_calls_without_sync_in_between(tmp_path, monkeypatc
 
 def test_guard_check_on_demand_and_default_dispatcher_from_env(monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_GUARD", "1")
-    bad = FakeBackend("bad", cost=1e-6, nan_rows_for_m=(5,))
+    bad = FakeBackend("bad", cost=1e-6)
     fp4dispatch.set_dispatcher(Dispatcher([bad, FakeBackend("good", cost=1e-5)], do_bench=fake_do_bench))
     d = fp4dispatch.get_dispatcher()
     assert isinstance(d.guard, Guard) and d.guard.every == guard_mod.DEFAULT_EVERY
     _call(d, 6)
+    d.choose(Problem(5, 64, 128, torch.float32, CPU))
+    bad.nan_rows_after = bad.calls
     y, _ = _call(d, 5)
     assert bool(torch.isnan(y).any())
     found = guard_mod.check()
@@ -99,8 +105,11 @@ def test_guard_ignores_non_finite_inputs(tmp_path):
 
 def test_guard_without_fallback_redecides_then_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
-    d = _guarded(tmp_path, FakeBackend("bad", nan_rows_for_m=(5,)))
+    bad = FakeBackend("bad")
+    d = _guarded(tmp_path, bad)
     _call(d, 6)
+    d.choose(Problem(5, 64, 128, torch.float32, CPU))
+    bad.nan_rows_after = bad.calls
     with pytest.raises(NoUsableBackendError, match=r"bad: .*non-finite output from finite inputs"):
         _call(d, 5)
 

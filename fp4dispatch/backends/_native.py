@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from ..probe import describe_exception
+from ..errors import describe_exception
 from ..problem import Problem
 from .base import BaseBackend
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from ..probe import describe_exception
+from ..errors import describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ._native import NativeBackend, alignment_reason, import_library
 from .base import Config

@@ -1,0 +1,55 @@
+"""Every backend's verdict on one device: from the cache, else probed now (risky ones in worker processes)."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .cache import DecisionCache
+from .config import Settings
+from .isolate import probe_isolated
+from .probe import probe_backend
+from .problem import m_bucket
+from .records import Verdict
+
+__all__ = ["device_health", "wrong_in_bucket"]
+
+log = logging.getLogger("fp4dispatch")
+
+
+def device_health(backends, device: torch.device, cache: DecisionCache, settings: Settings) -> dict[str, Verdict]:
+    """Verdicts for ``backends`` on ``device``; new ones are written to ``cache`` (transient ones are not)."""
+    health: dict[str, Verdict] = {}
+    fresh = {}
+    isolated = []  # probed in worker processes, all at once: each may take up to the probe timeout
+    # safe backends first, native ones last: a crash must not take the safe verdicts with it
+    for b in sorted(backends, key=lambda b: bool(b.risky)):
+        if b.name in settings.disabled:
+            health[b.name] = Verdict("unavailable", "disabled by FP4DISPATCH_DISABLE")
+            continue
+        cached = cache.health.get(b.name)
+        if cached is not None:
+            health[b.name] = Verdict.from_json(cached)  # checked when the file was read
+        elif settings.isolate and b.risky and b.unavailable(device) is None:
+            isolated.append(b)
+        else:
+            health[b.name] = fresh[b.name] = probe_backend(b, device)
+    if isolated:
+        with ThreadPoolExecutor(max_workers=len(isolated)) as pool:
+            verdicts = pool.map(lambda b: probe_isolated(b, device, settings.probe_timeout_s), isolated)
+            for b, v in zip(isolated, verdicts):
+                health[b.name] = v
+                if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
+                    fresh[b.name] = v
+    for name, v in health.items():
+        if name in fresh or v.transient:
+            log.info("fp4dispatch: probe %s on %s: %s %s", name, device, v.status, v.reason)
+    if fresh:
+        cache.update("health", {n: v.to_json() for n, v in fresh.items()})
+    return health
+
+
+def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:
+    """A probe M at which the backend was wrong and that falls in M bucket ``bucket``, or None."""
+    return next((m for m in v.wrong_ms if m_bucket(m) == bucket), None)

@@ -1,0 +1,58 @@
+"""``Dispatcher.report()``: one record per backend (status, reason, the keys it won and lost), printable as a table."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BackendRecord", "Report", "build_report"]
+
+
+@dataclass
+class BackendRecord:
+    """One backend's standing on a device: status, reason, and what it won or lost per key."""
+
+    name: str
+    status: str
+    reason: str
+    wins: list[str] = field(default_factory=list)
+    losses: dict[str, str] = field(default_factory=dict)
+
+
+class Report(list):
+    """A list of :class:`BackendRecord` that prints as a table (``print(get_dispatcher().report())``)."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "no backends"
+        rows = [("backend", "status", "wins", "reason")]
+        rows += [(r.name, r.status, str(len(r.wins)), r.reason or "-") for r in self]
+        w = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:>{w[2]}}  {d}" for a, b, c, d in rows]
+        for r in self:
+            for ks, why in sorted(r.losses.items()):
+                lines.append(f"  {r.name} lost {ks}: {why}")
+        return "\n".join(lines)
+
+
+def build_report(backends, health: dict, decisions: dict, shape_blacklist: dict, faults: dict) -> Report:
+    """Records from a device's verdicts and cache sections (``health``: name -> Verdict)."""
+    recs = Report()
+    for b in backends:
+        v = health[b.name]
+        rec = BackendRecord(b.name, v.status, v.reason)
+        for ks, e in decisions.items():
+            if e.get("backend") == b.name:
+                rec.wins.append(ks)
+                continue
+            for t in e.get("ranking", []):
+                if t.get("backend") == b.name and t.get("time_us") is not None:
+                    rec.losses.setdefault(ks, f"slower: {t['time_us']} us vs {e.get('time_us')} us "
+                                              f"({e.get('backend')})")
+        for ks, by_name in faults.items():
+            if b.name in by_name:
+                f = by_name[b.name]
+                rec.losses[ks] = f"raised at runtime on {f['count']} call(s), last: {f['reason']}"
+        for ks, banned in shape_blacklist.items():
+            if b.name in banned:
+                rec.losses[ks] = banned[b.name]
+        recs.append(rec)
+    return recs
