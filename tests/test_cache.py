@@ -11,6 +11,7 @@ import torch
 from fp4dispatch.cache import SCHEMA_VERSION, DecisionCache
 from fp4dispatch.dispatcher import Dispatcher
 from fp4dispatch.fingerprint import device_fingerprint
+from fp4dispatch.records import clean_section
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 
 FP = {"device_type": "cpu", "libs": {"torch": "x"}}
@@ -97,24 +98,29 @@ def test_unwritable_dir_keeps_decisions_in_memory(tmp_path, caplog):
     assert any("could not write the cache" in r.getMessage() for r in caplog.records)
 
 
-def _tune_one(cache_dir: str, n: int) -> None:
-    d = Dispatcher([FakeBackend("p", cost=1e-5), FakeBackend("q", cost=2e-5)], cache_dir=cache_dir,
-                   do_bench=fake_do_bench)
-    d.warmup([(1, n, 64), (64, n, 64)], out_dtype=torch.float32, device="cpu")
+def _tune_rounds(cache_dir: str, first: int) -> None:
+    """5 rounds (a fresh dispatcher each: it re-reads the file) over 25 keys, overlapping the next process's."""
+    for _ in range(5):
+        d = Dispatcher([FakeBackend("p", cost=1e-5), FakeBackend("q", cost=2e-5)], cache_dir=cache_dir,
+                       do_bench=fake_do_bench)
+        d.warmup([(1, 16 * (first + i), 64) for i in range(25)], out_dtype=torch.float32, device="cpu")
 
 
 def test_many_processes_write_one_cache(tmp_path):
     ctx = mp.get_context("spawn")
-    ns = [32 * (i + 1) for i in range(6)]
-    procs = [ctx.Process(target=_tune_one, args=(str(tmp_path), n)) for n in ns]
+    firsts = [1 + 10 * i for i in range(8)]  # 8 processes x 25 keys, each overlapping its neighbours' by 15
+    procs = [ctx.Process(target=_tune_rounds, args=(str(tmp_path), f)) for f in firsts]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 6
+        p.join(600)
+    assert [p.exitcode for p in procs] == [0] * 8
     files = list(tmp_path.glob("decisions-*.json"))
     assert len(files) == 1
-    data = json.loads(files[0].read_text())
-    expected = {f"m{m}-n{n}-k64-float32" for n in ns for m in (1, 64)}
-    assert set(data["decisions"]) == expected
+    data = json.loads(files[0].read_text())  # 0 corrupt: parses, and every entry passes the schema
+    for s in ("decisions", "verified", "health"):
+        assert clean_section(s, data[s])[1] == []
+    expected = {f"m1-n{16 * (f + i)}-k64-float32" for f in firsts for i in range(25)}
+    assert set(data["decisions"]) == expected  # 0 lost
     assert set(data["health"]) == {"p", "q"}
+    assert not list(tmp_path.glob(".decisions-*.tmp"))
