@@ -12,10 +12,10 @@ import torch
 
 from fp4dispatch.backends import default_backends
 from fp4dispatch.backends.base import config_id
-from fp4dispatch.bench import for_device
-from fp4dispatch.probe import probe_backend
+from fp4dispatch.dispatch.timer import for_device
+from fp4dispatch.dispatch.probe import probe_backend
 from fp4dispatch.problem import M_BUCKETS, Problem
-from fp4dispatch.tuner import tune
+from fp4dispatch.dispatch.tuner import tune
 
 
 def _times(problem, candidates, do_bench):

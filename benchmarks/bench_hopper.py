@@ -319,7 +319,7 @@ def table_row(r: dict) -> str:
 
 
 def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.format import dequantize_nvfp4
     from fp4dispatch.problem import Problem
 

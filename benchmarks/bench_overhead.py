@@ -18,7 +18,7 @@ import torch
 
 from fp4dispatch.backends.base import BaseBackend
 from fp4dispatch.backends.reference import reference_mm
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.problem import Operands, Problem
 from fp4dispatch.testing import make_nvfp4_inputs
 

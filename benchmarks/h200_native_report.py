@@ -29,9 +29,9 @@ def main() -> None:
 
     import fp4dispatch
     from fp4dispatch.backends.reference import reference_mm
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.problem import Operands, Problem
-    from fp4dispatch.verify import check_output
+    from fp4dispatch.dispatch.verify import check_output
 
     d = Dispatcher()
     t = time.perf_counter()

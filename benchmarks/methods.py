@@ -74,7 +74,7 @@ def times_us(fns, reps: int = 30) -> dict:
 def main() -> None:
     from bench_hopper import copy_bandwidth, rand_operands
 
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.problem import Problem
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,16")

@@ -15,7 +15,7 @@ import tempfile
 import torch
 
 from fp4dispatch.backends.triton_fused import TritonFusedBackend
-from fp4dispatch.dispatcher import Choice, Dispatcher
+from fp4dispatch.dispatch.dispatcher import Choice, Dispatcher
 from fp4dispatch.problem import Operands, Problem
 from fp4dispatch.testing import make_nvfp4_inputs
 

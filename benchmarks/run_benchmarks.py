@@ -70,11 +70,11 @@ def measure(shapes, ms, mode: str, budget_s: float, device=None, bench=_bench_ms
     import torch
 
     import fp4dispatch
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
-    from fp4dispatch.tuner import tune
-    from fp4dispatch.verify import check_output
+    from fp4dispatch.dispatch.tuner import tune
+    from fp4dispatch.dispatch.verify import check_output
     from fp4dispatch.backends.reference import reference_mm
 
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())

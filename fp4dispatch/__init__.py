@@ -1,14 +1,13 @@
 """fp4dispatch: ``fp4_mm`` for NVFP4 — correct, and as fast as the GPU allows, on whatever GPU it lands on."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .api import fp4_mm, get_dispatcher, set_dispatcher  # noqa: E402
-from .errors import BackendError, FP4DispatchError, InvalidInputError, NoUsableBackendError  # noqa: E402
-from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales  # noqa: E402
-from .graphs import warmup  # noqa: E402
-from . import nn, ops  # noqa: E402,F401  (ops registers torch.ops.fp4dispatch.*)
-from .dispatcher import Dispatcher  # noqa: E402
+from .version import __version__
+from .api import fp4_mm, get_dispatcher, set_dispatcher
+from .errors import BackendError, FP4DispatchError, InvalidInputError, NoUsableBackendError
+from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales
+from .graphs import warmup
+from . import nn, torch_ops  # noqa: F401  (torch_ops registers torch.ops.fp4dispatch.*)
+from .dispatch.dispatcher import Dispatcher
 
 __all__ = [
     "__version__",

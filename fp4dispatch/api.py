@@ -60,20 +60,37 @@ def fp4_mm(
     """
     if torch.compiler.is_compiling():
         # traced as one opaque custom op (no graph break); eager stays on the direct path, which is cheaper
-        from . import ops
-
-        return ops.call_op(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
+        return _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
     d = _default if _default is not None else get_dispatcher()
     return run_fp4_mm(d, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
 
 
+def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    """``fp4_mm``'s arguments -> the matching custom op of fp4dispatch/torch_ops.py (registered when the package is
+    imported): the functional op, or the one that writes ``out``."""
+    if isinstance(alpha, torch.Tensor) or alpha is None:
+        at, av = alpha, 1.0
+    elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
+        at, av = None, float(alpha)
+    else:
+        check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)  # raises the eager message
+        at, av = alpha, 1.0
+    if out is None:
+        return torch.ops.fp4dispatch.fp4_mm(a, b, a_scale, b_scale, at, av, out_dtype, scale_layout, backend)
+    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype:
+        # the out op takes its dtype from out: a mismatch must fail with eager's message, not silently
+        check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
+    torch.ops.fp4dispatch.fp4_mm_out(a, b, a_scale, b_scale, at, av, out, scale_layout, backend)
+    return out
+
+
 def get_dispatcher():
-    """The process-wide default :class:`~fp4dispatch.dispatcher.Dispatcher` (created on first use)."""
+    """The process-wide default :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher` (created on first use)."""
     global _default
     if _default is None:
         with _default_lock:
             if _default is None:
-                from .dispatcher import Dispatcher
+                from .dispatch.dispatcher import Dispatcher
 
                 _default = Dispatcher()
     return _default

@@ -201,7 +201,7 @@ def quantize_nvfp4(
     x = x.contiguous()
     packed = sf = None
     if x.is_cuda and x.shape[0] > 0:
-        from .kernels import quantize as _tq  # lazy: Triton is optional
+        from .kernels import quantize as _tq
 
         if _tq.available():
             packed, sf = _tq.quantize(x, gs, swizzled=scale_layout == "swizzled")

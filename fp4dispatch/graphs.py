@@ -61,19 +61,19 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
             called during CUDA graph capture.
     """
     from .api import get_dispatcher
-    from .dispatcher import _resolve_device
-    from .testing import make_nvfp4_inputs
+    from .dispatch.dispatcher import resolve_device
+    from .dispatch.verify import random_operands
 
     todo = _check_shapes(shapes)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InvalidInputError("warmup: called during CUDA graph capture; call it before torch.cuda.graph(...) "
                                 "(deciding a shape may tune, which synchronizes)")
     d = dispatcher if dispatcher is not None else get_dispatcher()
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     choices = d.warmup(todo, out_dtype=out_dtype, device=dev)
     if run:
         for i, (m, n, k) in enumerate(todo):
-            a, b, sa, sb, alpha = make_nvfp4_inputs(m, n, k, device=dev, seed=i)
+            a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed=i)
             # the first run uses alpha=None so that validate's per-device ones-tensor exists before capture
             d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
         if dev.type == "cuda":

@@ -12,7 +12,7 @@ import torch
 from .backends.base import BaseBackend, Config
 from .backends.reference import reference_mm
 from .problem import Operands, Problem
-from .verify import random_operands
+from .dispatch.verify import random_operands
 
 __all__ = ["make_nvfp4_inputs", "FakeBackend", "fake_do_bench", "make_operands"]
 

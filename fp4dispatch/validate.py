@@ -48,7 +48,7 @@ def _check_b_layout(a: torch.Tensor, b: torch.Tensor) -> None:
             f"{b.stride()}: the transposed view [K/2, N] = FlashInfer's b.T. fp4_mm takes the weight "
             f"untransposed: pass `b.T` (or the original [N, K/2] weight), and its scale likewise"
         )
-    hint = (f" (if b is a transposed [K/2, N] weight, pass the [N, K/2] one)" if b.shape[0] == k2 else "")
+    hint = " (if b is a transposed [K/2, N] weight, pass the [N, K/2] one)" if b.shape[0] == k2 else ""
     raise _fail(f"b.shape[1] (K/2) must equal a.shape[1]={k2}: a and b disagree on K; got a.shape="
                 f"{tuple(a.shape)}, b.shape={tuple(b.shape)}{hint}")
 

@@ -8,10 +8,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from fp4dispatch.cache import SCHEMA_VERSION, DecisionCache
-from fp4dispatch.dispatcher import Dispatcher
-from fp4dispatch.fingerprint import device_fingerprint
-from fp4dispatch.records import clean_section
+from fp4dispatch.dispatch.cache import SCHEMA_VERSION, DecisionCache
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.fingerprint import device_fingerprint
+from fp4dispatch.dispatch.records import clean_section
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 
 FP = {"device_type": "cpu", "libs": {"torch": "x"}}
@@ -51,7 +51,7 @@ def test_corrupt_cache_warns_once_and_is_rebuilt(tmp_path, kind, caplog):
 
 
 def test_source_hash_names_the_package_code(tmp_path):
-    from fp4dispatch.fingerprint import source_hash
+    from fp4dispatch.dispatch.fingerprint import source_hash
 
     def tree(name: str, files: dict) -> str:
         for rel, text in files.items():

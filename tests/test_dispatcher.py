@@ -10,8 +10,8 @@ import torch
 
 from fp4dispatch import BackendError, InvalidInputError, NoUsableBackendError
 from fp4dispatch.backends.reference import ReferenceBackend
-from fp4dispatch.config import Settings, read_settings
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.settings import Settings, read_settings
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 
 
@@ -127,7 +127,7 @@ def test_fingerprint_change_reprobes(tmp_path, monkeypatch):
 def test_changed_library_source_retunes(tmp_path, monkeypatch):
     """A new kernel or config list in fp4dispatch itself (same version string) starts a new cache file, so keys decided
     before are tuned again with the new candidates."""
-    from fp4dispatch import fingerprint
+    from fp4dispatch.dispatch import fingerprint
 
     _call(_disp([FakeBackend("x")], tmp_path), 4)
     monkeypatch.setattr(fingerprint, "source_hash", lambda root=None: "0123456789abcdef")
@@ -275,7 +275,7 @@ def test_settings_read_from_env(monkeypatch, tmp_path):
 
 
 def test_timer_knob(monkeypatch):
-    from fp4dispatch.bench import cuda_graph_do_bench, default_do_bench, for_device
+    from fp4dispatch.dispatch.timer import cuda_graph_do_bench, default_do_bench, for_device
 
     assert read_settings().timer == "graph"
     assert for_device(torch.device("cuda", 0)) is cuda_graph_do_bench

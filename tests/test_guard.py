@@ -10,8 +10,8 @@ import torch
 import fp4dispatch
 from fp4dispatch import guard as guard_mod
 from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
-from fp4dispatch.config import read_settings
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.settings import read_settings
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.errors import InvalidInputError, NoUsableBackendError
 from fp4dispatch.guard import Guard, nonfinite_from_finite
 from fp4dispatch.problem import Operands, Problem

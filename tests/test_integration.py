@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fp4dispatch
-from fp4dispatch import graphs, ops
+from fp4dispatch import graphs
 from fp4dispatch.backends.reference import reference_mm
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.errors import InvalidInputError
 from fp4dispatch.format import dequantize_nvfp4, quantize_nvfp4, swizzled_scale_shape
 from fp4dispatch.nn import Fp4Linear
@@ -102,7 +102,7 @@ def test_eager_calls_bypass_the_custom_op(monkeypatch):
     def boom(*args, **kw):
         raise AssertionError("eager fp4_mm went through the custom op")
 
-    monkeypatch.setattr(ops, "call_op", boom)
+    monkeypatch.setattr(fp4dispatch.api, "_traced", boom)
     a, b, sa, sb, alpha = make_nvfp4_inputs(3, 32, 64)
     y = fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
     p = Problem(3, 32, 64, torch.float32, CPU)
@@ -303,7 +303,7 @@ def test_run_benchmarks_without_gpu_says_so_and_exits_0(tmp_path, capsys):
 
 @pytest.mark.parametrize("mode", ["tuned", "forced"])
 def test_run_benchmarks_measures_and_replaces_only_its_section(tmp_path, mode):
-    from fp4dispatch.bench import for_device
+    from fp4dispatch.dispatch.timer import for_device
 
     rb = _bench_module()
     res = rb.measure([(32, 64)], [1, 20], mode, budget_s=60, device="cpu", bench=for_device(CPU), copy_numel=1 << 16)

@@ -9,12 +9,12 @@ import torch
 import fp4dispatch
 from fp4dispatch import graphs
 from fp4dispatch.backends.reference import reference_mm
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.guard import Finding, check
 from fp4dispatch.nn import Fp4Linear
 from fp4dispatch.problem import Operands, Problem
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
-from fp4dispatch.verify import check_output
+from fp4dispatch.dispatch.verify import check_output
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: CUDA graph capture/replay and GPU kernels")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fp4dispatch.backends.reference import reference_mm
-from fp4dispatch.config import Settings
-from fp4dispatch.dispatcher import Dispatcher
-from fp4dispatch.isolate import probe_isolated
+from fp4dispatch.settings import Settings
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.isolate import probe_isolated
 from fp4dispatch.problem import Operands, Problem
 from fp4dispatch.testing import FakeBackend, make_nvfp4_inputs
 
@@ -86,8 +86,8 @@ def test_timeout_verdict_is_not_cached(tmp_path):
 
     import torch
 
-    from fp4dispatch.config import Settings
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.settings import Settings
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.testing import FakeBackend, fake_do_bench
 
     d = Dispatcher([FakeBackend("slowjit", crash="hang", risky=True), FakeBackend("ok")], cache_dir=tmp_path,
@@ -103,8 +103,8 @@ def test_isolated_probes_run_concurrently(tmp_path):
     """Native backends are probed in parallel workers: three hangs cost one timeout, not three."""
     import time
 
-    from fp4dispatch.config import Settings
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.settings import Settings
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.testing import FakeBackend, fake_do_bench
 
     hangs = [FakeBackend(f"hang{i}", crash="hang", risky=True) for i in range(3)]

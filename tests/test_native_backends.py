@@ -13,17 +13,18 @@ import torch
 
 import _native_fakes as fakes
 import _native_helpers as helpers
-from fp4dispatch.backends.flashinfer import BACKENDS, FlashInferBackend, backends as flashinfer_backends
+from fp4dispatch.backends import default_backends
+from fp4dispatch.backends.flashinfer import BACKENDS, FlashInferBackend
 from fp4dispatch.backends.flashinfer_trtllm import FlashInferTrtllmBackend
 from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
 from fp4dispatch.backends.sgl_kernel import SglKernelBackend
 from fp4dispatch.backends.torch_scaled_mm import TorchScaledMmBackend
-from fp4dispatch.config import Settings
-from fp4dispatch.dispatcher import Dispatcher
-from fp4dispatch.probe import probe_backend
+from fp4dispatch.settings import Settings
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.probe import probe_backend
 from fp4dispatch.problem import Problem
 from fp4dispatch.testing import make_operands
-from fp4dispatch.verify import check_output
+from fp4dispatch.dispatch.verify import check_output
 
 CPU = torch.device("cpu")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -41,7 +42,7 @@ def flashinfer(monkeypatch):
 
 
 def _backend(name: str) -> FlashInferBackend:
-    return next(b for b in flashinfer_backends() if b.backend == name)
+    return next(b for b in default_backends() if getattr(b, "backend", None) == name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from fp4dispatch.backends.flashinfer import BACKENDS
 from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.backends.sgl_kernel import SglKernelBackend
 from fp4dispatch.backends.torch_scaled_mm import TorchScaledMmBackend
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.problem import Problem
 from fp4dispatch.testing import make_operands
 

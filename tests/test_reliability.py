@@ -11,8 +11,8 @@ import torch
 
 from fp4dispatch import (InvalidInputError, NoUsableBackendError, dequantize_nvfp4, fp4_mm, quantize_nvfp4,
                          swizzle_scales, unswizzle_scales)
-from fp4dispatch.config import read_settings
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.settings import read_settings
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 
 CPU = torch.device("cpu")
@@ -244,7 +244,7 @@ def test_08_a_held_lock_costs_a_call_at_most_the_short_wait(tmp_path):
 
 # -- 9. scaling -------------------------------------------------------------------------------------------------
 def test_09_an_oversized_file_is_not_read_and_sections_are_bounded(tmp_path, monkeypatch, caplog):
-    from fp4dispatch import cache as cache_mod
+    from fp4dispatch.dispatch import cache as cache_mod
 
     d = _disp([FakeBackend("good")], tmp_path)
     assert _right(d, 4)
@@ -283,7 +283,7 @@ def test_10_temp_files_of_killed_writers_and_lock_files_are_cleaned(tmp_path, ca
 
 
 def _kill_writer(cache_dir: str) -> None:
-    from fp4dispatch.cache import DecisionCache
+    from fp4dispatch.dispatch.cache import DecisionCache
 
     c = DecisionCache(cache_dir, {"device_type": "cpu", "libs": {}})
     i = 0
@@ -299,7 +299,7 @@ def test_10_kill_9_mid_write_never_corrupts_nor_sticks(tmp_path):
     import signal
     import time
 
-    from fp4dispatch.cache import DecisionCache
+    from fp4dispatch.dispatch.cache import DecisionCache
 
     ctx = mp.get_context("fork")  # the writer needs no fresh interpreter; fork keeps each round short
     for i in range(10):
@@ -319,7 +319,7 @@ def test_10_kill_9_mid_write_never_corrupts_nor_sticks(tmp_path):
 def test_11_files_get_the_umask_mode(tmp_path, umask, mode):
     import os
 
-    from fp4dispatch import cache as cache_mod
+    from fp4dispatch.dispatch import cache as cache_mod
 
     old = os.umask(umask)
     cache_mod._umask.cache_clear()

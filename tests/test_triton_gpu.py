@@ -269,7 +269,7 @@ def test_dequant_and_quantize_repeat_through_direct_launch(monkeypatch):
 
 
 def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
-    from fp4dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
     from fp4dispatch.problem import Problem
 
     if torch.cuda.get_device_capability() >= (10, 0):

@@ -144,7 +144,7 @@ for r, k in [(3, 80), (20, 272)]:
 import fp4dispatch
 from fp4dispatch.backends.triton_dequant import TritonDequantBackend
 from fp4dispatch.backends.triton_fused import TritonFusedBackend
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.testing import make_nvfp4_inputs
 d = Dispatcher([TritonFusedBackend(), TritonDequantBackend()], cache_dir=sys.argv[1])
 for name in ("triton:fused", "triton:dequant+matmul"):

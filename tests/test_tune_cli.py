@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4dispatch import distributed, presets
-from fp4dispatch.dispatcher import Dispatcher
+from fp4dispatch.cli import distributed
+from fp4dispatch.cli import presets
+from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.problem import Problem
 from fp4dispatch.testing import FakeBackend, fake_do_bench
 from fp4dispatch.tune import TuneOptions, main

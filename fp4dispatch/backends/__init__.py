@@ -11,25 +11,26 @@ from .base import Backend, BaseBackend, Config, config_id
 
 __all__ = ["Backend", "BaseBackend", "Config", "config_id", "default_backends", "names"]
 
-# (module, factory) per backend, lazily imported so that a missing optional library never breaks anything.
-_REGISTRY: list[tuple[str, str]] = [
-    ("flashinfer", "stable_backends"),
-    ("sgl_kernel", "SglKernelBackend"),
-    ("torch_scaled_mm", "TorchScaledMmBackend"),
-    ("flashinfer", "experimental_backends"),
-    ("triton_fused", "TritonFusedBackend"),
-    ("triton_dequant", "TritonDequantBackend"),
-    ("reference", "ReferenceBackend"),
+# (module, class, constructor arguments) per backend, in priority order, lazily imported so that a missing optional
+# library never breaks anything. FlashInfer's mm_fp4 backends: cudnn and cutlass are its stable ones, b12x, cute-dsl
+# and the low-latency variant are newer; trtllm needs a prepared weight; cake is experimental (FlashInfer never
+# auto-selects it), so it comes after every other native backend.
+_REGISTRY: list[tuple[str, str, tuple]] = [
+    *[("flashinfer", "FlashInferBackend", (b,)) for b in ("cudnn", "cutlass", "b12x", "cute-dsl",
+                                                         "cutedsl_low_latency")],
+    ("flashinfer_trtllm", "FlashInferTrtllmBackend", ()),
+    ("sgl_kernel", "SglKernelBackend", ()),
+    ("torch_scaled_mm", "TorchScaledMmBackend", ()),
+    ("flashinfer", "FlashInferCakeBackend", ()),
+    ("triton_fused", "TritonFusedBackend", ()),
+    ("triton_dequant", "TritonDequantBackend", ()),
+    ("reference", "ReferenceBackend", ()),
 ]
 
 
 def default_backends() -> list[Backend]:
     """Fresh instances of every built-in backend, in priority order."""
-    out: list[Backend] = []
-    for mod, factory in _REGISTRY:
-        made = getattr(importlib.import_module(f"{__name__}.{mod}"), factory)()
-        out.extend(made if isinstance(made, list) else [made])
-    return out
+    return [getattr(importlib.import_module(f"{__name__}.{mod}"), cls)(*args) for mod, cls, args in _REGISTRY]
 
 
 def names() -> list[str]:

@@ -8,7 +8,8 @@ scales (``b_sf.T`` likewise the transposed view), ``alpha`` a float32 one-elemen
 Availability comes from FlashInfer itself (``mm_fp4.is_backend_supported(backend, cc)``, the check behind its
 ``BackendSupportedError``); the shape rules FlashInfer leaves to the kernel (SM120 cutlass checks no strides, K and N
 multiples of 32, ...) are checked here. Nothing is padded: a misaligned N or K is ``unsupported`` and goes to another
-backend. ``trtllm`` needs a shuffled weight and lives in :mod:`.flashinfer_trtllm`.
+backend. ``trtllm`` needs a shuffled weight and lives in :mod:`.flashinfer_trtllm` (which imports this module, never
+the reverse; the registry in ``backends/__init__.py`` lists both).
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from ..problem import Operands, Problem, m_bucket
 from ._native import NativeBackend, alignment_reason, import_library
 from .base import Config
 
-__all__ = ["FlashInferBackend", "FlashInferCakeBackend", "backends", "stable_backends", "experimental_backends",
-           "BACKENDS"]
+__all__ = ["FlashInferBackend", "FlashInferCakeBackend", "BACKENDS"]
 
 # Priority order: cudnn and cutlass are what engines default to; b12x wins small M on SM120; cute-dsl and the
 # low-latency variant are newer; trtllm needs a prepared weight; cake is experimental (FlashInfer never auto-selects
@@ -181,20 +181,3 @@ class FlashInferCakeBackend(FlashInferBackend):
         a, b, sa, sb, alpha = super().operands(problem, ops)
         # one fp32 scale per row, contiguous: the kernel reads alpha[m] (a stride-0 expand would not do)
         return a, b, sa, sb, alpha.expand(problem.m).contiguous()
-
-
-def stable_backends() -> list[FlashInferBackend]:
-    """Every non-experimental FlashInfer backend, in priority order."""
-    from .flashinfer_trtllm import FlashInferTrtllmBackend
-
-    return [FlashInferTrtllmBackend() if b == "trtllm" else FlashInferBackend(b) for b in BACKENDS if b != "cake"]
-
-
-def experimental_backends() -> list[FlashInferBackend]:
-    """FlashInfer's experimental backends (``cake``): registered after every other native backend."""
-    return [FlashInferCakeBackend()]
-
-
-def backends() -> list[FlashInferBackend]:
-    """All 7 FlashInfer backends in priority order, ``cake`` (experimental) last."""
-    return stable_backends() + experimental_backends()

@@ -58,7 +58,7 @@ def gluon_missing() -> str | None:
         if ".".join(triton.__version__.split(".")[:2]) != GLUON_TRITON:
             return (f"the Gluon kernels (wgws, wgds, gvws) are written for Triton {GLUON_TRITON}'s Gluon; this is "
                     f"Triton {triton.__version__}")
-        from . import _gluon, _gvws, _wgds  # noqa: F401
+        from . import _gluon, _gvws, _wgds
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
         return f"triton.experimental.gluon lacks what the Gluon kernels use ({type(e).__name__}: {e})"
     return None

@@ -19,8 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import (_cast_store, _swz_row, e4m3_to_f32, gdc_launch_dependents, grid_tile, out_tile, pdl_wait,
-                     reduce_store, store_out)
+from ._fused import (_cast_store, _swz_row, e4m3_to_f32, gdc_launch_dependents, grid_tile, out_tile, pdl_wait, reduce_store, store_out)
 from ._h2 import _cvt4, _halves, _pair
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand

@@ -7,7 +7,7 @@ import signal
 
 import torch
 
-from .backends.base import Backend
+from ..backends.base import Backend
 from .probe import Verdict, describe_exception
 
 __all__ = ["probe_isolated"]

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from .backends.base import Backend
-from .backends.reference import reference_mm
-from .errors import describe_exception
-from .problem import Problem
+from ..backends.base import Backend
+from ..backends.reference import reference_mm
+from ..errors import describe_exception
+from ..problem import Problem
 from .records import STATUSES, Verdict
 from .verify import PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 

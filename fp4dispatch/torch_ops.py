@@ -2,8 +2,8 @@
 (``fullgraph=True``) traces models that call it without a graph break.
 
 Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
-an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here only
-while compiling; eager calls take the direct path (a custom-op dispatch costs ~10 us, the call budget is ~5 us).
+an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here (through
+``api._traced``) only while compiling; eager calls take the direct path (a custom-op dispatch costs ~10 us, the call budget is ~5 us).
 
 Schema notes: ``alpha`` is ``Tensor?`` plus a Python ``float`` (``alpha_value``) used when the tensor is None, so a
 Python-float alpha traces too; ``backend`` is ``str?``; ``out_dtype`` is a ``ScalarType``.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp4_mm_op", "fp4_mm_out_op", "call_op"]
+__all__ = ["fp4_mm_op", "fp4_mm_out_op"]
 
 _LIB = "fp4dispatch"
 
@@ -62,27 +62,3 @@ def _fp4_mm_out_fake(a, b, a_scale, b_scale, alpha, alpha_value, out, scale_layo
     from .validate import check_fp4_mm_args
 
     check_fp4_mm_args(a, b, a_scale, b_scale, alpha if alpha is not None else 1.0, out.dtype, out, scale_layout)
-
-
-def call_op(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
-    """``fp4_mm``'s arguments -> the matching custom op (used by ``fp4dispatch.fp4_mm`` while compiling)."""
-    if isinstance(alpha, torch.Tensor) or alpha is None:
-        at, av = alpha, 1.0
-    elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
-        at, av = None, float(alpha)
-    else:
-        _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)  # raises the eager message
-        at, av = alpha, 1.0
-    if out is None:
-        return torch.ops.fp4dispatch.fp4_mm(a, b, a_scale, b_scale, at, av, out_dtype, scale_layout, backend)
-    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype:
-        # the out op takes its dtype from out: a mismatch must fail with eager's message, not silently
-        _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
-    torch.ops.fp4dispatch.fp4_mm_out(a, b, a_scale, b_scale, at, av, out, scale_layout, backend)
-    return out
-
-
-def _check_like_eager(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> None:
-    from .validate import check_fp4_mm_args
-
-    check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)

@@ -10,7 +10,7 @@
 | FP4DISPATCH_LOG          | log level of the ``fp4dispatch`` logger (DEBUG, INFO, WARNING, ...)      | unset   |
 | FP4DISPATCH_ISOLATE      | 1: probe risky (native) backends in worker processes                     | 0       |
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
-| FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.guard)      | 0       |
+| FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
 """
 from __future__ import annotations

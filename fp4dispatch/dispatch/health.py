@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .cache import DecisionCache
-from .config import Settings
+from ..settings import Settings
 from .isolate import probe_isolated
 from .probe import probe_backend
-from .problem import m_bucket
+from ..problem import m_bucket
 from .records import Verdict
 
 __all__ = ["device_health", "wrong_in_bucket"]

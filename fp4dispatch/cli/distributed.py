@@ -24,12 +24,12 @@ from typing import Iterator
 
 import torch
 
-from .bench import for_device
-from .config import read_settings
-from .dispatcher import Dispatcher, key_str
-from .errors import FP4DispatchError
-from .fingerprint import device_fingerprint, fingerprint_hash
-from .problem import Problem, m_bucket
+from ..dispatch.timer import for_device
+from ..settings import read_settings
+from ..dispatch.dispatcher import Dispatcher, key_str
+from ..errors import FP4DispatchError
+from ..dispatch.fingerprint import device_fingerprint, fingerprint_hash
+from ..problem import Problem, m_bucket
 
 __all__ = ["TuneOptions", "OUT_DTYPES", "make_dispatcher", "tune_rows", "backend_rows", "torchrun_detected",
            "process_group", "run_torchrun", "run_on_devices", "merge_device_results", "resolve_devices", "split_shares"]

@@ -1,7 +1,7 @@
 """Autotune one key: verify every candidate (backend x config) on that shape, time the correct ones.
 
 A candidate that raises or is wrong scores ``inf`` with its reason; failures are data (Triton's ``_bench``). The
-inputs are the hostile check inputs of :mod:`fp4dispatch.verify`, so a candidate is timed only once it has been
+inputs are the hostile check inputs of :mod:`fp4dispatch.dispatch.verify`, so a candidate is timed only once it has been
 proven right on them.
 """
 from __future__ import annotations
@@ -10,11 +10,11 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from .backends.base import Backend, Config, config_id, config_json
-from .backends.reference import reference_mm
-from .bench import DoBench
-from .errors import describe_exception
-from .problem import Problem
+from ..backends.base import Backend, Config, config_id, config_json
+from ..backends.reference import reference_mm
+from .timer import DoBench
+from ..errors import describe_exception
+from ..problem import Problem
 from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
 __all__ = ["Trial", "tune", "verify_only", "check_trial"]

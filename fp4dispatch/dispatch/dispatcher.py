@@ -22,22 +22,22 @@ from pathlib import Path
 
 import torch
 
-from .backends import default_backends
-from .backends.base import Backend, Config, config_id, config_json
-from .backends.reference import reference_mm
-from .bench import DoBench, for_device
+from ..backends import default_backends
+from ..backends.base import Backend, Config, config_id, config_json
+from ..backends.reference import reference_mm
+from .timer import DoBench, for_device
 from .cache import DecisionCache
-from .config import Settings, default_cache_dir, read_settings
-from .errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
+from ..settings import Settings, default_cache_dir, read_settings
+from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_in_bucket
-from .problem import Operands, Problem, m_bucket
+from ..problem import Operands, Problem, m_bucket
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report
 from .tuner import tune, verify_only
 from .verify import check_run, make_case, reset_cuda_error
 
-__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT"]
+__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device"]
 
 log = logging.getLogger("fp4dispatch")
 FAULT_LIMIT = 3  # runtime faults (each one another backend then computed right) before a backend is banned
@@ -86,7 +86,7 @@ class Dispatcher:
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
         self._lock = threading.RLock()
         self._warned: set[str] = set()
-        # guard mode (fp4dispatch.guard): checks outputs for non-finite values without a host sync per call
+        # guard mode (fp4dispatch.dispatch.guard): checks outputs for non-finite values without a host sync per call
         self.guard = None
         if guard if guard is not None else self.settings.guard:
             from .guard import Guard
@@ -94,7 +94,7 @@ class Dispatcher:
             self.guard = Guard(every=self.settings.guard_every)
 
     def _check_disabled(self) -> None:
-        from .backends import names
+        from ..backends import names
 
         unknown = self.settings.disabled - set(self._by_name)
         if unknown and unknown - set(names()):
@@ -107,7 +107,7 @@ class Dispatcher:
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
-        from .validate import check_fp4_mm_args
+        from ..validate import check_fp4_mm_args
 
         problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
         if problem.m == 0:
@@ -418,13 +418,13 @@ class Dispatcher:
     # -- public helpers ------------------------------------------------------------------------------------------
     def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None) -> dict[tuple, Choice]:
         """Decide every (M, N, K) in ``shapes`` now and prove it at that M (before CUDA-graph capture or serving)."""
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev)) for m, n, k in shapes}
 
     def report(self, device=None) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
         table."""
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         with self._lock:
             cache, health = self._state(dev)
             return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)
@@ -438,7 +438,7 @@ class Dispatcher:
     def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
         """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also
         writes them to the disk cache. In-memory choices of those keys are re-derived on next use."""
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         with self._lock:
             cache, _ = self._state(dev)
             if persist:
@@ -450,7 +450,7 @@ class Dispatcher:
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
-            return self._state(_resolve_device(device))[0]
+            return self._state(resolve_device(device))[0]
 
 
 def _add_proven(old: dict, new: dict) -> dict:
@@ -476,7 +476,9 @@ def _check_device(device: torch.device) -> None:
                                 "Meta and fake tensors go through torch.compile (the custom op), not a direct call")
 
 
-def _resolve_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """``device`` as a concrete torch.device (None: the current CUDA device, else the CPU); InvalidInputError
+    when it cannot hold data here."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     d = torch.device(device)

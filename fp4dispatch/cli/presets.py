@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .problem import M_BUCKETS, m_bucket
+from ..problem import M_BUCKETS, m_bucket
 
 __all__ = ["Gemm", "ConfigError", "PRESETS", "DEFAULT_MS", "gemms_from_config", "preset_gemms", "read_hf_config",
            "parse_m_spec", "parse_shape_spec", "default_shapes", "expand_shapes", "ShapeSpec"]

@@ -53,7 +53,7 @@ def cuda_graph_do_bench(fn: Callable[[], object]) -> float:
         from triton.testing import do_bench_cudagraph
     except ImportError:
         return default_do_bench(fn)
-    from .kernels import splitk
+    from ..kernels import splitk
 
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
     splitk.prepare_capture(torch.device("cuda"))

@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .problem import M_BUCKETS
+from ..problem import M_BUCKETS
 
 __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_entry", "clean_section"]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .config import RELEVANT_ENV
+from ..settings import RELEVANT_ENV
+from ..version import __version__
 
 __all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff", "source_hash"]
 
@@ -70,8 +71,6 @@ def device_fingerprint(device: torch.device) -> dict:
         )
     else:
         fp.update(cpu=platform.processor() or platform.machine())
-    from . import __version__
-
     libs = {name: _version(name) for name in _LIBS}
     libs["fp4dispatch"] = __version__
     fp["libs"] = libs

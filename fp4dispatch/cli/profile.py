@@ -11,11 +11,11 @@ import datetime as _dt
 import json
 from pathlib import Path
 
-from .cache import SECTIONS as _SECTIONS
-from .cache import DecisionCache, write_json_atomic
-from .errors import FP4DispatchError
-from .fingerprint import fingerprint_diff, fingerprint_hash
-from .records import clean_section
+from ..dispatch.cache import SECTIONS as _SECTIONS
+from ..dispatch.cache import DecisionCache, write_json_atomic
+from ..errors import FP4DispatchError
+from ..dispatch.fingerprint import fingerprint_diff, fingerprint_hash
+from ..dispatch.records import clean_section
 
 __all__ = ["ProfileError", "PROFILE_FORMAT", "PROFILE_VERSION", "export_profile", "read_profile", "import_profile"]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import describe_exception
-from .format import BLOCK, swizzle_scales
-from .problem import Operands, Problem
+from ..errors import describe_exception
+from ..format import BLOCK, swizzle_scales
+from ..problem import Operands, Problem
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands", "CheckCase",
            "make_case", "check_run", "reset_cuda_error"]

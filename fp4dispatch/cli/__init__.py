@@ -1,0 +1,1 @@
+"""``python -m fp4dispatch.tune`` and what only it needs: model presets, multi-GPU runs, profiles."""
