@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from . import cuda_index
+from .runtime import cuda_index
 
 __all__ = ["buffers", "prepare", "prepare_capture"]
 

@@ -42,9 +42,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
-from ._gluon import _dec16, _first_tile, _tile_offsets, epilogue, layouts, raw_layout, store_layout
-from ._gvws import plain, weight_descriptors
-from .launch import launch, tma_desc
+from .gluon_tiles import dec16, epilogue, first_tile, layouts, raw_layout, store_layout, tile_offsets
+from ..gemv.tma_warp_specialized import plain, weight_descriptors
+from .. import runtime, splitk
+from ..config import WgmmaDecodeWarpsConfig, decode_warps_work
+from ..runtime import cdiv, launch, tma_desc
+from .wgmma_register_a import pdl_after_predecode, predecode
 
 
 @triton.constexpr_function
@@ -80,8 +83,8 @@ def _unit(u, SPLIT, SPS, STEPS):
 
 @gluon.jit
 def _units(UNITS):
-    """This CTA's work units [lo, hi): shared out in order (``_first_tile``)."""
-    return _first_tile(gl.program_id(0), UNITS), _first_tile(gl.program_id(0) + 1, UNITS)
+    """This CTA's work units [lo, hi): shared out in order (``first_tile``)."""
+    return first_tile(gl.program_id(0), UNITS), first_tile(gl.program_id(0) + 1, UNITS)
 
 
 @gluon.jit
@@ -156,7 +159,7 @@ def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, ST
         d = it % DSTAGES
         mbarrier.wait(wready.index(s), (it // STAGES) & 1)
         sc = gl.reshape(scales.index(s).permute((2, 1, 0, 3)).load(SL), [4 * R, BKB])
-        w = _dec16(words.index(s).load(RAW), gl.convert_layout(sc, RAW, assert_trivial=True), BKB, True, True)
+        w = dec16(words.index(s).load(RAW), gl.convert_layout(sc, RAW, assert_trivial=True), BKB, True, True)
         mbarrier.wait(dempty.index(d), ((it // DSTAGES) & 1) ^ 1)
         d_s.index(d).store(w)
         fence_async_shared()  # also completes the word and scale reads before the slot is freed
@@ -211,7 +214,7 @@ def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, 
                 for i in gl.static_range(GROUP):
                     total += gl.load(chunk + (p0 + i) * (BN * BM), mask=p0 + i < SPLIT, other=0.0,
                                      cache_modifier=".cg")
-            corner, offs, mask = _tile_offsets(n0, m0, M, N, CH, BM, ST, False, QR, r0)
+            corner, offs, mask = tile_offsets(n0, m0, M, N, CH, BM, ST, False, QR, r0)
             gl.store(out_ptr + corner + offs, gl.convert_layout((total * scale).to(out_ptr.dtype.element_ty), ST),
                      mask=mask)
         gl.atomic_xchg(cnt_ptr + tile, one - 1, sem="relaxed", scope="gpu")
@@ -272,7 +275,7 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
                 DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
     """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
     SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
-    the UNITS parts shared out in order (``_first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
+    the UNITS parts shared out in order (``first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
     (views: :func:`run`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
     one of DSTAGES.
     Partitions: the MMA warpgroup (default), a TMA warp per ring, PARTS (1 or 2) partitions of BN / 16 decode warps
@@ -301,28 +304,38 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
                            [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
 
 
-def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
-        config: dict, sms: int, pdl: dict) -> None:
-    """Decode the activation once (``fused.predecode``), then launch ``wgds_kernel`` for ``config`` (BM, BN 64, BKB;
-    stages, astages, dstages: the weight, activation and decoded rings; dregs, parts; split: K parts per tile, at
-    most one per step; persist: one CTA per SM, else one per part) over the weight's words and scales as
-    ``_gvws.weight_descriptors`` views them (R = BN / 4 rows of each quarter, BKB blocks); on operands checked by
-    ``gluon_host.run_wgds``."""
-    from .fused import _cdiv, gluon_pdl, predecode, wgds_split_args, wgds_work
+def split_buffers(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: torch.Tensor) -> tuple:
+    """(workspace, counters) of the split K (:func:`split_epilogue`: a ``block``-element fp32 block per (tile,
+    part)). Typed as for a split launch even when ``parts`` is 1: SPLIT is a runtime value (``do_not_specialize``),
+    so the split epilogue is compiled whatever it is, and its atomics need int32 counters; the 1-element alpha stands
+    in for both, never read or written."""
+    if parts == 1:
+        return alpha, alpha.view(torch.int32)
+    return splitk.buffers(tiles, block, parts, tiles, out.device)
 
-    bm, bn, bkb = (int(config[key]) for key in ("BM", "BN", "BKB"))
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        cfg: WgmmaDecodeWarpsConfig) -> None:
+    """Decode the activation once (``predecode``), then launch ``wgds_kernel`` over the weight's words and scales as
+    ``gemv.tma_warp_specialized.weight_descriptors`` views them (block_n / 4 rows of each quarter, k_blocks blocks):
+    one CTA per (tile, K part), or with ``persistent`` one per SM."""
     (m, k2), n = a.shape, b.shape[0]
     kb = k2 // 8
-    pre, opts = gluon_pdl(pdl)
+    if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
+        raise ValueError(f"fp4_mm: {type(cfg).__name__} needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and "
+                         f"b_scale; got N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
+                         f"{(b.data_ptr() % 16, sb.data_ptr() % 16)}. Use another config from configs_for()")
+    bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
+    pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
     ad = predecode(a.view(torch.int64), sa, True, CVT=True, **pre)
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
-    nt, tiles, steps = wgds_work(m, n, kb, bm, bn, bkb)
-    sps = _cdiv(steps, max(1, min(int(config.get("split", 1)), steps)))
-    split = _cdiv(steps, sps)  # every part gets >= 1 step
-    ws, cnt = wgds_split_args(split, tiles, bn * bm, alpha, out)
+    nt, tiles, steps = decode_warps_work(m, n, kb, cfg)
+    sps = cdiv(steps, max(1, min(cfg.split_k, steps)))
+    split = cdiv(steps, sps)  # every part gets >= 1 step
+    ws, cnt = split_buffers(split, tiles, bn * bm, alpha, out)
     units = tiles * split
-    launch(wgds_kernel, (min(units, sms) if config.get("persist") else units,), x_desc, s_desc, y_desc, alpha, out, ws,
-           cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=int(config["stages"]),
-           ASTAGES=int(config["astages"]), DSTAGES=int(config["dstages"]), DREGS=int(config.get("dregs", 128)),
-           PARTS=int(config["parts"]), num_warps=4, **opts)
+    launch(wgds_kernel, (min(units, runtime.num_sms(out.device)) if cfg.persistent else units,), x_desc, s_desc,
+           y_desc, alpha, out, ws, cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=cfg.stages,
+           ASTAGES=cfg.act_stages, DSTAGES=cfg.decoded_stages, DREGS=cfg.decode_registers,
+           PARTS=cfg.decode_partitions, num_warps=4, **opts)

@@ -23,7 +23,7 @@ Each consumer step ends with a proxy fence before it frees its slot: without it 
 overtook reads still in flight (wrong sums at 2-3 CTAs per SM on the H200, tenth session).
 
 Past N and K the boxes are zero-filled; that is why N % 32 == 0 (a box must not run past a quarter into the next
-group's rows) and K % 32 == 0 (16-byte rows). A CTA runs a range of whole tiles (``_gluon._first_tile``), so the
+group's rows) and K % 32 == 0 (16-byte rows). A CTA runs a range of whole tiles (``_gluon.first_tile``), so the
 producer streams on across tile ends.
 """
 from __future__ import annotations
@@ -36,9 +36,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import _dp4, _h2
-from ._gluon import _first_tile
-from .launch import launch, tma_desc
+from .. import runtime
+from ..config import TmaGemvConfig
+from ..gemm.gluon_tiles import first_tile
+from ..numerics import fp16x2 as _h2, int8_dot as _dp4
+from ..runtime import launch, tma_desc
 
 _block = gluon.jit(_h2.h2_block_cvt.fn)
 _act_i8 = gluon.jit(_dp4.act_i8.fn)
@@ -79,8 +81,8 @@ def _producer(w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, emp
     BW: gl.constexpr = w_s.type.shape[3]
     MB: gl.constexpr = a_s.type.shape[1]
     NBYTES: gl.constexpr = 4 * R * BW * 8 + R * BW * 4 + MB * BW * 8 + MB * BW * 4
-    lo = _first_tile(gl.program_id(0), TILES)
-    for it in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+    lo = first_tile(gl.program_id(0), TILES)
+    for it in range((first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
         tile = lo + it // STEPS
         kw = (it % STEPS) * BW
         g = tile // (32 // R)
@@ -177,8 +179,8 @@ def _consume(w_s, ws_s, a_s, as_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES
     LW: gl.constexpr = word_layout(BW, gl.num_warps())
     alpha = gl.load(alpha_ptr)
     tbl = _dp4_table(N)  # (from N: a launch makes M = 1 a constant, and ptxas would fold the table again)
-    lo = _first_tile(gl.program_id(0), TILES)
-    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
+    lo = first_tile(gl.program_id(0), TILES)
+    for tile in range(lo, first_tile(gl.program_id(0) + 1, TILES)):
         acc0 = gl.zeros([4, R, BW // 4, 4], gl.float32, LW)
         acc1 = acc0
         for ks in range(STEPS):
@@ -260,15 +262,20 @@ def work(n: int, kb: int, r: int, bw: int) -> tuple[int, int]:
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
-        config: dict, sms: int) -> None:
-    """Launch ``gvws_kernel`` for ``config`` (R, BW, MB, stages, warps, ctas: CTAs per SM; DP: ``_dp4``'s products)
-    on checked operands (``gluon_host.run_gvws``): a persistent grid of ``ctas`` CTAs per SM sharing out the tiles."""
-    r, bw, mb, warps, per_sm = (int(config[key]) for key in ("R", "BW", "MB", "warps", "ctas"))
-    m, n = a.shape[0], b.shape[0]
-    tiles, steps = work(n, a.shape[1] // 8, r, bw)
-    launch(gvws_kernel, (min(tiles, sms * per_sm),), *descriptors(a, b, sa, sb, r, bw, mb), alpha, out, m, n, tiles,
-           steps, R=r, BW=bw, MB=mb, STAGES=int(config["stages"]), DP=bool(config.get("DP", False)),
-           num_warps=warps, **reg_cap(warps, per_sm))
+        cfg: TmaGemvConfig) -> None:
+    """Launch ``gvws_kernel`` after the checks its TMA boxes need: a persistent grid of ``ctas_per_sm`` CTAs per SM
+    sharing out the tiles."""
+    m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
+    if m > cfg.rows or n % 32 or kb % 2 or any(t.data_ptr() % 16 for t in (a, b, sa, sb)):
+        raise ValueError(f"fp4_mm: {type(cfg).__name__} needs M <= rows, N % 32 == 0, K % 32 == 0 and 16-byte aligned "
+                         f"operands; got M={m}, rows={cfg.rows}, N={n}, K={kb * 16}, data_ptr() % 16 of (a, b, "
+                         f"a_scale, b_scale) = {tuple(t.data_ptr() % 16 for t in (a, b, sa, sb))}. Use another "
+                         f"config from configs_for()")
+    r, bw, mb, warps, per_sm = cfg.rows_per_quarter, cfg.k_blocks, cfg.rows, cfg.warps, cfg.ctas_per_sm
+    tiles, steps = work(n, kb, r, bw)
+    launch(gvws_kernel, (min(tiles, runtime.num_sms(out.device) * per_sm),), *descriptors(a, b, sa, sb, r, bw, mb),
+           alpha, out, m, n, tiles, steps, R=r, BW=bw, MB=mb, STAGES=cfg.stages, DP=cfg.int8_dot, num_warps=warps,
+           **reg_cap(warps, per_sm))
 
 
 def reg_cap(warps: int, per_sm: int) -> dict:

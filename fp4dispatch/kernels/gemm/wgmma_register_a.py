@@ -16,12 +16,18 @@ multiplies by 2**-2. Under the interpreter (no PTX) the same values are formed i
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
-from ._fused import (_cast_store, _swz_row, e4m3_to_f32, gdc_launch_dependents, grid_tile, out_tile, pdl_wait,
-                     reduce_store, store_out)
-from ._h2 import _cvt4, _halves, _pair
+import torch
+
+from .. import runtime, splitk
+from ..config import WgmmaRegisterAConfig, register_a_resident
+from ..numerics.e2m1_e4m3 import e4m3_to_f32, swz_row
+from ..numerics.fp16x2 import _cvt4, _halves, _pair
+from ..tiles import cast_store, gdc_launch_dependents, grid_tile, out_tile, pdl_wait, reduce_store, store_out
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
 WMMA_UNDO_CVT = tl.constexpr(0.25)  # 2**-2: undoes the factor 2 on each operand of the CVT decode
@@ -121,7 +127,7 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
     t = tl.arange(0, BKB)
     mask = (rm[:, None] < M) & (kb0 + t[None, :] < KB)
     xa = tl.load(a_ptr + rm[:, None].to(tl.int64) * KB + kb0 + t[None, :], mask=mask, other=0)
-    sa = tl.load(sa_ptr + _swz_row(rm, CB)[:, None] + (kb0 // 4) * 512 + _scale_cols(t)[None, :], mask=mask, other=0)
+    sa = tl.load(sa_ptr + swz_row(rm, CB)[:, None] + (kb0 // 4) * 512 + _scale_cols(t)[None, :], mask=mask, other=0)
     # K is padded to whole groups of 4 blocks: the K order spreads a group's blocks over all of its 64 columns
     KP = (KB + 3) // 4 * 64
     kk = kb0 * 16 + tl.arange(0, BKB * 16)
@@ -135,8 +141,8 @@ def _wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, kb_lo, kb_hi
     """acc [BN, BM] = W @ A.T over 16-blocks [kb_lo, kb_hi) (kb_lo a multiple of BKB), with the operand scale undone."""
     t = tl.arange(0, BKB)
     scol = _scale_cols(t)
-    brow = _swz_row(rn, CB)
-    arow = _swz_row(rm, CB)
+    brow = swz_row(rn, CB)
+    arow = swz_row(rm, CB)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):
         kk = kb0 + t
@@ -204,8 +210,66 @@ def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt
         last = (((start + STEPS) * p - 1) // total).to(tl.int32)
         offs, omask = out_tile(rm, rn, M, N)
         if first == last:
-            _cast_store(acc, offs, omask, alpha_ptr, out_ptr)
+            cast_store(acc, offs, omask, alpha_ptr, out_ptr)
         else:
             reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr,
                          cnt_ptr)
         it = start + s1
+
+
+@functools.lru_cache(maxsize=256)
+def stream_parts(tiles: int, steps: int, ctas: int) -> int:
+    """Most CTAs that share one tile under ``wmma_sk_kernel``'s cut (CTA c starts at step c * total // ctas): the
+    depth of the split-K workspace."""
+    total = tiles * steps
+    return max(((t + 1) * steps * ctas - 1) // total - ((t * steps + 1) * ctas - 1) // total + 1 for t in range(tiles))
+
+
+def pdl_after_predecode(pdl: dict) -> tuple[dict, dict]:
+    """(pre-decode options, launch options) of a Gluon kernel that runs after :func:`predecode` with PDL (``pdl``:
+    ``runtime.pdl``'s): the pre-decode lets the kernel launch as soon as the kernels before it are done (EARLY), and
+    the kernel waits for the pre-decode only where it loads the decoded operand."""
+    return ({**pdl, "EARLY": True}, {"launch_pdl": True}) if pdl else ({}, {})
+
+
+def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16, 16, 4), **opts) -> torch.Tensor:
+    """One operand (int64 words [m, kb], swizzled scale bytes ``sa``: A, or the weight in a swapped
+    ``wgmma_warp_specialized``) decoded once into [m, ceil(kb/4)*64] in this kernel's K order, fp16 (fp32 in the
+    interpreter, ``asm`` False); ``tile``: (rows, 16-blocks, warps) per CTA; ``opts``: the PDL and CVT options."""
+    (m, kb), (br, bkb, warps) = a64.shape, tile
+    if bkb % 4:  # the scale swizzle and the K order both go by groups of 4 blocks
+        raise ValueError(f"predecode: tile[1] (16-blocks per CTA) must be a multiple of 4; got tile={tile}")
+    ad = torch.empty((m, runtime.cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
+    runtime.launch(wmma_prep_a_kernel, (runtime.cdiv(m, br), runtime.cdiv(kb, bkb)), a64, sa, ad, m, kb,
+                   runtime.cdiv(kb, 4), BR=br, BKB=bkb, ASM=asm, num_warps=warps, **opts)
+    return ad
+
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        cfg: WgmmaRegisterAConfig) -> None:
+    """Launch ``wmma_kernel`` (an (N tile, K part, M tile) grid) or, with ``stream_k``, ``wmma_sk_kernel`` (one wave
+    of CTAs) on canonical operands (scales as uint8), after :func:`predecode` with ``predecode_a``."""
+    m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
+    cb, bm, bn = runtime.cdiv(kb, 4), cfg.block_m, cfg.block_n
+    asm, a64 = not runtime.jit_interpreted(), a.view(torch.int64)
+    pdl = runtime.pdl(out.device, cfg.pdl)
+    # the interpreter forms the same values in fp32 whichever decode the config names
+    cvt = {"CVT": True} if asm and cfg.e4m3x2_convert else {}
+    if cfg.predecode_a:
+        a64 = predecode(a64, sa, asm, **pdl, **cvt)
+    opts = dict(BM=bm, BN=bn, BKB=cfg.k_blocks, ASM=asm, APRE=cfg.predecode_a, num_warps=cfg.warps,
+                num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers), **pdl, **cvt)
+    if cfg.stream_k:
+        nt, steps = runtime.cdiv(n, bn), runtime.cdiv(kb, cfg.k_blocks)
+        tiles = nt * runtime.cdiv(m, bm)
+        ctas = min(tiles * steps, cfg.stream_ctas or runtime.num_sms(out.device) * register_a_resident(bm, cfg.warps))
+        parts = stream_parts(tiles, steps, ctas)
+        ws, cnt = splitk.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+        runtime.launch(wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
+                       nt, tiles, steps, **opts)
+        return
+    split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
+    grid = (runtime.cdiv(n, bn), split, runtime.cdiv(m, bm))
+    ws, cnt = splitk.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
+    runtime.launch(wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb, per,
+                   SPLIT=split > 1, **opts)

@@ -12,7 +12,7 @@
 H200 (benchmarks/RESULTS.md, eighth session): M=1024 on the large shapes 0.89-0.99x cuBLAS bf16 across runs, where
 ``wmma``'s 256x128 tile made 0.59-0.69x; the dispatcher's pick from M = 1024 on those shapes.
 
-Ninth session: a CTA runs a range of whole tiles (``_first_tile``), so a grid of one CTA per SM is persistent (the
+Ninth session: a CTA runs a range of whole tiles (``first_tile``), so a grid of one CTA per SM is persistent (the
 producer loads the next tile while the consumers finish one); and the two operands can swap roles (``SWAP``): the
 activation decoded in registers, the weight pre-decoded, out = acc instead of acc.T, which decodes fewer values where
 M > N. A stream-K cut with a workspace reduction was exact but slower in every cell measured, so it was removed
@@ -36,114 +36,18 @@ Two things a correct version needed (benchmarks/notes_hopper.md v12):
 """
 from __future__ import annotations
 
-import functools
-
-import triton
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
-from . import _fused, _wmma
-
-# the decode and the scale addressing are wmma's own: Gluon compiles a @triton.jit function's body with its semantics
-_dec16 = gluon.jit(_wmma._dec16.fn)
-_scale_cols = gluon.jit(_wmma._scale_cols.fn)
-_swz_row = gluon.jit(_fused._swz_row.fn)
-
-
-@triton.constexpr_function
-def raw_layout(bkb: int, warps: int = 4) -> gl.DistributedLinearLayout:
-    """The layout of a [16 * warps, bkb] tile of weight words in which the decoded weight is already the wgmma
-    register operand (warps_per_cta [warps, 1]), so the convert to DotOperandLayout is free. Lanes hold the 4 blocks
-    of a scale group; registers take row 8 and the further groups; each warp 16 rows."""
-    bkb, warps = getattr(bkb, "value", bkb), getattr(warps, "value", warps)
-    regs = [[8, 0]] + [[0, 4 << i] for i in range(bkb.bit_length() - 3)]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
-                                      block_bases=[], shape=[16 * warps, bkb])
-
-
-@triton.constexpr_function
-def store_layout(bn: int, bm: int, swap: bool, warps: int) -> gl.BlockedLayout:
-    """The layout in which the [bn, bm] tile (accumulated by ``warps`` warps) is written, so that each thread writes
-    16 contiguous bytes of bf16 and a warp whole runs of a row of out: out's rows run along the tile's first dim
-    (8 consecutive rows of it per thread, warps along the second), or with ``swap`` (out = X @ Y.T, not its
-    transpose) along the second."""
-    bn, bm, swap, warps = (getattr(v, "value", v) for v in (bn, bm, swap, warps))
-    if swap:
-        t1 = min(bm // 8, 32)
-        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // t1, t1], warps_per_cta=[warps, 1],
-                                order=[1, 0])
-    t0 = min(bn // 8, 32)
-    return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[t0, 32 // t0], warps_per_cta=[1, warps],
-                            order=[0, 1])
-
-
-@gluon.jit
-def scale_ptrs(sb_ptr, n0, CB, N, BN: gl.constexpr, BKB: gl.constexpr, RAW: gl.constexpr):
-    """Pointers at K step 0, row mask and block index within a step of the e4m3 scale bytes of weight rows
-    [n0, n0 + BN), in RAW's layout (``load_scales`` reads one step)."""
-    rn = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, RAW))
-    t = gl.arange(0, BKB, layout=gl.SliceLayout(0, RAW))
-    return sb_ptr + _swz_row(rn, CB)[:, None] + _scale_cols(t)[None, :], (rn < N)[:, None], t
-
-
-@gluon.jit
-def load_scales(sptr, smask, t, kb0, KB):
-    """Scale bytes of the step that starts at block kb0 (a multiple of 4); 0 past K, whatever the padding holds."""
-    return gl.load(sptr + (kb0 // 4) * 512, mask=smask & (kb0 + t < KB)[None, :], other=0)
-
-
-@gluon.jit
-def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
-    """Step ``it`` of the ring: wait for its slot, decode the weight words (scales ``sb``) straight into the wgmma
-    register operand and issue the async wgmma with the slot's A tile."""
-    STAGES: gl.constexpr = w_s.type.shape[0]
-    BKB: gl.constexpr = w_s.type.shape[2]
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    w = gl.convert_layout(_dec16(w_s.index(s).load(RAW), sb, BKB, True, True), DOT, assert_trivial=True)
-    return warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
-
-
-@gluon.jit
-def _first_tile(c, TILES):
-    """The first of CTA c's tiles: TILES are shared out in order, TILES // grid per CTA and one more to the first
-    TILES % grid (a grid of TILES CTAs: one each)."""
-    return c * (TILES // gl.num_programs(0)) + gl.minimum(c, TILES % gl.num_programs(0))
-
-
-@gluon.jit
-def _tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constexpr, SWAP: gl.constexpr,
-                  QR: gl.constexpr = 0, R0: gl.constexpr = 0):
-    """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
-    [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
-    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``_wgds``), else BN rows. R0: the
-    rows are rows R0.. of a larger tile (a chunk of it)."""
-    rn = R0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
-    if QR:
-        rn = n0 + (rn // QR) * 32 + rn % QR
-    else:
-        rn = n0 + rn
-    rm = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, L))
-    if SWAP:
-        corner = n0.to(gl.int64) * M
-        offs = (rn - n0)[:, None] * M + rm[None, :]
-    else:
-        corner = m0.to(gl.int64) * N
-        offs = (rm - m0)[None, :] * N + rn[:, None]
-    return corner, offs, (rm < M)[None, :] & (rn < N)[:, None]
-
-
-@gluon.jit
-def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.constexpr = 0):
-    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout`` (QR: ``_tile_offsets``)."""
-    ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1], SWAP, gl.num_warps())
-    corner, offs, mask = _tile_offsets(n0, m0, M, N, acc.type.shape[0], acc.type.shape[1], ST, SWAP, QR)
-    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
-    gl.store(out_ptr + corner + offs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), ST), mask=mask)
+from .. import runtime
+from ..config import WgmmaWarpSpecializedConfig
+from ..runtime import cdiv, launch, tma_desc
+from .gluon_tiles import epilogue, first_tile, layouts, load_scales, mma_step, raw_layout, scale_ptrs
+from .wgmma_register_a import pdl_after_predecode, predecode
 
 
 @gluon.jit
@@ -160,8 +64,8 @@ def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS):
     # kernel launch once the kernels before it are done; the consumers read only inputs from before that and wait
     # for the ring. (Safe without PDL: then the pre-decode is done already.)
     gdc_wait()
-    lo = _first_tile(gl.program_id(0), TILES)
-    for j in range((_first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
+    lo = first_tile(gl.program_id(0), TILES)
+    for j in range((first_tile(gl.program_id(0) + 1, TILES) - lo) * STEPS):
         tile = lo + j // STEPS
         ks = j % STEPS
         s = j % STAGES
@@ -198,8 +102,8 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, T
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[BN // 16, 1],
                                                   instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    lo = _first_tile(gl.program_id(0), TILES)
-    for tile in range(lo, _first_tile(gl.program_id(0) + 1, TILES)):
+    lo = first_tile(gl.program_id(0), TILES)
+    for tile in range(lo, first_tile(gl.program_id(0) + 1, TILES)):
         j = (tile - lo) * STEPS  # the ring step of the tile's first K step
         n0 = (tile % NT) * BN
         m0 = (tile // NT) * BM
@@ -243,7 +147,7 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
     """acc [BN, BM] = X @ Y.T tiles: X the N rows of NVFP4 words (``x_desc``, block scales ``sx_ptr``), decoded in
     registers; Y the M rows pre-decoded to fp16 (``y_desc``). out [M, N] = acc.T (X the weight), or with SWAP out
     [N, M] = acc (X the activation). The TILES tiles (NT along N) of STEPS K steps each are shared out in order
-    (``_first_tile``): a grid of TILES CTAs is the plain tiled kernel, a smaller one persistent (the loads run on
+    (``first_tile``): a grid of TILES CTAs is the plain tiled kernel, a smaller one persistent (the loads run on
     across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], x_desc.layout)
     a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], y_desc.layout)
@@ -260,10 +164,30 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
         gl.warp_specialize([(_consume_out, args), (_producer, load)], [1], [40])
 
 
-@functools.lru_cache(maxsize=None)
-def layouts(BN: int, BM: int, BKB: int) -> tuple:
-    """Shared-memory layouts of a [BN, BKB] tile of words (X) and a [BM, BKB*16] tile of the pre-decoded Y (TMA and
-    wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building
-    them took ~38 us of host time per call."""
-    return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
-            gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        cfg: WgmmaWarpSpecializedConfig) -> None:
+    """One operand decoded once to fp16 (``predecode``), then one launch over TMA descriptors of the other's words
+    and the decoded one. The decoded one is A, or with ``swap`` the weight (out = A @ W.T tile by tile: fewer values
+    to decode where M > N)."""
+    kb = a.shape[1] // 8
+    x, sx, y, sy = (a, sa, b, sb) if cfg.swap else (b, sb, a, sa)  # x: decoded in registers, y: decoded first
+    if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
+        raise ValueError(f"fp4_mm: {type(cfg).__name__} needs K % 32 == 0 and a 16-byte aligned "
+                         f"{'a' if cfg.swap else 'b'}; got K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use "
+                         f"another config from configs_for()")
+    nx, ny = x.shape[0], y.shape[0]
+    # with PDL only the producer waits for the pre-decode
+    pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
+    yd = predecode(y.view(torch.int64), sy, True, CVT=True, **pre)
+    bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
+    x_layout, y_layout = layouts(bn, bm, bkb)
+    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), x_layout)
+    y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16), y_layout)
+    nt, steps = cdiv(nx, bn), cdiv(kb, bkb)
+    tiles = nt * cdiv(ny, bm)
+    # persistent: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on
+    # across a tile's epilogue; else one CTA per tile
+    ctas = min(tiles, runtime.num_sms(out.device)) if cfg.persistent else tiles
+    launch(wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cdiv(kb, 4), nt, tiles, steps, BN=bn,
+           BM=bm, BKB=bkb, STAGES=cfg.stages, SWAP=cfg.swap, num_warps=bn // 16, **opts)
