@@ -17,8 +17,8 @@ HAS_GDC = gdc_wait is not None
 def pdl_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL) a kernel may start while the previous one on its stream is still
     running; nothing may touch memory before this wait (the previous kernel's writes are visible after it). Only the
-    A-decode kernel before ``wgds`` and ``wgws`` triggers its dependents early (``wmma_prep_a_kernel``'s EARLY): on
-    the H200 an early trigger before ``wmma`` let its CTAs be placed unevenly (split 2 on N=8192: 68 -> 105 us)."""
+    A-decode kernel before the Gluon GEMMs triggers its dependents early (``wmma_prep_a_kernel``'s EARLY): an early
+    trigger before ``wmma_kernel`` lets its CTAs be placed unevenly, which costs more than the launch it hides."""
     if PDL:
         gdc_wait()
 

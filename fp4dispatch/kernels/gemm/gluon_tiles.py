@@ -90,7 +90,7 @@ def tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constex
                   QR: gl.constexpr = 0, R0: gl.constexpr = 0):
     """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
     [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
-    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``_wgds``), else BN rows. R0: the
+    ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``wgmma_decode_warps``), else BN rows. R0: the
     rows are rows R0.. of a larger tile (a chunk of it)."""
     rn = R0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     if QR:
@@ -121,6 +121,6 @@ def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.c
 def layouts(BN: int, BM: int, BKB: int) -> tuple:
     """Shared-memory layouts of a [BN, BKB] tile of words (X) and a [BM, BKB*16] tile of the pre-decoded Y (TMA and
     wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building
-    them took ~38 us of host time per call."""
+    them costs more host time than the rest of a small call."""
     return (gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64),
             gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.float16))

@@ -1,36 +1,32 @@
-"""``wgds``: the NVFP4 GEMM for SM90 in Gluon with the decode in warps of its own; host side: :func:`run` (called by
-``gluon_host.run_wgds``). Only imported where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
+"""``wgds``: the NVFP4 GEMM for SM90 in Gluon with the decode in warps of its own (``WgmmaDecodeWarpsConfig``,
+offered at 64 < M <= 128). Only imported where :func:`~fp4dispatch.kernels.target.gluon_missing` says it can be.
 
-``wgws`` (``_gluon.py``) decodes the weight straight into the register operand of its wgmma, in the warps that issue
-it: a lone warpgroup then alternates decode and MMA (M = 128: ~1400 cycles per K step of 64x128x128 against ~512 of
-tensor work, H200, ninth session), and two consumer warpgroups pass Triton 3.6's partition barrier together every
-step. Here each partition does one thing:
+``wgmma_warp_specialized`` decodes the weight straight into the register operand of its wgmma, in the warps that
+issue it: a lone warpgroup then alternates decode and MMA, and two consumer warpgroups pass Triton 3.6's partition
+barrier together every step. Here each partition does one thing:
 - two TMA warps stream, each into its own ring, the weight words with their block scales (STAGES slots) and the
-  pre-decoded activation (``fused.predecode``; ASTAGES slots);
+  pre-decoded activation (``wgmma_register_a.predecode``; ASTAGES slots);
 - PARTS partitions of BN / 16 decode warps take turns by step: they turn a slot's words into fp16 weight values
-  (``_gluon``'s decode and K order) and store them into a DSTAGES-deep ring of wgmma operand tiles in shared memory;
+  (``gluon_tiles.dec16`` and its K order) and store them into a DSTAGES-deep ring of wgmma operand tiles in shared
+  memory;
 - the default warpgroup only waits and issues async wgmma with both operands in shared memory, one group in flight,
-  frees a step's activation and decoded slots once its group is done, and writes the tile (``_gluon.epilogue``).
-Both operands are in shared memory, so no later step can overwrite an operand in flight (``_gluon``'s
-two-steps-per-pass rule does not apply). The decoded tile's stores are fenced (generic -> async proxy) before the
-arrive that hands it to the wgmma; the same fence orders the word reads before their slot is freed. The scales come by
-TMA too: the fence waits for the loads in flight, and a first version that read them with plain loads one step ahead
-waited for them every step (with that and two other changes, 8192² at M = 128 went from 55 to 44 us on the H200).
+  frees a step's activation and decoded slots once its group is done, and writes the tile (``gluon_tiles.epilogue``).
+Both operands are in shared memory, so no later step can overwrite an operand in flight (the two-steps-per-pass rule
+of ``wgmma_warp_specialized`` does not apply). The decoded tile's stores are fenced (generic -> async proxy) before
+the arrive that hands it to the wgmma; the same fence orders the word reads before their slot is freed. The scales
+come by TMA too: the fence waits for the loads in flight, so scales read with plain loads one step ahead would be
+waited for every step.
 
 Where the tiles leave SMs idle, a tile's K steps can run in SPLIT parts on CTAs of their own, whose fp32 partial sums
 the last part to finish adds in part order (:func:`split_epilogue`).
 
 With programmatic dependent launch the pre-decode lets this kernel launch as soon as the kernels before it are done,
-and only the activation's loader waits for the pre-decode (``gdc_wait``): the barriers' set-up, the weight's first
-loads and decodes overlap it (H200: 1-1.5 us less per call at M = 128, fourteenth session).
+and only the activation's loader waits for the pre-decode (``gdc_wait``): the barriers' set-up and the weight's first
+loads and decodes overlap it.
 
-H200 (benchmarks/RESULTS.md, twelfth to fourteenth sessions): at M = 128 1.15-1.19x cuBLAS bf16 on 8192² and
-8192x28672 where ``wmma`` made 0.97-1.01x, 1.04x on 28672x8192, 0.85x on 6144x2048, 0.89x on 2048x6144 in 4 parts;
-not faster than ``wmma`` at M = 16. ncu: the tensor pipe is never what the MMA warps wait for; they wait for decoded
-tiles, the decode warps for free slots (notes_hopper.md v16, v17).
-
-Rows are taken the way the scales are stored (as ``gvws``, ``_gvws.py``): a tile is R = BN / 4 rows ``i0..i0+R`` of
-each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view (g, j, 4i + q).
+Rows are taken the way the scales are stored (as ``gemv.tma_warp_specialized``): a tile is R = BN / 4 rows
+``i0..i0+R`` of each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view
+(g, j, 4i + q). docs/kernels.md has what the design is for and what was tried around it.
 """
 from __future__ import annotations
 
@@ -138,7 +134,7 @@ def _load_a(y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS):
 def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS):
     """Every PARTS-th step from PART: the slot's words and scales -> fp16 operand tile in the step's ``d_s`` buffer.
     Each decode partition is one dependent chain per warp (wait, read, decode, store, fence, arrive); PARTS of them
-    overlap (2 were 3-6 % faster than 1 at M = 128 on the H200). A partition is at most PARTS steps ahead of the last
+    overlap (two hide more of the chain than one). A partition is at most PARTS steps ahead of the last
     one it freed, so rings of >= PARTS slots keep every barrier within one phase of its waiters; and with STAGES a
     multiple of PARTS a weight slot always serves the same partition, which has waited for the slot's previous load
     itself (else another partition's load still in flight leaves the barrier a phase behind, and the wait passes)."""
@@ -179,13 +175,13 @@ def sum_layout(bm: int, warps: int) -> gl.BlockedLayout:
 
 @gluon.jit
 def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, n0, m0, M, N, QR: gl.constexpr):
-    """Part ``part`` of a tile's SPLIT partial sums, by ``_fused.reduce_store``'s protocol: stored in fp32, straight
+    """Part ``part`` of a tile's SPLIT partial sums, by ``tiles.reduce_store``'s protocol: stored in fp32, straight
     from the wgmma layout, to the tile's own [BN, BM] block of ws (block tile * SPLIT + part: a thread writes whole
     32-byte sectors); the CTA that counts itself in last on cnt_ptr[tile] sums the blocks in part order (the result
     does not depend on arrival order), 32 rows at a time with 16-byte reads, four parts' reads in flight at once,
-    applies alpha, writes out (``epilogue``'s rows, QR) and sets the counter back to zero. (Stored in out's layout and
-    read back one part at a time, 4 bytes per read, the sum cost ~1.45 us per part on the H200; this way 2048x6144 at
-    M = 128 in 4 parts went from 24.3 to 19.7 us, fourteenth session.)"""
+    applies alpha, writes out (``epilogue``'s rows, QR) and sets the counter back to zero. The partials stay in the
+    wgmma layout and are read 16 bytes and four parts at a time: stored in out's layout and read back one part at a
+    time, 4 bytes per read, the sum costs several times more per part."""
     BN: gl.constexpr = acc.type.shape[0]
     BM: gl.constexpr = acc.type.shape[1]
     L: gl.constexpr = acc.type.layout
@@ -225,8 +221,8 @@ def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, c
          STEPS):
     """For each unit: acc [BN, BM] = W @ A.T over its K steps with one wgmma group in flight; a step's two operand
     buffers are freed once its group is done; then the epilogue, or with SPLIT > 1 ``split_epilogue`` (the other
-    partitions run on into the next unit). (Two groups in flight, with rings one slot deeper, were slower on the H200:
-    twelfth session.)"""
+    partitions run on into the next unit). Two groups in flight would need rings one slot deeper, which leaves less
+    shared memory for the rings that bound the kernel."""
     STAGES: gl.constexpr = a_s.type.shape[0]
     BM: gl.constexpr = a_s.type.shape[1]
     DSTAGES: gl.constexpr = d_s.type.shape[0]
@@ -268,7 +264,7 @@ def _barriers(n: gl.constexpr):
 
 
 # SPLIT is never a constexpr: a launch specializes an int equal to 1 to one, and Triton 3.6 then fails to lower the
-# split epilogue it still emits under a constant-false branch (ConvertTritonGPUToLLVM assertion, local sm_90a build)
+# split epilogue it still emits under a constant-false branch (an assertion in ConvertTritonGPUToLLVM)
 @gluon.jit(do_not_specialize=["SPLIT"])
 def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NT, UNITS, SPLIT, SPS, STEPS,
                 BN: gl.constexpr, BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,

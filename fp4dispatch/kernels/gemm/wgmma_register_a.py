@@ -1,4 +1,5 @@
-"""``@triton.jit`` code of ``wmma``: the tensor-core NVFP4 GEMM with swapped operands (host side: ``fused.py``).
+"""``wmma``: the tensor-core NVFP4 GEMM with the weight as the register operand (``WgmmaRegisterAConfig``, SM89+;
+the SM90 pick from M = 3 to 128), its A pre-decode (:func:`predecode`, also used by the Gluon GEMMs) and launcher.
 
 ``acc[BN, BM] = W @ A.T``: the weight tile is the first ``tl.dot`` operand, which Hopper's wgmma reads from
 registers, so the decoded weight never goes through shared memory; only the small activation tile does. For that to
@@ -10,7 +11,7 @@ propagates that layout back to the raw words (checked in the TTGIR: no ``local_a
 Values: a nibble pair becomes fp16x2 bits (``_pair``: e2m1 * 2**-14), one ``mul.rn.f16x2`` applies the block scale
 (e4m3 * 2**7, exact in fp16), so every operand is e2m1 * e4m3 * 2**-7, exact in fp16 (products are multiples of
 2**-17, below 21). The dot accumulates in fp32; the epilogue multiplies by 2**14 (exact), then alpha. With ``CVT``
-the nibbles go through e4m3 bytes and ``cvt.rn.f16x2.e4m3x2`` instead (``_h2._cvt4``: 11 instructions per 8 values
+the nibbles go through e4m3 bytes and ``cvt.rn.f16x2.e4m3x2`` instead (``numerics.fp16x2._cvt4``: 11 instructions per 8 values
 instead of 16; e2m1 * 2**-6), so operands are e2m1 * e4m3 * 2 (at most 5376, exact in fp16) and the epilogue
 multiplies by 2**-2. Under the interpreter (no PTX) the same values are formed in fp32 and the dot runs in fp32.
 """
@@ -118,7 +119,7 @@ def wmma_prep_a_kernel(a_ptr, sa_ptr, ad_ptr, M, KB, CB, BR: tl.constexpr, BKB: 
     """A decoded once into ad [M, ceil(KB/4)*64] (fp16; fp32 under the interpreter) in wmma's K order, so that
     wmma with APRE streams A tiles straight into shared memory instead of decoding them again for every N tile.
     PDL: see ``pdl_wait``. EARLY (with PDL): each CTA lets the next kernel launch once its own wait is over (so the
-    kernels before this one are done), for a next kernel that waits only where it reads ad (``fused.gluon_pdl``)."""
+    kernels before this one are done), for a next kernel that waits only where it reads ad (``pdl_after_predecode``)."""
     pdl_wait(PDL)
     if PDL and EARLY:
         gdc_launch_dependents()

@@ -1,38 +1,28 @@
-"""``wgws``: the warp-specialized NVFP4 GEMM for SM90 in Gluon (``triton.experimental.gluon``); host side:
-``fused.py``. Only imported where :func:`gluon_missing` says it can be.
+"""``wgws``: the warp-specialized NVFP4 GEMM for SM90 in Gluon (``WgmmaWarpSpecializedConfig``, offered for
+M > 128). Only imported where :func:`~fp4dispatch.kernels.target.gluon_missing` says it can be.
 
-``acc[BN, BM] = W @ A.T``, as ``wmma`` (``_wmma.py``), but without Triton's pipeliner:
-- a producer warp streams the weight words and the pre-decoded activation (``fused.predecode``) by TMA into a
-  STAGES-deep shared-memory ring (``ready`` mbarriers, one per slot; zero-filled past N, M and K);
+``acc[BN, BM] = W @ A.T``, as ``wgmma_register_a``, but without Triton's pipeliner:
+- a producer warp streams the weight words and the pre-decoded activation (``wgmma_register_a.predecode``) by TMA
+  into a STAGES-deep shared-memory ring (``ready`` mbarriers, one per slot; zero-filled past N, M and K);
 - the default partition (a warpgroup per 64 weight rows) waits for a slot, decodes the words straight into the
-  register operand of an async wgmma (``wmma``'s ``_dec16``, with CVT; the convert to the operand layout is free in
-  ``raw_layout``), leaves one wgmma group in flight while it decodes the next step, and frees the slot whose group
-  is done (``empty`` mbarriers);
+  register operand of an async wgmma (``gluon_tiles.dec16``, through the e4m3x2 conversion; the convert to the
+  operand layout is free in ``raw_layout``), leaves one wgmma group in flight while it decodes the next step, and
+  frees the slot whose group is done (``empty`` mbarriers);
 - the epilogue applies alpha in fp32 and stores through ``store_layout`` (rows of out along n).
-H200 (benchmarks/RESULTS.md, eighth session): M=1024 on the large shapes 0.89-0.99x cuBLAS bf16 across runs, where
-``wmma``'s 256x128 tile made 0.59-0.69x; the dispatcher's pick from M = 1024 on those shapes.
+A CTA runs a range of whole tiles (``first_tile``), so a grid of one CTA per SM is persistent (the producer loads the
+next tile while the consumers finish one). With SWAP the operands change roles: the activation is decoded in
+registers, the weight pre-decoded, out = acc instead of acc.T, which decodes fewer values where M > N. Launched with
+PDL after the pre-decode, whose CTAs let it launch once the kernels before are done; only the producer waits for the
+pre-decode (``gdc_wait``).
 
-Ninth session: a CTA runs a range of whole tiles (``first_tile``), so a grid of one CTA per SM is persistent (the
-producer loads the next tile while the consumers finish one); and the two operands can swap roles (``SWAP``): the
-activation decoded in registers, the weight pre-decoded, out = acc instead of acc.T, which decodes fewer values where
-M > N. A stream-K cut with a workspace reduction was exact but slower in every cell measured, so it was removed
-(notes_hopper.md v13); so was split K with ``_wgds``'s cheaper partial sums (fourteenth session: slower than the
-best whole-tile config in every small-shape cell at M = 1024 and 4096, v18).
-
-Fourteenth session: launched with PDL after the pre-decode, whose CTAs let it launch once the kernels before are
-done; only the producer waits for the pre-decode (``gdc_wait``). H200: 0-1.5 us less per call at M >= 1024.
-
-Sixteenth session: the consumers load a step's scale bytes two steps ahead instead of one; the wait for them was
-their largest stall (ncu: 14.5 % of all samples, on one instruction). H200: 2-5 % less per call on the small shapes
-at M = 1024 (2048x6144 46.2 -> 44.1 us), 0.86-0.87x cuBLAS bf16 on 6144x2048 and 2048x6144 where the fifteenth
-session's table had 0.81-0.82x; 8192² at M = 1024 186.8 -> 179.1 us (benchmarks/RESULTS.md sixteenth session).
-
-Two things a correct version needed (benchmarks/notes_hopper.md v12):
+Two things a correct version needs:
 - the consumer loop runs two K steps per pass. A rolled loop decodes every step into the same registers, and with
-  a group in flight the decode overwrote the operand that group was still reading (wrong results at BM 256);
-  unrolled, each step's operand is its own value and ptxas gives it its own registers;
-- the epilogue moves the tile into ``store_layout`` first: stored from the wgmma layout, each thread wrote 2-byte
-  values N apart, ~4500 instructions with register spills per 128x256 tile, ~50 us per tile.
+  a group in flight the decode overwrites the operand that group is still reading (wrong results at BM 256);
+  unrolled, each step's operand is its own value and ptxas gives it its own registers (tests/test_gluon_sass.py
+  checks the SASS);
+- the epilogue moves the tile into ``store_layout`` first: stored from the wgmma layout, each thread writes 2-byte
+  values N apart, thousands of instructions with register spills per tile.
+docs/kernels.md has what the design is for and what was tried around it.
 """
 from __future__ import annotations
 
@@ -113,8 +103,7 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, T
         acc = gl.zeros([BN, BM], gl.float32, MMA)
         # Two steps per pass, so that two values hold the decoded operands: a step's decode runs while the step
         # before's wgmma still reads its register operand. In a rolled loop both are one value, the same registers.
-        # A step's scale bytes are loaded two steps ahead: loaded one step ahead, the wait for them was the
-        # consumers' largest stall (ncu, H200, sixteenth session).
+        # A step's scale bytes are loaded two steps ahead: loaded one step ahead, the consumers wait for them.
         for i in range(STEPS // 2):
             sb2 = load_scales(sptr, smask, t, (2 * i + 2) * BKB, KB)
             acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb0, acc, RAW, DOT)

@@ -1,13 +1,12 @@
-"""``gvws``: the warp-specialized NVFP4 GEMV for SM90 in Gluon (M <= 2); host side: ``fused.py``. Only imported
-where :func:`~fp4dispatch.kernels.gluon_missing` says it can be.
+"""``gvws``: the warp-specialized NVFP4 GEMV for SM90 in Gluon (``TmaGemvConfig``, M <= 2). Only imported where
+:func:`~fp4dispatch.kernels.target.gluon_missing` says it can be.
 
-``gemv2`` (``_fused.py``) streams the weight with plain loads: at 114-128 registers per thread 25 % of the warps fit
-an SM, and ncu saw DRAM at 38-42 % (notes_hopper.md v4). Here a producer warp streams everything by TMA into a
-STAGES-deep shared-memory ring, so the bytes in flight no longer depend on registers, and the consumer warps only
-read shared memory, decode and multiply: with DP (offered) each 16-block's sum is an exact int32 of ``dp4a`` on
-codes looked up as 2 * e2m1 (``_dp4.py``), else ``gemv2``'s fp16x2 products through the e4m3x2 conversion
-(``_h2.py``). Without memory traffic (the ring's slots freed at once) the consumers alone take about as long as the
-feed alone on the H200 (benchmarks/RESULTS.md, eleventh session), so both bound the kernel.
+``gemv.cuda_core`` streams the weight with plain loads, so the bytes in flight are bounded by the registers of the
+warps that fit an SM. Here a producer warp streams everything by TMA into a STAGES-deep shared-memory ring, so the
+bytes in flight no longer depend on registers, and the consumer warps only read shared memory, decode and multiply:
+with ``int8_dot`` each 16-block's sum is an exact int32 of ``dp4a`` on codes looked up as 2 * e2m1
+(``numerics.int8_dot``), else fp16x2 products through the e4m3x2 conversion (``numerics.fp16x2``). The feed and the
+consumers each take about as long as the whole kernel, so both bound it.
 
 Rows are taken the way the scales are stored. In the 128x4 swizzle, the scales of row ``g*128 + q*32 + i`` and
 blocks ``4j..4j+3`` are the 4 bytes at ``(g*CB + j)*512 + i*16 + q*4``: 16 contiguous bytes hold one ``i`` of all
@@ -19,11 +18,11 @@ four ``q``. TMA needs 16-byte rows, so a tile is R rows ``i0..i0+R`` of each of 
   permuted to (q, i, j, b), so each thread's scale bytes sit beside its words;
 - activation words [MB, BW] and scales (the same view, i < MB, q = 0 used).
 
-Each consumer step ends with a proxy fence before it frees its slot: without it the producer's next TMA write
-overtook reads still in flight (wrong sums at 2-3 CTAs per SM on the H200, tenth session).
+Each consumer step ends with a proxy fence before it frees its slot: without it the producer's next TMA write can
+overtake reads still in flight.
 
 Past N and K the boxes are zero-filled; that is why N % 32 == 0 (a box must not run past a quarter into the next
-group's rows) and K % 32 == 0 (16-byte rows). A CTA runs a range of whole tiles (``_gluon.first_tile``), so the
+group's rows) and K % 32 == 0 (16-byte rows). A CTA runs a range of whole tiles (``gluon_tiles.first_tile``), so the
 producer streams on across tile ends.
 """
 from __future__ import annotations
@@ -51,8 +50,8 @@ _dp4_table = gluon.jit(_dp4.table.fn)
 @gluon.jit
 def _e4m3(u8):
     """Scale bytes -> fp32 through the hardware e4m3x2 -> f16x2 conversion (a thread's two adjacent bytes in one
-    instruction; exact, NaN kept): the loop took 46 instead of 55 instructions per 16-block with it than with
-    ``_fused.e4m3_to_f32``'s integer decode (local sm_90a build)."""
+    instruction; exact, NaN kept): fewer instructions per 16-block than ``numerics.e2m1_e4m3.e4m3_to_f32``'s integer
+    decode."""
     return u8.to(gl.float8e4nv, bitcast=True).to(gl.float32)
 
 
@@ -152,8 +151,8 @@ def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, tbl, LW: gl.conste
         acc1 += _sum(b_lo, b_hi, a1_lo, a1_hi, tbl, DP) * (sb * sa1[None, None])
     # The producer's next TMA write into the slot must not overtake a read of it still in flight. Nothing in the
     # program orders them: ptxas leaves uses of loaded values (and so the loads' completion) after the arrive, and
-    # the barrier inside the arrive orders the generic proxy only. With 2-3 CTAs per SM that race gave wrong sums
-    # (H200, tenth session run 4); the proxy fence waits for the reads.
+    # the barrier inside the arrive orders the generic proxy only. With 2-3 CTAs per SM that race gives wrong sums;
+    # the proxy fence waits for the reads.
     fence_async_shared()
     mbarrier.arrive(empty.index(s))
     return acc0, acc1
@@ -229,9 +228,9 @@ def _layouts() -> tuple:
 
 
 def weight_descriptors(b: torch.Tensor, sb: torch.Tensor, R: int, BW: int) -> tuple:
-    """The TMA descriptors (cached: ``launch.tma_desc``) of a tile of R rows of each 32-row quarter and BW 16-blocks,
+    """The TMA descriptors (cached: ``runtime.tma_desc``) of a tile of R rows of each 32-row quarter and BW 16-blocks,
     over contiguous canonical operands (uint8 words, swizzled scale bytes; N % 32 == 0, K % 32 == 0, 16-byte aligned:
-    the caller checks); also ``_wgds``'s:
+    the caller checks); also ``gemm.wgmma_decode_warps``'s:
     - words: int64 (N/32, 32, KB), box [4, R, BW];
     - scales: int32 (g, j, 4i + q), the 4 bytes of row g*128 + q*32 + i and blocks 4j..4j+3, so a box of consecutive
       i is one contiguous run of 16 bytes per i; box [1, BW/4, 4R]."""
@@ -281,5 +280,5 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
 def reg_cap(warps: int, per_sm: int) -> dict:
     """The compile option that lets ``per_sm`` CTAs of ``warps`` consumer warps (and the producer's warpgroup) fit an
     SM: Triton sizes a warp-specialized kernel's registers for one CTA per SM. More warps per SM hide the consumers'
-    latency; 2-3 CTAs per SM were 1-6 % faster than one on the H200 (benchmarks/RESULTS.md, tenth session run 4)."""
+    latency."""
     return {"maxnreg": 65536 // (per_sm * (warps + 4) * 32) // 8 * 8} if per_sm > 1 else {}

@@ -1,5 +1,6 @@
-"""``@triton.jit`` code of gemv2's fp16x2 product path (``H2``, optionally ``CVT``): two exact products per
-``fma.rn.f16x2`` (inline PTX). Used by ``gemv2_kernel`` in ``_fused.py``.
+"""fp16x2 products in ``@triton.jit`` code (``CudaCoreGemvConfig.fp16x2``, the kernels' ``H2``; optionally through
+the e4m3x2 conversion, ``CVT``): two exact products per ``fma.rn.f16x2`` (inline PTX). Used by ``gemv.cuda_core``,
+``gemv.tma_warp_specialized`` and ``gemm.wgmma_register_a``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ difference is the block sum. A (shared by all rows) is made signed once per word
 
 Per B word (8 values) that is 11 instructions (an xor, two shifts, four ``prmt``, four ``dp4a``), against 15 for the
 fp16x2 path (``_h2.h2_block_cvt``: 7 integer ops and 4 conversions to fp16 pairs, 4 ``fma.rn.f16x2``): gvws's step
-loop takes 306 instead of 372 instructions (R 8, local sm_90a build), with the table kept in registers (``table``).
+loop takes about a fifth fewer instructions, with the table kept in registers (``table``).
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ _BLOCK_PTX = tl.constexpr("{ .reg .b32 x, h, p, n, sp, sn; mov.b32 sp, 0; mov.b3
 @triton.jit
 def table(n):
     """The two table words as values ptxas cannot fold, from ``n``, any int32 >= 0 that is not a compile-time constant
-    (n >> 31 == 0). As constants ptxas copied them from a uniform register before every ``prmt`` (59-67 extra
-    instructions in gvws's step of ~306, local sm_90a build); note a launch makes an int argument equal to 1 a
-    constant (gvws passes N, a multiple of 32, not M)."""
+    (n >> 31 == 0). As constants ptxas copies them from a uniform register before every ``prmt`` (a fifth more
+    instructions in gvws's step); note a launch makes an int argument equal to 1 a constant (gvws passes N, a
+    multiple of 32, not M)."""
     return (n >> 31) ^ _T0, (n >> 31) ^ _T1
 
 
