@@ -53,6 +53,10 @@ class KernelConfig:
     def check(self) -> None:
         """The family's own constraints (fields already typed)."""
 
+    def _require_pow2(self, *names: str) -> None:
+        for name in names:
+            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+
 
 def _check_regs(cfg: KernelConfig) -> None:
     cfg._require("max_registers", cfg.max_registers is None or (cfg.max_registers % 8 == 0
@@ -72,8 +76,7 @@ class BytewiseGemvConfig(KernelConfig):
     warps: int
 
     def check(self) -> None:
-        for name in ("rows", "block_n", "k_blocks", "warps"):
-            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+        self._require_pow2("rows", "block_n", "k_blocks", "warps")
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,7 @@ class CudaCoreGemvConfig(KernelConfig):
     pdl: bool = True
 
     def check(self) -> None:
-        for name in ("rows", "block_n", "k_blocks", "warps"):
-            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+        self._require_pow2("rows", "block_n", "k_blocks", "warps")
         self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (whole 128x4-swizzled scale groups)")
         self._require("e4m3x2_convert", not self.e4m3x2_convert or self.fp16x2,
                       "False without fp16x2 (the conversion feeds the fp16x2 products)")
@@ -148,8 +150,7 @@ class MmaBf16Config(KernelConfig):
     group_m: int = 8
 
     def check(self) -> None:
-        for name in ("block_m", "block_n", "k_blocks", "warps"):
-            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
         self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest M)")
         self._require("block_n", self.block_n >= 16, ">= 16 (tl.dot's smallest N)")
 
@@ -176,8 +177,7 @@ class WgmmaRegisterAConfig(KernelConfig):
     pdl: bool = True
 
     def check(self) -> None:
-        for name in ("block_m", "block_n", "k_blocks", "warps"):
-            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
         self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
         self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
         self._require("split_k", not self.stream_k or self.split_k == 1, "1 with stream_k (stream-K cuts K itself)")
