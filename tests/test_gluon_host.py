@@ -198,8 +198,8 @@ def _i8(word: int) -> list[int]:
 
 
 def test_dp4_table_and_sign_split_give_twice_e2m1_for_every_code():
-    """The TMA-fed GEMV's int8 dot products (kernels/numerics/int8_dot.py), its PTX steps replayed in Python: the two-register table holds 2*|e2m1| of
-    codes 0..7; prmt of a word gives the positive codes' magnitudes (0 for the negative ones, since every table byte
+    """The TMA-fed GEMV's int8 dot products (kernels/numerics/int8_dot.py), its PTX steps replayed in Python: the
+    two-register table holds 2*|e2m1| of codes 0..7; prmt of a word gives the positive codes' magnitudes (0 for the negative ones, since every table byte
     has its sign bit clear), prmt of the word with its sign bits flipped the negative ones'; A's signed bytes come
     from (p | 0x80) - n per byte without borrows. So dp4a sums are exactly 4 * w * a, for all 16 x 16 code pairs."""
     from fp4dispatch.format import E2M1_VALUES

@@ -292,7 +292,8 @@ def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
 
 
 @pytest.mark.parametrize("cfg", [
-    C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, predecode_a=True), C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, pdl=False),
+    C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, predecode_a=True),
+    C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, pdl=False),
     C.CudaCoreGemvConfig(4, 16, 32, 3, 4, fp16x2=True),
     # stream-K: 16 tiles x 9 K steps over 7 CTAs, so tiles are cut between CTAs and summed by the last to arrive
     C.WgmmaRegisterAConfig(16, 64, 16, 1, 4, 3, predecode_a=True, stream_k=True, stream_ctas=7)],

@@ -11,8 +11,8 @@ propagates that layout back to the raw words (checked in the TTGIR: no ``local_a
 Values: a nibble pair becomes fp16x2 bits (``_pair``: e2m1 * 2**-14), one ``mul.rn.f16x2`` applies the block scale
 (e4m3 * 2**7, exact in fp16), so every operand is e2m1 * e4m3 * 2**-7, exact in fp16 (products are multiples of
 2**-17, below 21). The dot accumulates in fp32; the epilogue multiplies by 2**14 (exact), then alpha. With ``CVT``
-the nibbles go through e4m3 bytes and ``cvt.rn.f16x2.e4m3x2`` instead (``numerics.fp16x2._cvt4``: 11 instructions per 8 values
-instead of 16; e2m1 * 2**-6), so operands are e2m1 * e4m3 * 2 (at most 5376, exact in fp16) and the epilogue
+the nibbles go through e4m3 bytes and ``cvt.rn.f16x2.e4m3x2`` instead (``numerics.fp16x2._cvt4``: 11 instructions per 8
+values instead of 16; e2m1 * 2**-6), so operands are e2m1 * e4m3 * 2 (at most 5376, exact in fp16) and the epilogue
 multiplies by 2**-2. Under the interpreter (no PTX) the same values are formed in fp32 and the dot runs in fp32.
 """
 from __future__ import annotations
