@@ -91,7 +91,7 @@ def tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constex
     """(int64 offset of the tile's first row, int32 offsets from it, mask) of the [BN, BM] tile at (n0, m0) of out
     [M, N] (acc.T), or with SWAP of out [N, M] (acc), in layout L: int32 offsets need half the registers of int64
     ones. With QR, the tile's rows are QR rows of each 32-row quarter from n0 (``wgmma_decode_warps``), else BN rows.
-    R0: the    rows are rows R0.. of a larger tile (a chunk of it)."""
+    R0: the rows are rows R0.. of a larger tile (a chunk of it)."""
     rn = R0 + gl.arange(0, BN, layout=gl.SliceLayout(1, L))
     if QR:
         rn = n0 + (rn // QR) * 32 + rn % QR
