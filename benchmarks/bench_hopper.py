@@ -1,18 +1,18 @@
-"""Hopper (no FP4 tensor cores) benchmark of the Triton NVFP4 kernels, with correctness checks first.
+"""Hopper (no FP4 tensor cores) benchmark of the Triton NVFP4 kernels (their exactness: tests/test_triton_gpu.py).
 
 Modes (all on one CUDA GPU; results are printed and written under $OUT or --out):
-  --check     exactness of every fused config and the dequant backend vs a float64 reference of the dequantized
-              inputs (fresh random inputs, NaN-poisoned out, M in {1,3,127,4096}, N and K off the block sizes),
-              NaN-scale propagation, subnormal scales, and bit-identity + speed of the Triton quantize kernel.
-  --variants  every config of the fused kernels on a few shapes, next to cuBLAS bf16 (kernel times via CUDA graphs).
-  --sweep     exactness of the GEMV, mma and wmma variants (M in {1,3,16,127}), then their graph times at M in
-              --sweep-ms (default 1,4,16,128) on --sweep-shapes (default: the three large ones) next to cuBLAS bf16;
-              a short table last (benchmarks/hopper_sweep.py). --sweep-kernels picks the families (default gemv2,mma,wmma).
-  (default)   the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
-              weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
+  --candidates  the CUDA-graph time of every candidate config of triton:fused (``configs_for``) per (shape, M), next
+                to cuBLAS bf16; candidates.json. Works with this tree's kernels and with those before the kernels/
+                restructure (8af9a38), so that ``--ab`` can compare them.
+  --ab OLD      ``--candidates`` for the fp4dispatch under the folder OLD and for this tree's, each in child
+                processes, alternating (--ab-rounds pairs, the faster of each cell kept); ab.json and a table of
+                old / new time per cell and per config, flagging cells off by more than --ab-tol.
+  (default)     the table: fp4_mm through a fresh dispatcher (its pick, tuned), cuBLAS bf16 on pre-dequantized
+                weights, torch eager dequant+matmul; us, TFLOP/s, % of FP4-byte roofline, ratio to bf16; a PNG plot.
+--shapes (NxK list) and --ms pick the cells of the table, --candidates and --ab.
 
-    export PYTHONPATH=$PWD; python benchmarks/bench_hopper.py --check --variants
-    python benchmarks/bench_hopper.py            # full table (fits one 10-minute run on an H200)
+    export PYTHONPATH=$PWD; python benchmarks/bench_hopper.py   # full table (fits one 10-minute run on an H200)
+    git worktree add /tmp/old 8af9a38 && python benchmarks/bench_hopper.py --ab /tmp/old --ms 1,16,128,1024
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -95,21 +96,6 @@ def rand_operands(m: int, n: int, k: int, seed: int, out_dtype=torch.bfloat16, s
     return Operands(a, b, sc(m), sc(n), alpha, out)
 
 
-def ref64(ops, m: int, n: int, k: int) -> torch.Tensor:
-    from fp4dispatch.format import dequantize_nvfp4
-
-    a = dequantize_nvfp4(ops.a, ops.a_scale).double()
-    b = dequantize_nvfp4(ops.b, ops.b_scale).double()
-    return (a @ b.t()) * ops.alpha.double()
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    o = out.double()
-    if not torch.isfinite(o).all():
-        return math.inf
-    return float((o - ref).norm() / ref.norm())
-
-
 def cublas_bf16_graph_ms(m: int, n: int, k: int) -> float:
     """Graph ms of cuBLAS bf16 ``A @ W.T`` on random [m, k] and [n, k] operands: the baseline of the ratios."""
     wa = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -117,209 +103,122 @@ def cublas_bf16_graph_ms(m: int, n: int, k: int) -> float:
     return graph_ms(lambda: torch.mm(wa, wb.t()))
 
 
-def check_configs(named: list, shapes, run) -> list:
-    """Exactness against the float64 reference of every (key, config) in ``named`` on each (m, n, k) of ``shapes``,
-    fp32 and bf16 out, fresh operands per shape and dtype, NaN-filled out; ``run(ops, config)`` returns out. Prints
-    each failure and the worst error per key; a config that raises (e.g. out of shared memory) is reported and
-    dropped. Returns the (key, config) pairs that ran."""
-    worst, named = {}, list(named)
-    for m, n, k in shapes:
-        for dt in (torch.float32, torch.bfloat16):
-            ops = rand_operands(m, n, k, seed=11, out_dtype=dt, scale_lo=0x01, scale_hi=0x50)
-            ref = ref64(ops, m, n, k)
-            for key, cfg in list(named):
-                ops.out.fill_(float("nan"))
-                try:
-                    o = run(ops, cfg)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - reported and dropped, the rest still run
-                    print(f"DROP {key}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                    named.remove((key, cfg))
-                    continue
-                e = rel_err(o, ref)
-                worst[(str(dt)[6:], *key)] = max(worst.get((str(dt)[6:], *key), 0.0), e)
-                if not e <= (1e-5 if dt == torch.float32 else 4e-3):
-                    print(f"FAIL m={m} n={n} k={k} {key} {dt}: rel err {e:.3g}", flush=True)
-    for key, e in sorted(worst.items()):
-        print(f"check worst {key}: {e:.3g}", flush=True)
-    return named
-
-
-def extra_fused_configs(m: int) -> list[dict]:
-    """Variants beyond configs_for, to learn which shapes of tile/split pay off."""
-    if m <= 8:
-        mb = 1 << max(0, (m - 1).bit_length())
-        return [{"kernel": "gemv", "MB": mb, "BN": 8, "BKB": 16, "split": 1, "warps": 2},
-                {"kernel": "gemv", "MB": mb, "BN": 16, "BKB": 32, "split": 1, "warps": 8},
-                {"kernel": "gemv", "MB": mb, "BN": 16, "BKB": 16, "split": 4, "warps": 4},
-                {"kernel": "mma", "BM": 16, "BN": 128, "BKB": 8, "split": 1, "warps": 4, "stages": 4}]
-    if m <= 128:
-        return [{"kernel": "mma", "BM": 16 if m <= 16 else 64, "BN": 64, "BKB": 16, "split": 1, "warps": 4,
-                 "stages": 3},
-                {"kernel": "mma", "BM": 16 if m <= 16 else 128, "BN": 64, "BKB": 8, "split": 4, "warps": 4,
-                 "stages": 3}]
-    return [{"kernel": "mma", "BM": 128, "BN": 128, "BKB": 4, "split": 1, "warps": 4, "stages": 4},
-            {"kernel": "mma", "BM": 64, "BN": 256, "BKB": 4, "split": 1, "warps": 8, "stages": 3}]
-
-
 # ------------------------------------------------------------------------------------------------------------------
-def run_check(res: dict) -> bool:
-    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
-    from fp4dispatch.kernels.fused import configs_for, fused_mm
-    from fp4dispatch.problem import Problem
+def _kernels():
+    """(configs_for, run(ops, config), config -> JSON) of the fp4dispatch on sys.path: this tree's kernels, or those
+    before the kernels/ restructure (dict configs, ``kernels.fused``)."""
+    try:
+        from fp4dispatch.backends.base import config_json
+        from fp4dispatch.kernels.fp4_mm import fp4_mm
+        from fp4dispatch.kernels.heuristics import configs_for
+    except ImportError:
+        from fp4dispatch.kernels.fused import configs_for
+        from fp4dispatch.kernels.fused import fused_mm as fp4_mm
 
-    ok_all = True
-    n, k = 1000, 2064  # N, K off every tile size; K/16 = 129 blocks
-    dq = TritonDequantBackend()
+        def config_json(c):
+            return dict(c)
+
+    def run(ops, c):
+        return fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, c)
+    return configs_for, run, config_json
+
+
+def run_candidates(res: dict, bw: float, shapes, ms) -> None:
+    """Graph time of every candidate config per (shape, M), in configs_for's order."""
+    import fp4dispatch
+
+    configs_for, run, as_json = _kernels()
+    res["package"] = os.path.dirname(fp4dispatch.__file__)
     rows = []
-    for m in (1, 3, 127, 4096):
-        for odt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4e-3), (torch.float16, 4e-3)):
-            if odt == torch.float16 and m not in (3, 127):
-                continue
-            p = Problem(m, n, k, odt, torch.device("cuda"))
-            cands = [("triton:fused", c) for c in configs_for(m, n, k, p.device) + extra_fused_configs(m)]
-            cands += [(dq.name, c) for c in dq.configs(p)]
-            for name, cfg in cands:
-                ops = rand_operands(m, n, k, seed=hash((m, str(odt), json.dumps(cfg, sort_keys=True))) % 10**6,
-                                    out_dtype=odt)
-                ref = ref64(ops, m, n, k)
+    for (n, k) in shapes:
+        for m in ms:
+            ops = rand_operands(m, n, k, seed=m)
+            t_bf16 = cublas_bf16_graph_ms(m, n, k)
+            roof_us = ((m + n) * k * 9 / 16 + 2 * m * n) / bw * 1e6
+            log(f"M={m:5d} N={n:5d} K={k:5d}  cuBLAS bf16 {t_bf16 * 1e3:8.1f} us  roofline {roof_us:7.1f} us")
+            for i, cfg in enumerate(configs_for(m, n, k, torch.device("cuda"))):
                 try:
-                    if name == "triton:fused":
-                        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
-                    else:
-                        dq.run(p, ops, cfg)
-                    torch.cuda.synchronize()
-                    err = rel_err(ops.out, ref)
-                    why = ""
-                except Exception as e:  # noqa: BLE001 - a failing variant is a result
-                    err, why = math.inf, f"{type(e).__name__}: {str(e)[:200]}"
-                ok = err <= tol
-                ok_all &= ok
-                rows.append({"m": m, "out": str(odt), "backend": name, "config": cfg, "rel_err": err, "ok": ok,
-                             "error": why})
-                if not ok:
-                    log(f"FAIL m={m} {odt} {name} {cfg}: rel_err={err:.3g} {why}")
-    worst = {}
-    for r in rows:
-        key = (r["backend"], r["out"])
-        worst[key] = max(worst.get(key, 0.0), r["rel_err"])
-    log(f"check: {len(rows)} runs, {sum(not r['ok'] for r in rows)} failures; worst rel err per backend/out dtype:")
-    for (b, o), e in sorted(worst.items()):
-        log(f"  {b:24s} {o:16s} {e:.3g}")
-    # NaN block scale propagates to exactly its column; subnormal e4m3 scales (bytes 1..15) stay exact
-    from fp4dispatch.format import swizzle_scales, unswizzle_scales
-
-    for m in (3, 37):
-        ops = rand_operands(m, n, k, seed=5 + m, out_dtype=torch.float32, scale_lo=0x01, scale_hi=0x10)
-        lin = unswizzle_scales(ops.b_scale, n, k // 16).clone()
-        lin.view(torch.uint8)[7, 3] = 0x7F
-        ops = ops._replace(b_scale=swizzle_scales(lin))
-        ref = ref64(ops, m, n, k)
-        for cfg in configs_for(m, n, k, torch.device("cuda"))[:2]:
-            ops.out.fill_(0.0)
-            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
-            col_nan = bool(torch.isnan(ops.out[:, 7]).all())
-            fin = torch.ones(n, dtype=torch.bool, device="cuda")
-            fin[7] = False
-            e = rel_err(ops.out[:, fin], ref[:, fin])
-            good = col_nan and e <= 1e-5
-            ok_all &= good
-            log(f"NaN scale + subnormal scales, M={m} {cfg}: NaN column={col_nan}, rel err elsewhere={e:.3g}")
-            rows.append({"nan_check": cfg, "m": m, "ok": good, "rel_err": e})
-    ok_all &= check_quantize(res)
-    res["check"] = rows
-    return ok_all
+                    tg = graph_ms(lambda c=cfg: run(ops, c)) * 1e3
+                except Exception as e:  # noqa: BLE001 - a config that fails is a result
+                    log(f"    {i} {as_json(cfg)}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                    tg = math.inf
+                rows.append({"m": m, "n": n, "k": k, "index": i, "config": as_json(cfg), "graph_us": tg,
+                             "bf16_us": t_bf16 * 1e3, "roof_us": roof_us})
+                log(f"    {i} {json.dumps(as_json(cfg)):120s} graph {tg:8.1f} us  x bf16 {t_bf16 * 1e3 / tg:5.2f}")
+    res["candidates"] = rows
 
 
-def check_quantize(res: dict) -> bool:
-    from fp4dispatch.format import _quantize_torch, swizzle_scales
-    from fp4dispatch.kernels import quantize as tq
-
-    ok = True
-    out = []
-    for (m, k) in ((300, 4112), (4096, 8192)):
-        for dt in (torch.bfloat16, torch.float16, torch.float32):
-            g = torch.Generator(device="cuda").manual_seed(m + k)
-            x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(dt)
-            gs = torch.tensor([448 * 6 / float(x.float().abs().amax()) * 4], device="cuda")  # 4x: values saturate
-            # ties of the e2m1 grid after scaling (block amax pinned to 6/gs*sf): put exact midpoints in row 0
-            x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75,
-                                      -2.5, -3.5, -5.0, -6.0], device="cuda").to(dt)
-            x[1, :16] = 1e4
-            for sw in (True, False):
-                p0, s0 = _quantize_torch(x, gs)
-                if sw:
-                    s0 = swizzle_scales(s0)
-                p1, s1 = tq.quantize(x, gs, swizzled=sw)
-                same = torch.equal(p0, p1) and torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
-                ok &= same
-                t_tr = bench_ms(lambda: tq.quantize(x, gs, swizzled=sw))
-                t_to = bench_ms(lambda: (lambda p, s: swizzle_scales(s) if sw else s)(*_quantize_torch(x, gs)))
-                out.append({"m": m, "k": k, "dtype": str(dt), "swizzled": sw, "bit_identical": same,
-                            "triton_us": t_tr * 1e3, "torch_us": t_to * 1e3})
-                log(f"quantize {m}x{k} {str(dt):15s} swizzled={sw!s:5s}: bit-identical={same} "
-                    f"triton {t_tr * 1e3:8.1f} us  torch {t_to * 1e3:8.1f} us  ({t_to / t_tr:.1f}x)")
-    res["quantize"] = out
+def run_ab(old_root: str, args) -> bool:
+    """--candidates under ``old_root`` and under this tree, alternating child processes; per cell (shape, M, config
+    index) the faster of the rounds; prints new / old per config and per cell (its best config), flags those off by
+    more than ``args.ab_tol``. Returns whether every cell is within it."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"old": os.path.abspath(old_root), "new": here}
+    best: dict = {"old": {}, "new": {}}
+    for r in range(args.ab_rounds):
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            out = tempfile.mkdtemp(prefix=f"ab-{name}-")
+            env = dict(os.environ, PYTHONPATH=trees[name] + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, os.path.abspath(__file__), "--candidates", "--out", out, "--shapes", args.shapes,
+                   "--ms", args.ms]
+            subprocess.run(cmd, env=env, check=True)
+            with open(os.path.join(out, "bench_hopper.json")) as f:
+                doc = json.load(f)
+            log(f"round {r} {name}: {doc['package']}")
+            for row in doc["candidates"]:
+                key = (row["n"], row["k"], row["m"], row["index"])
+                if key not in best[name] or row["graph_us"] < best[name][key]["graph_us"]:
+                    best[name][key] = row
+    rows, ok = [], True
+    cells = sorted({key[:3] for key in best["new"]} | {key[:3] for key in best["old"]})
+    log("| N | K | M | config | old us | new us | new / old |")
+    log("|---|---|---|---|---|---|---|")
+    for cell in cells:
+        for part in ("configs", "cell"):
+            if part == "configs":
+                pairs = [(best["old"].get(key), best["new"].get(key)) for key in sorted(best["new"])
+                         if key[:3] == cell]
+            else:  # the cell: the best config of each tree, as the tuner would pick it
+                pick = [min((r for key, r in best[t].items() if key[:3] == cell), key=lambda r: r["graph_us"],
+                            default=None) for t in ("old", "new")]
+                pairs = [tuple(pick)]
+            for o, nw in pairs:
+                ratio = nw["graph_us"] / o["graph_us"] if o and nw else math.inf
+                bad = not abs(ratio - 1) <= args.ab_tol
+                ok &= not (bad and part == "cell")
+                label = "best" if part == "cell" else f"{nw['index'] if nw else '?'} {nw['config'] if nw else ''}"
+                log(f"| {cell[0]} | {cell[1]} | {cell[2]} | {label} | {o['graph_us'] if o else math.inf:.1f} | "
+                    f"{nw['graph_us'] if nw else math.inf:.1f} | {ratio:.3f}{' OFF' if bad else ''} |")
+                rows.append({"cell": cell, "part": part, "old": o, "new": nw, "ratio": ratio, "off": bad})
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    log(f"A/B: {sum(r['off'] for r in rows if r['part'] == 'cell')} of {len(cells)} cells and "
+        f"{sum(r['off'] for r in rows if r['part'] == 'configs')} configs off by more than {args.ab_tol:.0%}")
     return ok
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def run_variants(res: dict, bw: float) -> None:
-    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
-    from fp4dispatch.kernels.fused import configs_for, fused_mm
-    from fp4dispatch.problem import Problem
-
-    dq = TritonDequantBackend()
-    rows = []
-    for (n, k) in ((8192, 8192), (28672, 8192)):
-        for m in (1, 4, 16, 128, 1024, 4096):
-            if n == 28672 and m in (4, 1024):
-                continue
-            ops = rand_operands(m, n, k, seed=m)
-            p = Problem(m, n, k, torch.bfloat16, torch.device("cuda"))
-            t_bf16 = cublas_bf16_graph_ms(m, n, k)
-            roof_us = ((m + n) * k * 9 / 16 + 2 * m * n) / bw * 1e6
-            line = f"M={m:5d} N={n:5d} K={k:5d}  cuBLAS bf16 {t_bf16 * 1e3:8.1f} us  roofline {roof_us:7.1f} us"
-            log(line)
-            cands = [("fused", c) for c in configs_for(m, n, k, p.device) + extra_fused_configs(m)]
-            cands += [("dequant", c) for c in dq.configs(p)]
-            for kind, cfg in cands:
-                if kind == "fused":
-                    fn = lambda c=cfg: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, c)  # noqa: E731
-                else:
-                    fn = lambda c=cfg: dq.run(p, ops, c)  # noqa: E731
-                try:
-                    tg = graph_ms(fn)
-                    td = bench_ms(fn)
-                except Exception as e:  # noqa: BLE001
-                    log(f"    {kind} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                    continue
-                rows.append({"m": m, "n": n, "k": k, "kind": kind, "config": cfg, "graph_us": tg * 1e3,
-                             "direct_us": td * 1e3, "bf16_us": t_bf16 * 1e3, "roof_us": roof_us})
-                log(f"    {kind:7s} {json.dumps(cfg):110s} graph {tg * 1e3:8.1f} us direct {td * 1e3:8.1f} us "
-                    f"x bf16 {t_bf16 / tg:5.2f}  roof {roof_us / (tg * 1e3) * 100:5.1f}%")
-    res["variants"] = rows
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Ratios and roofline use the kernel's CUDA-graph time: eager fp4_mm times on the lent machine move with its host
-# (40-130 us per call at M <= 16, RESULTS.md, fourth session), the GPU work does not.
+# Ratios and roofline use the kernel's CUDA-graph time: eager fp4_mm times move with the host's load, the GPU work
+# does not.
 TABLE_HEADER = ("| N | K | M | kernel us (graph) | fp4_mm us (eager) | pick | TFLOP/s | % roofline | x bf16 "
                 "| cuBLAS bf16 us | torch dq+mm us | x torch |")
 
 
 def table_row(r: dict) -> str:
     """One markdown row of the table from a row of table.json."""
-    cfg = ",".join(f"{a}={b}" for a, b in r["config"].items() if a not in ("kernel", "PAIR", "stages"))
+    cfg = ",".join(f"{a}={b}" for a, b in r["config"].items()
+                   if a not in ("family", "kernel", "PAIR", "stages"))
     g = r["graph_us"]
     return (f"| {r['n']} | {r['k']} | {r['m']} | {g:.1f} | {r['fp4_mm_us']:.1f} | {r['backend']} "
-            f"{r['config'].get('kernel', '')}({cfg}) | {2 * r['m'] * r['n'] * r['k'] / (g * 1e-6) / 1e12:.1f} | "
+            f"{r['config'].get('family', r['config'].get('kernel', ''))}({cfg}) | "
+            f"{2 * r['m'] * r['n'] * r['k'] / (g * 1e-6) / 1e12:.1f} | "
             f"{r['roof_us'] / g * 100:.1f} | {r['bf16_us'] / g:.2f} | {r['bf16_us']:.1f} | {r['torch_dq_us']:.1f} | "
             f"{r['torch_dq_us'] / g:.1f} |")
 
 
 def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
-    from fp4dispatch.dispatch.dispatcher import Dispatcher
+    from fp4dispatch.backends.base import config_json
+    from fp4dispatch import Dispatcher
     from fp4dispatch.format import dequantize_nvfp4
     from fp4dispatch.problem import Problem
 
@@ -349,7 +248,7 @@ def run_table(res: dict, bw: float, out_dir: str, shapes, ms) -> None:
             t_tdq = bench_ms(torch_dq, warmup=2, rep=10)
             roof_us = ((m + n) * k * 9 / 16 + 2 * m * n) / bw * 1e6
             r = {"n": n, "k": k, "m": m, "fp4_mm_us": t_fp4 * 1e3, "graph_us": t_graph * 1e3,
-                 "backend": choice.backend.name, "config": choice.config, "bf16_us": t_bf16 * 1e3,
+                 "backend": choice.backend.name, "config": config_json(choice.config), "bf16_us": t_bf16 * 1e3,
                  "torch_dq_us": t_tdq * 1e3, "roof_us": roof_us, "tune_s": tune_s}
             rows.append(r)
             log(table_row(r))
@@ -395,23 +294,23 @@ def plot(rows, bw: float, path: str, gpu: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="correctness checks (and quantize bit-identity)")
-    ap.add_argument("--variants", action="store_true", help="time every fused config on a few shapes")
-    ap.add_argument("--sweep", action="store_true", help="check + time GEMV variants at M in {1, 4, 16, 128}")
-    ap.add_argument("--sweep-kernels", default="gemv2,mma,wmma", help="kernel families in --sweep (comma list)")
-    ap.add_argument("--sweep-ms", default="1,4,16,128", help="M values timed in --sweep (comma list)")
-    ap.add_argument("--sweep-shapes", default="8192x8192,28672x8192,8192x28672",
-                    help="NxK weight shapes timed in --sweep (comma list)")
+    ap.add_argument("--candidates", action="store_true", help="time every candidate config of triton:fused")
+    ap.add_argument("--ab", default="", metavar="OLD", help="--candidates of the tree OLD against this one's")
+    ap.add_argument("--ab-rounds", type=int, default=2, help="(old, new) pairs of child runs in --ab (default 2)")
+    ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
-    ap.add_argument("--quick", action="store_true", help="table on two shapes only")
-    ap.add_argument("--table-shapes", default="", help="NxK shapes of the table (comma list; default: all six)")
-    ap.add_argument("--table-ms", default="", help="M values of the table (comma list; default: MS)")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK shapes (comma list)")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values (comma list)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT or .)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("bench_hopper: needs a CUDA GPU")
         return 2
     os.makedirs(args.out, exist_ok=True)
+    if args.ab:
+        return 0 if run_ab(args.ab, args) else 1
+    shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
+    ms = [int(x) for x in args.ms.split(",")]
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
     import triton
@@ -420,29 +319,15 @@ def main() -> int:
     bw = copy_bandwidth()
     res["copy_bw"] = bw
     log(f"{res['gpu']}  torch {torch.__version__}  triton {triton.__version__}  copy bandwidth {bw / 1e12:.3f} TB/s")
-    ok = True
     try:
-        if args.check:
-            ok = run_check(res)
-            log(f"CHECK {'PASSED' if ok else 'FAILED'}")
-        if args.variants:
-            run_variants(res, bw)
-        if args.sweep:
-            from hopper_sweep import run_sweep  # benchmarks/ is on sys.path when this file runs as a script
-
-            ok &= run_sweep(res, bw, tuple(args.sweep_kernels.split(",")),
-                            tuple(int(x) for x in args.sweep_ms.split(",")),
-                            tuple(tuple(int(v) for v in s.split("x")) for s in args.sweep_shapes.split(",")))
-            log(f"SWEEP CHECK {'PASSED' if ok else 'FAILED'}")
-        if args.table or not (args.check or args.variants or args.sweep):
-            shapes = SHAPES[:2] if args.quick else SHAPES
-            if args.table_shapes:
-                shapes = [tuple(int(v) for v in x.split("x")) for x in args.table_shapes.split(",")]
-            run_table(res, bw, args.out, shapes, [int(x) for x in args.table_ms.split(",")] if args.table_ms else MS)
+        if args.candidates:
+            run_candidates(res, bw, shapes, ms)
+        if args.table or not args.candidates:
+            run_table(res, bw, args.out, shapes, ms)
     finally:
         with open(os.path.join(args.out, "bench_hopper.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -138,8 +138,10 @@ def measure(shapes, ms, mode: str, budget_s: float, device=None, bench=_bench_ms
     return res
 
 
-def _cfg(config: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "default"
+def _cfg(config) -> str:
+    from fp4dispatch.backends.base import config_json  # a dict, or a typed kernel config (its JSON form)
+
+    return ",".join(f"{k}={v}" for k, v in sorted(config_json(config).items())) or "default"
 
 
 def _version(mod: str) -> str:

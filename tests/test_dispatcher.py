@@ -327,3 +327,24 @@ def test_backend_must_accept_the_whole_bucket(tmp_path):
     assert {r.name: r.wins for r in d.report("cpu")}["general"] == ["m8-n64-k128-float32"]
     out, ref = _call(d, 8)
     assert _close(out, ref)
+
+
+def test_a_cached_config_no_longer_offered_is_tuned_again(tmp_path, caplog):
+    """A cache written by an older layout (config names that changed) is re-tuned cleanly: a warning, no crash, and
+    the pick is one of today's configs."""
+    old = FakeBackend("k", configs=[{"kernel": "gvws", "R": 16}, {"kernel": "wmma", "BM": 16}])
+    _call(_disp([old], tmp_path), 4)
+    new = FakeBackend("k", configs=[{"family": "tma_gemv", "rows": 16}, {"family": "register_a", "block_m": 16}])
+    d = _disp([new], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        out, ref = _call(d, 4)
+    assert _close(out, ref)
+    assert any("is no longer offered; tuning the key again" in r.getMessage() for r in caplog.records)
+    assert d.choose(d_problem4()).config in new.configs(None)
+    assert d.cache_for("cpu").decisions["m4-n64-k128-float32"]["config"]["family"] in ("tma_gemv", "register_a")
+
+
+def d_problem4():
+    from fp4dispatch.problem import Problem
+
+    return Problem(4, 64, 128, torch.float32, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""CPU tests of ``fp4dispatch.kernels.launch``: a fake JIT function stands in for Triton's, so the cache key and the
+"""CPU tests of ``fp4dispatch.kernels.runtime``: a fake JIT function stands in for Triton's, so the cache key and the
 argument list of a direct launch are checked without a GPU."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from fp4dispatch.kernels import launch as L
+from fp4dispatch.kernels import runtime as L
 
 
 def _kernel(x_ptr, y_ptr, n, BLOCK: int, FLAG: bool = False, EXTRA: int = 7):
@@ -45,7 +45,7 @@ class FakeJIT:
 
 @pytest.fixture(autouse=True)
 def compiled_path(monkeypatch):
-    monkeypatch.setattr(L, "_interpreted", lambda: False)
+    monkeypatch.setattr(L, "jit_interpreted", lambda: False)
     monkeypatch.setattr(L, "_fast", True)
     monkeypatch.setattr(L, "_COMPILED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -141,7 +141,7 @@ def test_failed_direct_launch_switches_to_the_jit_path(caplog):
 
 
 def test_interpreter_always_takes_the_jit_path(monkeypatch):
-    monkeypatch.setattr(L, "_interpreted", lambda: True)
+    monkeypatch.setattr(L, "jit_interpreted", lambda: True)
     fn = FakeJIT()
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
     for _ in range(2):

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from fp4dispatch.kernels import config as C
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: the Triton kernels are compiled for the device")
 
@@ -38,12 +40,13 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 3, 127, 4096])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_every_config_exact(m, out_dtype):
-    from fp4dispatch.kernels.fused import configs_for, fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import configs_for
 
     cfgs = configs_for(m, N, K, torch.device("cuda"))
     for i, cfg in enumerate(cfgs):
         ops = _ops(m, out_dtype, seed=1000 * m + i)  # fresh inputs per check; out is NaN-filled
-        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+        fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
         err = _rel(ops.out, _ref64(ops))
         assert err <= TOL[out_dtype], (cfg, err)
 
@@ -56,7 +59,7 @@ def _wgws_missing() -> str | None:
     return gluon_missing()
 
 
-@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"swap": True}, {"persist": True, "swap": True}],
+@pytest.mark.parametrize("variant", [{}, {"persistent": True}, {"swap": True}, {"persistent": True, "swap": True}],
                          ids=["tiles", "persist", "swap", "persist-swap"])
 @pytest.mark.parametrize("m", [1, 3, 127, 300, 4096])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -66,16 +69,17 @@ def test_wgws_every_tile_exact(m, out_dtype, variant):
     running on across them) and swapped operands (the weight decoded first) alike."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
-    from fp4dispatch.kernels.fused import _WGWS_TILES, fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import WARP_SPECIALIZED_TILES
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
 
-    for i, (bm, bn, bkb, stages) in enumerate(_WGWS_TILES):
+    for i, (bm, bn, bkb, stages) in enumerate(WARP_SPECIALIZED_TILES):
         ops = make_operands(Problem(m, N, 2080, out_dtype, torch.device("cuda")), seed=77 * m + i)  # NaN-filled out
         if out_dtype == torch.float16:
             ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
-        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
-                 {"kernel": "wgws", "BM": bm, "BN": bn, "BKB": bkb, "stages": stages, **variant})
+        fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
+               C.WgmmaWarpSpecializedConfig(bm, bn, bkb, stages, **variant))
         err = _rel(ops.out, _ref64(ops))
         assert err <= TOL[out_dtype], (bm, bn, err)
 
@@ -85,22 +89,23 @@ def test_wgws_repeats_through_direct_launch(monkeypatch):
     call); fresh operands each time, so a stale descriptor would show."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
-    from fp4dispatch.kernels import _gluon
-    from fp4dispatch.kernels import launch as L
-    from fp4dispatch.kernels.fused import fused_mm
+    from fp4dispatch.kernels import runtime as L
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.gemm import wgmma_warp_specialized as _gluon
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
 
     monkeypatch.setattr(L, "_COMPILED", {})
-    cfg = {"kernel": "wgws", "BM": 256, "BN": 128, "BKB": 4, "stages": 5}
+    cfg = C.WgmmaWarpSpecializedConfig(256, 128, 4, 5)
     for i in range(3):
         ops = make_operands(Problem(300, N, 2080, torch.bfloat16, torch.device("cuda")), seed=500 + i)
-        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+        fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
         assert _rel(ops.out, _ref64(ops)) <= TOL[torch.bfloat16], i
     assert L._fast and [key[0] for key in L._COMPILED].count(id(_gluon.wgws_kernel)) == 1
 
 
-@pytest.mark.parametrize("variant", [{}, {"persist": True}, {"parts": 1}, {"split": 6}, {"split": 17, "persist": True}],
+@pytest.mark.parametrize("variant", [{}, {"persistent": True}, {"decode_partitions": 1}, {"split_k": 6},
+                                     {"split_k": 17, "persistent": True}],
                          ids=["tiles", "persist", "one-decoder", "split", "split-persist"])
 @pytest.mark.parametrize("m", [1, 3, 127, 300])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -112,7 +117,10 @@ def test_wgds_exact(m, out_dtype, variant):
     sums them and leaves the tile's counter at zero for the next launch."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
-    from fp4dispatch.kernels.fused import _WGDS, fused_mm
+    from dataclasses import replace
+
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
 
@@ -120,10 +128,10 @@ def test_wgds_exact(m, out_dtype, variant):
         ops = make_operands(Problem(m, n, 2080, out_dtype, torch.device("cuda")), seed=53 * m + i)  # NaN-filled out
         if out_dtype == torch.float16:
             ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
-        fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, dict(_WGDS, **variant))
+        fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, replace(DECODE_WARPS, **variant))
         err = _rel(ops.out, _ref64(ops))
         assert err <= TOL[out_dtype], (n, err)
-    if "split" in variant:
+    if "split_k" in variant:
         from fp4dispatch.kernels import splitk
         assert int(splitk._COUNTERS[splitk._key(torch.device("cuda"), None)].count_nonzero()) == 0
 
@@ -133,7 +141,8 @@ def test_wgds_nan_block_scale_propagates():
     if _wgws_missing():
         pytest.skip(_wgws_missing())
     from fp4dispatch.format import swizzle_scales, unswizzle_scales
-    from fp4dispatch.kernels.fused import _WGDS, fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
 
@@ -142,7 +151,7 @@ def test_wgds_nan_block_scale_propagates():
     lin = unswizzle_scales(ops.b_scale, n, k // 16).clone()
     lin.view(torch.uint8)[7, 3] = 0x7F
     ops = ops._replace(b_scale=swizzle_scales(lin))
-    fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, _WGDS)
+    fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, DECODE_WARPS)
     keep = torch.ones(n, dtype=torch.bool, device="cuda")
     keep[7] = False
     assert bool(torch.isnan(ops.out[:, 7]).all())
@@ -159,18 +168,18 @@ def test_gvws_every_tile_exact(mb, n, k, out_dtype, dp):
     partial 128-row group, N = 32 three empty 32-row quarters (zero-filled boxes)."""
     if _wgws_missing():
         pytest.skip(_wgws_missing())
-    from fp4dispatch.kernels.fused import _GVWS_TILES, fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
     from fp4dispatch.problem import Problem
     from fp4dispatch.testing import make_operands
 
     for m in range(1, mb + 1):
-        for i, (r, bw, stages, ctas) in enumerate(_GVWS_TILES):
+        for i, (r, bw, stages, ctas) in enumerate(TMA_GEMV_TILES):
             ops = make_operands(Problem(m, n, k, out_dtype, torch.device("cuda")), seed=91 * m + i)  # NaN-filled
             if out_dtype == torch.float16:
                 ops.alpha.mul_(1 / 64)  # random sums reach ~1e5: keep the true result inside fp16's range
-            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
-                     {"kernel": "gvws", "MB": mb, "R": r, "BW": bw, "stages": stages, "warps": 4, "ctas": ctas,
-                      "DP": dp})
+            fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out,
+                   C.TmaGemvConfig(mb, r, bw, stages, warps=4, ctas_per_sm=ctas, int8_dot=dp))
             err = _rel(ops.out, _ref64(ops))
             assert err <= TOL[out_dtype], (m, r, bw, err)
 
@@ -193,7 +202,8 @@ def test_dequant_backend_exact(m, out_dtype):
 
 def test_nan_block_scale_propagates():
     from fp4dispatch.format import swizzle_scales, unswizzle_scales
-    from fp4dispatch.kernels.fused import configs_for, fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import configs_for
 
     for m in (1, 37):
         ops = _ops(m, torch.float32, seed=m)
@@ -202,7 +212,7 @@ def test_nan_block_scale_propagates():
         ops = ops._replace(b_scale=swizzle_scales(lin))
         ref = _ref64(ops)
         for cfg in configs_for(m, N, K, torch.device("cuda")):
-            fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+            fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
             assert bool(torch.isnan(ops.out[:, 7]).all()), cfg
             keep = torch.ones(N, dtype=torch.bool, device="cuda")
             keep[7] = False
@@ -233,10 +243,10 @@ def test_quantize_bit_identical(dtype, swizzled):
 
 
 def test_dequant_and_quantize_repeat_through_direct_launch(monkeypatch):
-    """dequant.py and quantize.py launch through kernels/launch.py: calls after the first reuse the compiled kernel
+    """dequant.py and quantize.py launch through kernels/runtime.py: calls after the first reuse the compiled kernel
     (with other data each time, an 8-byte-aligned input and a folded factor), and every result stays exact."""
     from fp4dispatch.format import _quantize_torch, dequantize_nvfp4, swizzle_scales
-    from fp4dispatch.kernels import launch as L
+    from fp4dispatch.kernels import runtime as L
     from fp4dispatch.kernels import quantize as tq
     from fp4dispatch.kernels._dequant import dequant_kernel
     from fp4dispatch.kernels._quantize import quant_kernel
@@ -282,23 +292,22 @@ def test_dispatcher_uses_a_triton_backend_on_hopper(tmp_path):
 
 
 @pytest.mark.parametrize("cfg", [
-    {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3, "APRE": True},
-    {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 4, "warps": 4, "stages": 3, "pdl": False},
-    {"kernel": "gemv2", "MB": 4, "BN": 16, "BKB": 32, "split": 3, "warps": 4, "stages": 3, "H2": True},
+    C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, predecode_a=True),
+    C.WgmmaRegisterAConfig(16, 64, 16, 4, 4, 3, pdl=False),
+    C.CudaCoreGemvConfig(4, 16, 32, 3, 4, fp16x2=True),
     # stream-K: 16 tiles x 9 K steps over 7 CTAs, so tiles are cut between CTAs and summed by the last to arrive
-    {"kernel": "wmma", "BM": 16, "BN": 64, "BKB": 16, "split": 1, "warps": 4, "stages": 3, "APRE": True,
-     "stream": True, "ctas": 7}],
-    ids=["wmma-apre", "wmma-nopdl", "gemv2", "wmma-stream"])
+    C.WgmmaRegisterAConfig(16, 64, 16, 1, 4, 3, predecode_a=True, stream_k=True, stream_ctas=7)],
+    ids=["register-a-predecode", "register-a-nopdl", "cuda-core-gemv", "register-a-stream"])
 def test_split_k_one_launch_deterministic_eager_and_in_graphs(cfg):
     """The last CTA of a tile sums the split-K partials in split order: every call gives the same bits, the counters
     are back at zero after each launch (also in graph replays), and a graph captured on a stream with no prepared
     counters (fresh ones, zeroed inside the graph) matches too."""
     from fp4dispatch.kernels import splitk
-    from fp4dispatch.kernels.fused import fused_mm
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
 
-    m = 16 if cfg["kernel"] == "wmma" else 4
+    m = 16 if isinstance(cfg, C.WgmmaRegisterAConfig) else 4
     ops = _ops(m, torch.float32, seed=5)
-    run = lambda: fused_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)  # noqa: E731
+    run = lambda: fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)  # noqa: E731
     run()
     first = ops.out.clone()
     assert _rel(first, _ref64(ops)) <= 1e-5
@@ -325,15 +334,16 @@ def test_split_k_one_launch_deterministic_eager_and_in_graphs(cfg):
             assert int(splitk._COUNTERS[splitk._key(dev, s)].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("kernel", ["gemv2", "wmma"])
+@pytest.mark.parametrize("kernel", ["CudaCoreGemvConfig", "WgmmaRegisterAConfig"])
 def test_direct_launch_cache_follows_pointer_alignment(kernel):
-    """Repeated calls launch the cached compiled kernel (kernels/launch.py); an A whose address is only 8-byte
+    """Repeated calls launch the cached compiled kernel (kernels/runtime.py); an A whose address is only 8-byte
     aligned must get its own compiled variant, and going back to an aligned A must still be exact."""
-    from fp4dispatch.kernels import launch as L
-    from fp4dispatch.kernels.fused import configs_for, fused_mm
+    from fp4dispatch.kernels import runtime as L
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.heuristics import configs_for
 
-    m = 1 if kernel == "gemv2" else 16
-    cfg = next(c for c in configs_for(m, N, K, torch.device("cuda")) if c["kernel"] == kernel)
+    m = 1 if kernel == "CudaCoreGemvConfig" else 16
+    cfg = next(c for c in configs_for(m, N, K, torch.device("cuda")) if type(c).__name__ == kernel)
     ops = _ops(m, torch.float32, seed=77)
     shifted = torch.empty(ops.a.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(ops.a.shape)
     shifted.copy_(ops.a)
@@ -342,6 +352,6 @@ def test_direct_launch_cache_follows_pointer_alignment(kernel):
     before = len(L._COMPILED)
     for a in (ops.a, ops.a, shifted, shifted, ops.a):
         ops.out.fill_(float("nan"))
-        fused_mm(a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
+        fp4_mm(a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
         assert _rel(ops.out, ref) <= 1e-5
     assert len(L._COMPILED) > before  # the direct-launch path was taken (compiled kernels were kept)

@@ -3,7 +3,7 @@
 File ``<cache_dir>/decisions-<fingerprint hash>.json``::
 
     {"schema_version": 1, "fingerprint": {...}, "health": {...}, "decisions": {...}, "shape_blacklist": {...},
-     "verified": {...}, "faults": {...}}                 (sections: fp4dispatch/records.py)
+     "verified": {...}, "faults": {...}}                 (sections: fp4dispatch/dispatch/records.py)
 
 Rules (docs/tuning.md, "The cache"):
   * Reading never raises: an unreadable, corrupt, foreign, future-schema or oversized file is ignored with one

@@ -5,7 +5,7 @@ Key = (device, M bucket, N, K, out_dtype); the device fingerprint (GPU, driver, 
 the cache file. Once a key is decided and the call's M proven, a call costs one dict lookup, one set lookup and the
 chosen backend's run. The rules (docs/tuning.md):
   * a decision serves an M bucket, and is proven at each M before its first result there: one run on the
-    dispatcher's own hostile inputs against the exact reference (fp4dispatch/verify.py), remembered on disk;
+    dispatcher's own hostile inputs against the exact reference (fp4dispatch/dispatch/verify.py), remembered on disk;
     a backend wrong at some M (probing or proving) is banned from the key of that M's bucket;
   * a runtime exception in a user's call is redone on the next proven backend; it counts as the backend's fault
     only if another backend then computed that same call (otherwise the call is the likely cause and nothing is
@@ -17,47 +17,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..backends import default_backends
-from ..backends.base import Backend, Config, config_id, config_json
+from ..backends.base import Backend, Config, config_json
 from ..backends.reference import reference_mm
-from .timer import DoBench, for_device
-from .cache import DecisionCache
-from ..settings import Settings, default_cache_dir, read_settings
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
+from ..problem import Operands, Problem, m_bucket
+from ..settings import Settings, default_cache_dir, read_settings
+from .cache import DecisionCache
+from .choice import Choice, add_proven, check_device, ident, resolve_device
+from .faults import FAULT_LIMIT, FaultRecovery
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_in_bucket
-from ..problem import Operands, Problem, m_bucket
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report
+from .timer import DoBench, for_device
 from .tuner import tune, verify_only
-from .verify import check_run, make_case, reset_cuda_error
+from .verify import check_run, make_case
 
 __all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device"]
 
 log = logging.getLogger("fp4dispatch")
-FAULT_LIMIT = 3  # runtime faults (each one another backend then computed right) before a backend is banned
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-@dataclass(eq=False)
-class Choice:
-    backend: Backend
-    config: Config
-    fallbacks: tuple = ()  # ((backend, config), ...) verified on this key, best first
-    key: tuple | None = None  # None for a forced backend: no fallback, errors surface
-    verified: set = field(default_factory=set)  # the M at which this backend and config were proven right
-
-
-def _ident(backend: Backend, config: Config) -> str:
-    return f"{backend.name}|{config_id(config)}"
-
-
-class Dispatcher:
+class Dispatcher(FaultRecovery):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
@@ -161,7 +148,7 @@ class Dispatcher:
             return c
 
     def _choice(self, key: tuple, backend: Backend, config: Config, fallbacks: tuple) -> Choice:
-        return Choice(backend, config, fallbacks, key, self._proven.setdefault((key, _ident(backend, config)), set()))
+        return Choice(backend, config, fallbacks, key, self._proven.setdefault((key, ident(backend, config)), set()))
 
     def _next(self, c: Choice) -> Choice | None:
         return self._choice(c.key, *c.fallbacks[0], c.fallbacks[1:]) if c.fallbacks else None
@@ -208,7 +195,7 @@ class Dispatcher:
             return None  # nothing the entry ranked can serve any more: decide again
         proven = cache.verified.get(ks, {})
         for b, cfg in ranked:
-            who = _ident(b, cfg)
+            who = ident(b, cfg)
             self._proven.setdefault((key, who), set()).update(proven.get(who, ()))
         return self._choice(key, *ranked[0], tuple(ranked[1:]))
 
@@ -254,8 +241,8 @@ class Dispatcher:
         cache.update("decisions", {ks: entry})
         ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
         for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
-            self._proven.setdefault((key, _ident(b, cfg)), set()).add(problem.m)
-        cache.update("verified", {ks: {_ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=_add_proven)
+            self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
+        cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven)
         log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
         return self._choice(key, *ranked[0], ranked[1:])
 
@@ -272,7 +259,7 @@ class Dispatcher:
             outcome = check_run(c.backend, case, c.config)
             if outcome is None:
                 c.verified.add(m)
-                self._remember_proven(cache, key, m, _ident(c.backend, c.config))
+                self._remember_proven(cache, key, m, ident(c.backend, c.config))
                 return c
             self._ban(cache, key, c.backend.name, f"{outcome[0]} when proven at M={m}: {outcome[1]}")
             c = self._next(c) if walk else None
@@ -286,71 +273,12 @@ class Dispatcher:
     def _remember_proven(cache: DecisionCache, key: tuple, m: int, ident: str) -> None:
         ks = key_str(key)
         if len(cache.verified.get(ks, {}).get(ident, ())) < MAX_VERIFIED_M:
-            cache.update("verified", {ks: {ident: [m]}}, merge=_add_proven)
+            cache.update("verified", {ks: {ident: [m]}}, merge=add_proven)
 
     def _ban(self, cache: DecisionCache, key: tuple, name: str, reason: str) -> None:
         ks = key_str(key)
         cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
         self._warn(f"ban:{ks}:{name}", "fp4dispatch: backend %s is banned from %s: %s", name, ks, reason)
-
-    # -- faults --------------------------------------------------------------------------------------------------
-    def _recover(self, first: Choice, problem: Problem, ops: Operands, e: Exception) -> torch.Tensor:
-        """Redo a call whose backend raised: on its verified fallbacks, then on the key's whole cached ranking (a
-        backend benched earlier may work again), each proven at this M, skipping those that raised on this call.
-        The faults are recorded only once one of them computed the call."""
-        reset_cuda_error(problem.device)
-        faults = {first.backend.name: describe_exception(e)}
-        key = first.key
-        for c in self._alternatives(first, problem):
-            if c.backend.name in faults:
-                continue
-            with self._lock:
-                try:
-                    c = self._prove(key, problem, c, retune=False, walk=False)
-                except NoUsableBackendError:
-                    continue  # wrong at this M: banned by _prove
-            try:
-                c.backend.run(problem, ops, c.config)
-            except Exception as e2:  # noqa: BLE001
-                reset_cuda_error(problem.device)
-                faults[c.backend.name] = describe_exception(e2)
-                continue
-            self._record_faults(key, problem, faults, c)
-            if self.guard is not None:
-                return self.guard.after_run(self, c, problem, ops)
-            return ops.out
-        lines = "\n".join(f"  {n}: {r}" for n, r in faults.items())
-        raise NoUsableBackendError(
-            f"fp4_mm: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
-            "recorded against them: when no backend can run a call, the call itself (its tensors or the process's "
-            "state, e.g. out of memory) is the likely cause.", faults) from e
-
-    def _alternatives(self, first: Choice, problem: Problem):
-        c = self._next(first)
-        while c is not None:
-            yield c
-            c = self._next(c)
-        with self._lock:
-            c = self._cached_choice(first.key, problem)
-        while c is not None:
-            yield c
-            c = self._next(c)
-
-    def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], good: Choice) -> None:
-        ks = key_str(key)
-        now = round(time.time(), 3)
-        with self._lock:
-            self._choices[key] = good  # the faulted backends are benched for this key in this process
-            cache, _ = self._states[key[0]]
-            cache.update("faults", {ks: {n: {"count": 1, "last": now, "reason": f"{r} (at M={problem.m})"}
-                                         for n, r in faults.items()}}, merge=_add_faults)
-            for name, why in faults.items():
-                count = cache.faults.get(ks, {}).get(name, {}).get("count", 1)
-                self._warn(f"fault:{name}", "fp4dispatch: backend %s raised on %s (%s); this call was redone on %s "
-                           "(fault %d of %d before it is banned from this key)", name, problem, why,
-                           good.backend.name, count, FAULT_LIMIT)
-                if count >= FAULT_LIMIT:
-                    self._ban(cache, key, name, f"failed at runtime on {count} calls, last: {why} (at M={problem.m})")
 
     def _capture_choice(self, key: tuple, problem: Problem, c: Choice | None) -> Choice:
         """During CUDA-graph capture nothing may probe, tune or prove: use the key's pick unproven at this M, else the
@@ -410,7 +338,7 @@ class Dispatcher:
     def _state(self, device: torch.device) -> tuple[DecisionCache, dict[str, Verdict]]:
         st = self._states.get(device)
         if st is None:
-            _check_device(device)
+            check_device(device)
             cache = DecisionCache(self.cache_dir, device_fingerprint(device))
             st = self._states[device] = (cache, device_health(self.backends, device, cache, self.settings))
         return st
@@ -453,34 +381,3 @@ class Dispatcher:
             return self._state(resolve_device(device))[0]
 
 
-def _add_proven(old: dict, new: dict) -> dict:
-    """Merge of the verified section: the union of the M proven per backend and config."""
-    return {**old, **{who: sorted(set(old.get(who, [])) | set(ms)) for who, ms in new.items()}}
-
-
-def _add_faults(old: dict, new: dict) -> dict:
-    """Merge of the faults section: counts add up, the newest time and reason win."""
-    out = dict(old)
-    for name, rec in new.items():
-        prev = out.get(name)
-        out[name] = {**rec, "count": prev["count"] + rec["count"]} if isinstance(prev, dict) else rec
-    return out
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(f"fp4_mm: device {device} was asked for, but CUDA is not available here "
-                                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use CPU tensors")
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidInputError(f"fp4_mm: tensors must hold data on a CPU or CUDA device; got device {device}. "
-                                "Meta and fake tensors go through torch.compile (the custom op), not a direct call")
-
-
-def resolve_device(device) -> torch.device:
-    """``device`` as a concrete torch.device (None: the current CUDA device, else the CPU); InvalidInputError
-    when it cannot hold data here."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    d = torch.device(device)
-    _check_device(d)
-    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

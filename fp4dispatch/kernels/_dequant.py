@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
+from .numerics.e2m1_e4m3 import TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
 
 
 @triton.jit

@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._fused import e4m3_to_f32, swz
+from .numerics.e2m1_e4m3 import e4m3_to_f32, swz
 
 
 @triton.jit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import launch
+from .runtime import launch
 
 __all__ = ["dequantize_rows", "DEQUANT_BLOCK"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import device_problem
-from .launch import launch
+from .target import device_problem
+from .runtime import launch
 
 __all__ = ["available", "quantize"]
 

@@ -1,4 +1,4 @@
-"""Host side of the split-K epilogue (``_fused.store_out``): the fp32 partial-sum workspace and the per-tile arrival
+"""Host side of the split-K epilogue (``tiles.store_out``): the fp32 partial-sum workspace and the per-tile arrival
 counters, so that a split-K launch needs no memset and no finalize launch.
 
 The kernels leave every counter at zero when they finish, so a counter buffer is zeroed once, when it is created,
@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from . import cuda_index
+from .runtime import cuda_index
 
 __all__ = ["buffers", "prepare", "prepare_capture"]
 

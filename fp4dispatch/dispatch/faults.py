@@ -1,0 +1,80 @@
+"""Runtime faults in users' calls: redo the call on the next proven backend, and record the fault only once another
+backend computed that call (docs/tuning.md, "Faults"). A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`:
+it uses the dispatcher's lock, states, choices and its ``_next``, ``_prove``, ``_cached_choice``, ``_ban`` and
+``_warn``."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import NoUsableBackendError, describe_exception
+from ..problem import Operands, Problem
+from .choice import Choice, add_faults
+from .records import key_str
+from .verify import reset_cuda_error
+
+__all__ = ["FaultRecovery", "FAULT_LIMIT"]
+
+FAULT_LIMIT = 3  # runtime faults (each one another backend then computed right) before a backend is banned
+
+
+class FaultRecovery:
+    def _recover(self, first: Choice, problem: Problem, ops: Operands, e: Exception) -> torch.Tensor:
+        """Redo a call whose backend raised: on its verified fallbacks, then on the key's whole cached ranking (a
+        backend benched earlier may work again), each proven at this M, skipping those that raised on this call.
+        The faults are recorded only once one of them computed the call."""
+        reset_cuda_error(problem.device)
+        faults = {first.backend.name: describe_exception(e)}
+        key = first.key
+        for c in self._alternatives(first, problem):
+            if c.backend.name in faults:
+                continue
+            with self._lock:
+                try:
+                    c = self._prove(key, problem, c, retune=False, walk=False)
+                except NoUsableBackendError:
+                    continue  # wrong at this M: banned by _prove
+            try:
+                c.backend.run(problem, ops, c.config)
+            except Exception as e2:  # noqa: BLE001
+                reset_cuda_error(problem.device)
+                faults[c.backend.name] = describe_exception(e2)
+                continue
+            self._record_faults(key, problem, faults, c)
+            if self.guard is not None:
+                return self.guard.after_run(self, c, problem, ops)
+            return ops.out
+        lines = "\n".join(f"  {n}: {r}" for n, r in faults.items())
+        raise NoUsableBackendError(
+            f"fp4_mm: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
+            "recorded against them: when no backend can run a call, the call itself (its tensors or the process's "
+            "state, e.g. out of memory) is the likely cause.", faults) from e
+
+    def _alternatives(self, first: Choice, problem: Problem):
+        c = self._next(first)
+        while c is not None:
+            yield c
+            c = self._next(c)
+        with self._lock:
+            c = self._cached_choice(first.key, problem)
+        while c is not None:
+            yield c
+            c = self._next(c)
+
+    def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], good: Choice) -> None:
+        ks = key_str(key)
+        now = round(time.time(), 3)
+        with self._lock:
+            self._choices[key] = good  # the faulted backends are benched for this key in this process
+            cache, _ = self._states[key[0]]
+            cache.update("faults", {ks: {n: {"count": 1, "last": now, "reason": f"{r} (at M={problem.m})"}
+                                         for n, r in faults.items()}}, merge=add_faults)
+            for name, why in faults.items():
+                count = cache.faults.get(ks, {}).get(name, {}).get("count", 1)
+                self._warn(f"fault:{name}", "fp4dispatch: backend %s raised on %s (%s); this call was redone on %s "
+                           "(fault %d of %d before it is banned from this key)", name, problem, why,
+                           good.backend.name, count, FAULT_LIMIT)
+                if count >= FAULT_LIMIT:
+                    self._ban(cache, key, name, f"failed at runtime on {count} calls, last: {why} (at M={problem.m})")
+

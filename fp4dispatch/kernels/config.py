@@ -1,0 +1,276 @@
+"""Kernel configs: one frozen dataclass per kernel family, checked when built.
+
+A config names one compiled variant of one kernel family: its tile, K split, pipeline depth and code-path switches.
+``heuristics.configs_for`` offers a short list of them per problem; the dispatcher benchmarks them, stores the best
+one's :meth:`KernelConfig.to_json` in its cache and passes the object itself back to ``fp4_mm``. A config that cannot
+run (a tile the kernel cannot lay out, a ring that deadlocks) is refused here with an ``InvalidInputError`` naming
+the field; what depends on the operands (alignment, N and K multiples) is checked at launch.
+
+Units: ``k_blocks`` counts 16-element NVFP4 blocks (one int64 word of packed codes, one e4m3 scale byte) per K step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from ..errors import InvalidInputError
+
+__all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
+           "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "FAMILIES", "from_json",
+           "register_a_resident", "decode_warps_work"]
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Base of the config classes: the JSON form and the checks shared by all."""
+
+    family: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        """``{"family": ..., <field>: <value>, ...}``: what the dispatcher's cache stores."""
+        return {"family": self.family, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    def _require(self, name: str, ok: bool, expected: str) -> None:
+        if not ok:
+            raise InvalidInputError(f"{type(self).__name__}.{name} must be {expected}; got {getattr(self, name)!r}")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("bool",):
+                self._require(f.name, isinstance(v, bool), "a bool")
+            elif f.type == "int":
+                self._require(f.name, isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1")
+            elif f.type == "int | None":
+                self._require(f.name, v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                              "None or an int >= 1")
+        self.check()
+
+    def check(self) -> None:
+        """The family's own constraints (fields already typed)."""
+
+    def _require_pow2(self, *names: str) -> None:
+        for name in names:
+            self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+
+
+def _check_regs(cfg: KernelConfig) -> None:
+    cfg._require("max_registers", cfg.max_registers is None or (cfg.max_registers % 8 == 0
+                                                                  and 24 <= cfg.max_registers <= 255),
+                 "None or a multiple of 8 in 24..255 (ptxas' maxnreg)")
+
+
+@dataclass(frozen=True)
+class BytewiseGemvConfig(KernelConfig):
+    """``gemv/cuda_core_bytes``: the byte-wise CUDA-core GEMV, M <= ``rows``."""
+
+    family: ClassVar[str] = "gemv_cuda_core_bytes"
+    rows: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+
+    def check(self) -> None:
+        self._require_pow2("rows", "block_n", "k_blocks", "warps")
+
+
+@dataclass(frozen=True)
+class CudaCoreGemvConfig(KernelConfig):
+    """``gemv/cuda_core``: the CUDA-core GEMV over int64 words, ``rows`` activation rows per CTA.
+
+    ``fp16x2``: products two per instruction in fp16x2 (exact); ``e4m3x2_convert`` (with ``fp16x2``, SM89+): decode
+    through the hardware e4m3x2 -> f16x2 conversion; ``pair_decode``: the one-lop3 nibble-pair decode of the fp32
+    path; ``prefetch``: the next K step's raw tiles double-buffered in registers; ``max_registers``: ptxas' register
+    cap (more resident warps); ``pdl``: programmatic dependent launch where the device has it."""
+
+    family: ClassVar[str] = "gemv_cuda_core"
+    rows: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+    stages: int = 3
+    pair_decode: bool = True
+    fp16x2: bool = False
+    prefetch: bool = False
+    e4m3x2_convert: bool = False
+    max_registers: int | None = None
+    pdl: bool = True
+
+    def check(self) -> None:
+        self._require_pow2("rows", "block_n", "k_blocks", "warps")
+        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (whole 128x4-swizzled scale groups)")
+        self._require("e4m3x2_convert", not self.e4m3x2_convert or self.fp16x2,
+                      "False without fp16x2 (the conversion feeds the fp16x2 products)")
+        _check_regs(self)
+
+
+@dataclass(frozen=True)
+class TmaGemvConfig(KernelConfig):
+    """``gemv/tma_warp_specialized`` (SM90, Gluon): a TMA producer warp feeds ``warps`` consumer warps, ``rows`` <= 2
+    activation rows. A tile is ``rows_per_quarter`` rows of each 32-row quarter of a 128-row group (how the scales are
+    stored); ``k_blocks`` per step; a ring of ``stages`` slots; ``ctas_per_sm`` persistent CTAs per SM;
+    ``int8_dot``: 16-block sums as exact int8 dot products instead of fp16x2 pairs."""
+
+    family: ClassVar[str] = "gemv_tma_warp_specialized"
+    rows: int
+    rows_per_quarter: int
+    k_blocks: int
+    stages: int
+    warps: int = 4
+    ctas_per_sm: int = 1
+    int8_dot: bool = False
+
+    def check(self) -> None:
+        self._require("rows", self.rows <= 2, "1 or 2 (the activation box holds whole rows)")
+        self._require("rows_per_quarter", _pow2(self.rows_per_quarter) and self.rows_per_quarter <= 32,
+                      "a power of two <= 32 (rows of a 32-row quarter)")
+        self._require("k_blocks", _pow2(self.k_blocks) and self.k_blocks >= 4,
+                      "a power of two >= 4 (whole scale groups per box)")
+        self._require("warps", _pow2(self.warps), "a power of two")
+        self._require("stages", self.stages >= 2, ">= 2 (the producer refills a slot while the next is read)")
+
+
+@dataclass(frozen=True)
+class MmaBf16Config(KernelConfig):
+    """``gemm/mma_bf16``: bf16 tensor-core tiles, any M; ``group_m`` M tiles per L2 group."""
+
+    family: ClassVar[str] = "gemm_mma_bf16"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+    def check(self) -> None:
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
+        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest M)")
+        self._require("block_n", self.block_n >= 16, ">= 16 (tl.dot's smallest N)")
+
+
+@dataclass(frozen=True)
+class WgmmaRegisterAConfig(KernelConfig):
+    """``gemm/wgmma_register_a`` (SM89+): the weight decoded in registers as the first dot operand (SM90's wgmma
+    reads it from registers). ``predecode_a``: A decoded once by a small kernel first; ``stream_k``: one wave of
+    ``stream_ctas`` CTAs (default: as many as fit) sharing out all tiles' K steps; ``e4m3x2_convert``: the decode
+    through the hardware e4m3x2 -> f16x2 conversion (else bit placement)."""
+
+    family: ClassVar[str] = "gemm_wgmma_register_a"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+    stages: int
+    predecode_a: bool = False
+    stream_k: bool = False
+    stream_ctas: int | None = None
+    e4m3x2_convert: bool = True
+    max_registers: int | None = None
+    pdl: bool = True
+
+    def check(self) -> None:
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
+        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
+        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
+        self._require("split_k", not self.stream_k or self.split_k == 1, "1 with stream_k (stream-K cuts K itself)")
+        self._require("stream_ctas", self.stream_k or self.stream_ctas is None, "None without stream_k")
+        _check_regs(self)
+
+
+@dataclass(frozen=True)
+class WgmmaWarpSpecializedConfig(KernelConfig):
+    """``gemm/wgmma_warp_specialized`` (SM90, Gluon): ``WgmmaRegisterAConfig``'s tiles fed by a TMA producer warp
+    through a ring of ``stages`` slots; one operand decoded first (A, or with ``swap`` the weight); ``persistent``:
+    one CTA per SM running whole tiles."""
+
+    family: ClassVar[str] = "gemm_wgmma_warp_specialized"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    stages: int
+    persistent: bool = False
+    swap: bool = False
+    pdl: bool = True
+
+    def check(self) -> None:
+        self._require("block_m", _pow2(self.block_m) and self.block_m >= 64, "a power of two >= 64")
+        self._require("block_n", _pow2(self.block_n) and self.block_n >= 64,
+                      "a power of two >= 64 (a consumer warpgroup per 64 weight rows)")
+        self._require("k_blocks", _pow2(self.k_blocks) and self.k_blocks >= 4,
+                      "a power of two >= 4 (whole scale groups)")
+        self._require("stages", self.stages >= 2,
+                      ">= 2 (the consumers free a step's slot only after issuing the next step's wgmma)")
+
+
+@dataclass(frozen=True)
+class WgmmaDecodeWarpsConfig(KernelConfig):
+    """``gemm/wgmma_decode_warps`` (SM90, Gluon): ``decode_partitions`` partitions of block_n / 16 decode warps turn
+    the weight into fp16 wgmma operand tiles in shared memory for a warpgroup that only issues wgmma. Rings: the
+    weight's ``stages``, the pre-decoded activation's ``act_stages``, the decoded tiles' ``decoded_stages``;
+    ``split_k`` K parts per tile on CTAs of their own; ``persistent``: one CTA per SM."""
+
+    family: ClassVar[str] = "gemm_wgmma_decode_warps"
+    block_m: int = 128
+    block_n: int = 64
+    k_blocks: int = 8
+    stages: int = 4
+    act_stages: int = 4
+    decoded_stages: int = 3
+    decode_partitions: int = 2
+    split_k: int = 1
+    persistent: bool = False
+    decode_registers: int = 128
+    pdl: bool = True
+
+    def check(self) -> None:
+        # two partitions of 8 decode warps at block_n 128 do not get the registers they need to compile
+        self._require("block_n", self.block_n == 64, "64")
+        self._require("block_m", _pow2(self.block_m) and self.block_m >= 64, "a power of two >= 64")
+        self._require("k_blocks", _pow2(self.k_blocks) and self.k_blocks >= 4,
+                      "a power of two >= 4 (whole scale groups)")
+        self._require("decode_partitions", self.decode_partitions in (1, 2), "1 or 2")
+        # a ring of one slot deadlocks: the MMA frees a step's slots after issuing the next step; a decode partition
+        # runs decode_partitions steps ahead
+        for name in ("stages", "act_stages", "decoded_stages"):
+            self._require(name, getattr(self, name) >= max(2, self.decode_partitions),
+                          f">= max(2, decode_partitions) = {max(2, self.decode_partitions)}")
+        # a weight slot must go to the same partition every time: a partition that finds the slot's previous load
+        # (another partition's) still in flight passes its phase wait at once (the parity is the one before),
+        # decodes stale words and frees the slot twice
+        self._require("stages", self.stages % self.decode_partitions == 0, "a multiple of decode_partitions")
+        self._require("decode_registers", self.decode_registers % 8 == 0 and 24 <= self.decode_registers <= 256,
+                      "a multiple of 8 in 24..256 (setmaxnreg)")
+
+
+def register_a_resident(block_m: int, warps: int) -> int:
+    """CTAs of a ``WgmmaRegisterAConfig`` tile resident per SM on SM90 (its registers and shared memory): 4-warp tiles
+    of block_m <= 64 fit 4, 8-warp tiles 2, block_m >= 128 one."""
+    return 1 if block_m >= 128 else max(1, 16 // warps)
+
+
+def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> tuple[int, int, int]:
+    """(N tiles, tiles, K steps per tile) of ``WgmmaDecodeWarpsConfig`` over out [m, n] and kb 16-blocks: a tile takes
+    block_n / 4 rows of each 32-row quarter of a 128-row group, so each group makes 128 / block_n N tiles."""
+    nt = -(-n // 128) * (128 // cfg.block_n)
+    return nt, nt * -(-m // cfg.block_m), -(-kb // cfg.k_blocks)
+
+
+FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
+    BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
+    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig)}
+
+
+def from_json(doc: dict) -> KernelConfig:
+    """The config whose :meth:`KernelConfig.to_json` is ``doc`` (checked like any other)."""
+    family = doc.get("family")
+    if family not in FAMILIES:
+        raise InvalidInputError(f"kernel config: family must be one of {sorted(FAMILIES)}; got {family!r}")
+    return FAMILIES[family](**{k: v for k, v in doc.items() if k != "family"})

@@ -1,0 +1,70 @@
+"""``mma``: the bf16 tensor-core NVFP4 GEMM, any M (the fallback before SM89, where ``wgmma_register_a`` is not
+offered). Both operands are decoded in registers to bf16 (exact: every e2m1 x e4m3 value fits), split into even-k and
+odd-k halves so that two ``tl.dot`` need no interleave; fp32 accumulation, split-K over ``program_id(1)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime, splitk
+from ..config import MmaBf16Config
+from ..numerics.e2m1_e4m3 import TWO_18, TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
+from ..tiles import store_out
+
+@triton.jit
+def _operands(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr, DOT_F32: tl.constexpr):
+    """Even-k and odd-k halves [R, BKB*8] of the dequantized rows (value * 2**-9), bf16 (fp32 when DOT_F32).
+    A and B use the same split, so sum_k = dot(even) + dot(odd) with no interleave."""
+    u, s = load_block_bytes(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB)
+    s2 = per_byte(s * TWO_117, BKB * 8)
+    lo = nib_lo(u) * s2
+    hi = nib_hi(u) * s2
+    if not DOT_F32:
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K2, KB, CB,
+               blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
+               SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    """Tiled tensor-core GEMM: decode both operands in registers, bf16 dot, fp32 accumulate; split-K by
+    program_id(1) (SPLIT: reduced by the tile's last CTA, see ``store_out``) or a direct alpha+cast epilogue."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    kb_lo = pid_k * blocks_per_split
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb0 in range(kb_lo, kb_hi, BKB):
+        a_lo, a_hi = _operands(a_ptr, sa_ptr, rm, M, kb0, kb_hi, K2, CB, BKB, DOT_F32)
+        b_lo, b_hi = _operands(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB, DOT_F32)
+        acc = tl.dot(a_lo, tl.trans(b_lo), acc)
+        acc = tl.dot(a_hi, tl.trans(b_hi), acc)
+    store_out(acc * TWO_18, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
+
+
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        cfg: MmaBf16Config) -> None:
+    """Launch ``mma_kernel`` on canonical operands (scales as uint8): a (tile, K part) grid, M tiles grouped by
+    ``group_m`` for L2 reuse."""
+    (m, k2), n = a.shape, b.shape[0]
+    kb = k2 // 8
+    split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
+    grid = (runtime.cdiv(m, cfg.block_m) * runtime.cdiv(n, cfg.block_n), split)
+    ws, cnt = splitk.buffers(m, n, split, grid[0], out.device) if split > 1 else (out, out)
+    runtime.launch(mma_kernel, grid, a, b, sa, sb, alpha, out, ws, cnt, m, n, k2, kb, runtime.cdiv(kb, 4), per,
+                   BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, GROUP_M=cfg.group_m, SPLIT=split > 1,
+                   DOT_F32=runtime.jit_interpreted(), num_warps=cfg.warps, num_stages=cfg.stages)

@@ -1,0 +1,201 @@
+"""Candidate configs of one problem, best guess first: named tile tables, one function per M range.
+
+The first candidate is also the untuned default; the list stays at most ``MAX_CONFIGS`` long, so that tuning one key
+costs well under a few seconds on a GPU. Which family wins where, and why the tiles are these, is in docs/kernels.md
+(measured numbers: benchmarks/RESULTS.md). In short, on SM90: M <= 2 the TMA-fed GEMV, else the CUDA-core GEMV;
+M <= 64 ``wgmma_register_a``; 64 < M <= 128 ``wgmma_decode_warps`` after the first ``wgmma_register_a`` tile;
+M > 128 ``wgmma_warp_specialized`` first. Before SM89 the bf16 ``mma`` and the GEMVs; SM89 and SM12x add
+``wgmma_register_a`` after them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from . import runtime, target
+from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, KernelConfig, MmaBf16Config, TmaGemvConfig,
+                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work,
+                     register_a_resident)
+
+__all__ = ["configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES",
+           "DECODE_WARPS"]
+
+MAX_CONFIGS = 7
+cdiv = runtime.cdiv
+
+# wgmma_register_a tiles (block_m, block_n, k_blocks, warps, stages, split_k[, predecode_a]) by the largest M they
+# serve, best first. predecode_a (A decoded once by a small kernel) is the default; the last M <= 16 tile decodes A
+# in its loop instead, which saves that launch where the whole GEMM is a few microseconds.
+REGISTER_A_TILES = {
+    16: [(16, 64, 16, 4, 3, 4), (16, 128, 16, 8, 3, 4), (16, 64, 16, 4, 3, 2), (16, 64, 16, 4, 3, 4, False)],
+    32: [(32, 128, 8, 8, 4, 2), (32, 64, 16, 4, 3, 4)],
+    64: [(64, 128, 8, 8, 4, 2), (64, 64, 16, 4, 3, 4)],
+    512: [(128, 128, 8, 8, 3, 2), (128, 128, 8, 8, 4, 4), (64, 128, 8, 8, 4, 2)],
+    1 << 62: [(256, 128, 8, 8, 3, 1), (128, 256, 4, 8, 3, 1)],
+}
+
+# wgmma_warp_specialized tiles (block_m, block_n, k_blocks, stages) for M > 128: block_m 256 from M = 257, 128 up to
+# M = 512; block_n 64 doubles the N tiles where 128 leaves the SMs under two waves; each ring is the deepest that
+# fits 227 KB of shared memory.
+WARP_SPECIALIZED_TILES = ((256, 128, 4, 5), (256, 64, 8, 3), (128, 128, 8, 4))
+
+# tma_warp_specialized tiles (rows_per_quarter, k_blocks, stages, ctas_per_sm) for M <= 2, 4 consumer warps, with the
+# int8 dot products (fewer loop instructions than the fp16x2 pairs)
+TMA_GEMV_TILES = ((16, 32, 5, 2), (8, 32, 6, 3))
+
+# wgmma_decode_warps for 64 < M <= 128: block_n 64 (128 does not compile with two decode partitions), three decoded
+# slots, the activation ring as deep as the weight's
+DECODE_WARPS = WgmmaDecodeWarpsConfig(block_m=128, block_n=64, k_blocks=8, stages=4, act_stages=4, decoded_stages=3,
+                                      decode_partitions=2)
+
+
+class _Problem:
+    """One problem on one device, with the builders of its candidates (each sizes its own K split)."""
+
+    def __init__(self, m: int, n: int, k: int, device: torch.device):
+        self.m, self.n, self.k, self.kb = m, n, k, k // 16
+        self.device = device
+        self.sms = runtime.num_sms(device)
+
+    def split_for(self, ctas: int, k_blocks: int) -> int:
+        """K parts that bring the grid to >= ~2 waves, keeping >= 4 K steps per part."""
+        if ctas >= 2 * self.sms:
+            return 1
+        return max(1, min(cdiv(2 * self.sms, max(ctas, 1)), self.kb // (4 * k_blocks)))
+
+    def bytewise_gemv(self, rows: int, block_n: int, k_blocks: int, warps: int = 4) -> BytewiseGemvConfig:
+        return BytewiseGemvConfig(rows, block_n, k_blocks, self.split_for(cdiv(self.n, block_n), k_blocks), warps)
+
+    def mma(self, block_m: int, block_n: int, k_blocks: int, warps: int, stages: int,
+            split: int | None = None) -> MmaBf16Config:
+        if split is None:
+            split = self.split_for(cdiv(self.m, block_m) * cdiv(self.n, block_n), k_blocks)
+        return MmaBf16Config(block_m, block_n, k_blocks, split, warps, stages)
+
+    def cuda_core_gemv(self, rows: int, block_n: int, k_blocks: int, warps: int, split: int | None = None,
+                       **switches) -> CudaCoreGemvConfig:
+        # a CUDA-core GEMV is latency-bound until ~32 warps are resident per SM: without a given split, split K
+        # until the grid has that many, keeping >= 2 K steps per part
+        if split is None:
+            ctas = cdiv(self.n, block_n) * cdiv(self.m, rows)
+            split = max(1, min(cdiv(32 * self.sms, ctas * warps), self.kb // (2 * k_blocks)))
+        return CudaCoreGemvConfig(rows, block_n, k_blocks, split, warps, **switches)
+
+    def register_a(self, block_m: int, block_n: int, k_blocks: int, warps: int, stages: int, split: int,
+                   predecode_a: bool = True) -> WgmmaRegisterAConfig:
+        tiles = cdiv(self.n, block_n) * cdiv(self.m, block_m)
+        if tiles * split < self.sms:  # under one wave (small N): split K until the SMs hold as many CTAs as fit
+            split = max(split, self.sms * register_a_resident(block_m, warps) // tiles)
+        split = max(1, min(split, self.kb // (2 * k_blocks)))  # keep >= 2 K steps per part
+        return WgmmaRegisterAConfig(block_m, block_n, k_blocks, split, warps, stages, predecode_a=predecode_a)
+
+
+def _add(out: list, cfg: KernelConfig) -> None:
+    if cfg not in out:
+        out.append(cfg)
+
+
+def _gemv_m_le_2(p: _Problem, rank: int, convert: bool) -> list[KernelConfig]:
+    """M <= 2: the TMA-fed GEMV first (SM90 with Gluon; its boxes need N % 32 == 0 and K % 32 == 0), then the
+    CUDA-core GEMV in one launch (the whole K per CTA, small N tiles), one with the split sized for occupancy (short
+    K or few N tiles), and the smallest tensor-core tile."""
+    out: list[KernelConfig] = []
+    if p.n % 32 == 0 and p.k % 32 == 0 and target.gluon_ok(p.device):
+        out += [TmaGemvConfig(p.m, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True) for r, bw, st, c in TMA_GEMV_TILES]
+    _add(out, p.cuda_core_gemv(p.m, 4, 256, 4, split=1, max_registers=64, fp16x2=True))
+    _add(out, p.cuda_core_gemv(p.m, 4, 128, 2, split=1, prefetch=True, fp16x2=True))
+    if convert:
+        _add(out, p.cuda_core_gemv(p.m, 4, 128, 2, split=1, prefetch=True, fp16x2=True, e4m3x2_convert=True))
+    _add(out, p.cuda_core_gemv(p.m, 16, 64, 4, split=1, prefetch=True, fp16x2=True))
+    _add(out, p.cuda_core_gemv(p.m, 4, 128, 4, fp16x2=True))
+    if rank:
+        out.append(p.register_a(*REGISTER_A_TILES[16][0]))
+    else:
+        out.append(p.bytewise_gemv(p.m, 16, 32, warps=8))
+        out.append(p.mma(16, 64, 8, 4, 3))
+    return out[:MAX_CONFIGS]
+
+
+def _older_kernels(p: _Problem, convert: bool) -> list[KernelConfig]:
+    """M > 2: the CUDA-core GEMV (M <= 4) and the bf16 ``mma`` tiles, by M range."""
+    m, out = p.m, []
+    if m <= 4:
+        _add(out, p.cuda_core_gemv(4, 16, 32, 4, split=1, prefetch=True, fp16x2=True))
+        if convert:
+            _add(out, p.cuda_core_gemv(4, 16, 32, 4, split=1, prefetch=True, fp16x2=True, e4m3x2_convert=True))
+        _add(out, p.cuda_core_gemv(4, 8, 32, 2, split=1, prefetch=True, fp16x2=True))
+        out.append(p.mma(16, 64, 8, 4, 3, split=4))
+    elif m <= 16:
+        out += [p.mma(16, 64, 8, 4, 3), p.mma(16, 64, 8, 4, 3, split=4)]
+    elif m <= 64:
+        out += [p.mma(32 if m <= 32 else 64, 64, 8, 4, 3), p.mma(64, 128, 4, 4, 3)]
+    elif m <= 512:
+        out += [p.mma(128, 64, 8, 4, 3), p.mma(64, 128, 4, 4, 3)]
+    else:
+        out.append(p.mma(128, 256, 4, 8, 3, split=1))
+    return out
+
+
+def _register_a(p: _Problem) -> list[WgmmaRegisterAConfig]:
+    """The ``wgmma_register_a`` tiles of M's range (small shapes: tiles that differ only by split may get the same
+    sized split, kept once); from M = 17 also the first one as stream-K, which leaves no partial last wave whatever
+    the tile count."""
+    new: list[WgmmaRegisterAConfig] = []
+    for tile in REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if p.m <= b)]:
+        _add(new, p.register_a(*tile))
+    if p.m > 16:
+        new.append(replace(new[0], split_k=1, stream_k=True))
+    return new
+
+
+def _warp_specialized(m: int, n: int) -> list[WgmmaWarpSpecializedConfig]:
+    """The ``wgmma_warp_specialized`` candidates for M > 128: from M = 257 the first tile also persistent (the loads
+    run on across tile ends) and, where M > N, both block_m 256 tiles with the operands' roles swapped (the weight
+    is then the operand decoded first, so fewer values are decoded), the block_n 128 one first."""
+    plain = [WgmmaWarpSpecializedConfig(bm, bn, bkb, st) for bm, bn, bkb, st in WARP_SPECIALIZED_TILES
+             if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
+    if m <= 256:
+        return plain
+    out = [replace(plain[0], persistent=True)] + plain
+    if m > n:
+        swaps = [replace(t, swap=True) for t in plain if t.block_m == 256]
+        out = swaps[:1] + out + swaps[1:]
+    return out
+
+
+def decode_warps_split(tiles: int, steps: int, sms: int) -> int:
+    """K parts per ``wgmma_decode_warps`` tile where its tiles leave SMs idle: the number that minimizes the busiest
+    SM's K steps plus the partial sums' cost, modelled as ceil(steps / s) + 6 + 3 s K steps, with every part on an
+    SM of its own (a second wave of parts is far slower) and >= 2 steps each."""
+    return min(range(1, max(1, min(16, steps // 2, sms // tiles)) + 1),
+               key=lambda s: cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
+
+
+def _decode_warps(p: _Problem) -> list[WgmmaDecodeWarpsConfig]:
+    _, tiles, steps = decode_warps_work(p.m, p.n, p.kb, DECODE_WARPS)
+    split = decode_warps_split(tiles, steps, p.sms)
+    return ([replace(DECODE_WARPS, split_k=split)] if split > 1 else []) + [
+        DECODE_WARPS, replace(DECODE_WARPS, persistent=True)]
+
+
+def configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
+    """Candidate configs for ``out[m, n] = a[m, k] @ b[n, k].T`` on ``device``, best guess first."""
+    p = _Problem(m, n, k, device)
+    rank = target.register_a_rank(device)
+    convert = target.has_fp8_convert(device)  # the e4m3x2 -> f16x2 conversion instruction (SM89+)
+    if m <= 2:
+        return _gemv_m_le_2(p, rank, convert)
+    out = _older_kernels(p, convert)
+    if rank == 2:  # SM90: wgmma_register_a first; it replaces the bf16 mma
+        out = _register_a(p) + [c for c in out if not isinstance(c, MmaBf16Config)]
+    elif rank:
+        out += _register_a(p)[:max(1, MAX_CONFIGS - len(out))]
+    # SM90 with Gluon: the warp-specialized GEMM first for M > 128 (its TMA needs 16-byte weight rows: K % 32 == 0);
+    # for 64 < M <= 128 the decode-warps GEMM after the first tile (N % 32 == 0: its boxes take rows the way the
+    # scales are stored)
+    if m > 128 and k % 32 == 0 and target.gluon_ok(device):
+        out = (_warp_specialized(m, n) + out)[:MAX_CONFIGS]
+    elif m > 64 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
+        out = (out[:1] + _decode_warps(p) + out[1:])[:MAX_CONFIGS]
+    return out

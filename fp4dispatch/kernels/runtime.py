@@ -1,0 +1,166 @@
+"""What every kernel launch needs on the host: the interpreter switch, device queries (index, SM count, PDL), K
+split arithmetic, TMA descriptors, and :func:`launch`, which launches a ``@triton.jit`` (or Gluon) kernel with less
+host time per call than ``kernel[grid](...)``.
+
+On every call, ``kernel[grid](...)`` binds the arguments, specializes each one (alignment of each pointer,
+divisibility of each int), builds a cache key from that and only then finds the compiled kernel; on a fast GPU that
+is most of an eager small-M call. ``launch`` keeps the compiled kernel that the first call returns under a key that
+holds everything those steps read, so it never needs Triton's specialization rules: the value of every positional
+argument (of a tensor: its dtype and its address mod 16, Triton's alignment specialization; of a TMA descriptor: the
+same of its base, its block shape and layout), the keyword arguments (constexprs and launch options: scalars), the
+grid and the device. A later call with an equal key launches that compiled kernel directly, with the argument list
+``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a direct launch raises,
+the fast path is switched off for the process and the call goes through ``kernel[grid]``.
+There is one entry per distinct key (e.g. per M a model runs with); the entries share the compiled kernels.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
+           "launch", "tma_desc"]
+
+log = logging.getLogger("fp4dispatch")
+
+_COMPILED: dict[tuple, tuple[object, list]] = {}
+_PARAMS: dict[int, tuple[list[str], dict]] = {}
+_fast = True
+_SMS: dict[int, int] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+@functools.cache
+def jit_interpreted() -> bool:
+    """``interpreting()`` read once: Triton fixes interpret-or-compile when the ``@triton.jit`` functions are defined,
+    so the launch paths (per layer, per token) need not read the environment again. Callers look it up as
+    ``runtime.jit_interpreted`` at call time, so that tests can patch it."""
+    return interpreting()
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` ("cuda" means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached); 8 for a non-CUDA device (the interpreter)."""
+    if device.type != "cuda":
+        return 8
+    idx = cuda_index(device)
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def k_split(kb: int, k_blocks: int, split: int) -> tuple[int, int]:
+    """(parts, 16-blocks per part) of a K of ``kb`` blocks cut into at most ``split`` parts of whole K steps."""
+    per = cdiv(cdiv(kb, split), k_blocks) * k_blocks
+    return cdiv(kb, per), per
+
+
+@functools.cache
+def _pdl_capable(idx: int) -> bool:
+    from .tiles import HAS_GDC
+
+    return HAS_GDC and torch.cuda.get_device_capability(idx) >= (9, 0)
+
+
+def pdl(device: torch.device, enabled: bool) -> dict:
+    """Launch options for programmatic dependent launch (SM90+): the kernel is launched while the previous one on the
+    stream finishes and waits for its writes in ``tiles.pdl_wait``, which hides a launch's latency in a CUDA graph.
+    ``enabled`` False (a config's ``pdl``) turns it off, so that benchmarks can compare both."""
+    if not enabled or device.type != "cuda" or jit_interpreted():
+        return {}
+    return {"launch_pdl": True, "PDL": True} if _pdl_capable(cuda_index(device)) else {}
+
+
+def register_cap(max_registers: int | None) -> dict:
+    """The ``maxnreg`` launch option (registers per thread: more resident warps); the interpreter has none."""
+    return {"maxnreg": max_registers} if max_registers is not None and not jit_interpreted() else {}
+
+
+def _params(fn) -> tuple[list[str], dict]:
+    """Parameter names in signature order, and the defaults."""
+    got = _PARAMS.get(id(fn))
+    if got is None:
+        sig = fn.signature.parameters  # JITFunction keeps the inspect.Signature of the Python function
+        got = (list(sig), {n: p.default for n, p in sig.items() if p.default is not p.empty})
+        _PARAMS[id(fn)] = got
+    return got
+
+
+class _Address:
+    """What a host TMA descriptor reads of its tensor (Triton's launcher and ``_desc_key``: ``data_ptr()``,
+    ``dtype``), so that a cached descriptor holds no reference to a tensor and cannot keep a freed weight alive."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@functools.lru_cache(maxsize=4096)
+def tma_desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: tuple, layout):
+    """A Gluon host TMA descriptor over ``shape``/``strides`` (elements of ``dtype``) at address ``ptr``, with the
+    shared-memory ``layout`` of its boxes. Cached by what it describes: the same address and view make the same
+    tensor map, whatever tensor lies there now: a view plus ``TensorDescriptor.from_tensor`` cost more host time than
+    the rest of a small call, and the Gluon kernels pass two to four per call."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(_Address(ptr, dtype), list(shape), list(strides), list(block), layout)
+
+
+def _desc_key(a):
+    """A host TMA descriptor (Triton's or Gluon's ``TensorDescriptor``) by what types the compiled kernel: dtype, base
+    alignment, block shape and layout (its launcher builds the tensor map from the rest on every call); any other
+    argument as itself."""
+    base = getattr(a, "base", None)
+    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or _Address
+        return ("desc", base.dtype, base.data_ptr() % 16, tuple(a.block_shape), getattr(a, "layout", None))
+    return a
+
+
+def launch(fn, grid: tuple, *args, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)``; from the second call with the same key on, without Triton's argument binding.
+    ``args`` are the leading parameters; ``kwargs`` the keyword parameters (constexprs) and launch options
+    (``num_warps``, ``launch_pdl``, ...)."""
+    global _fast
+    grid = (*grid, *(1,) * (3 - len(grid)))  # the compiled kernel's launcher reads three grid dims
+    if not _fast or jit_interpreted():
+        fn[grid](*args, **kwargs)
+        return
+    # kwargs in call order: a call site passes them in one order (another order only misses the cache)
+    key = (id(fn), torch.cuda.current_device(), grid, tuple(kwargs.items()),
+           *[(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float))
+             else _desc_key(a) for a in args])
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = fn[grid](*args, **kwargs)
+        if compiled is not None and hasattr(compiled, "run"):
+            names, defaults = _params(fn)
+            # the rest of the argument list kernel[grid] passes to the compiled kernel: every remaining parameter
+            # in signature order, defaults filled in (options such as num_warps are not parameters)
+            _COMPILED[key] = (compiled, [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):]])
+        return
+    compiled, tail = hit
+    try:
+        compiled[grid](*args, *tail)
+    except Exception as e:  # noqa: BLE001 - a Triton whose compiled-kernel launcher wants other arguments
+        _fast = False
+        log.warning("fp4dispatch: direct launch of a compiled Triton kernel failed (%s: %s); using kernel[grid] "
+                    "from now on", type(e).__name__, e)
+        fn[grid](*args, **kwargs)

@@ -1,0 +1,295 @@
+"""CPU pins of the kernels/ restructure: the heuristics offer exactly the candidates the old ``configs_for`` offered
+(same families, tiles, splits and order) for every (M, N, K) of a grid on seven faked devices, and each launcher makes
+exactly the launches the old ``fused_mm`` made for each of those configs (kernel, grid, arguments, constexprs,
+options). Both fixtures were computed with the code of commit 8af9a38 (tests/data/*_8af9a38.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4dispatch.kernels import config as C
+from fp4dispatch.kernels import runtime, target
+from fp4dispatch.kernels.heuristics import configs_for
+
+DATA = Path(__file__).parent / "data"
+
+
+def from_old(d: dict) -> C.KernelConfig:
+    """The typed config of an old dict config (``{"kernel": codename, ...}``); an unknown key fails."""
+    d = dict(d)
+    kind = d.pop("kernel")
+    take = d.pop
+
+    def done(cfg):
+        assert not d, f"keys of a {kind} config with no field: {d}"
+        return cfg
+
+    if kind == "gemv":
+        return done(C.BytewiseGemvConfig(take("MB"), take("BN"), take("BKB"), take("split"), take("warps")))
+    if kind == "gemv2":
+        return done(C.CudaCoreGemvConfig(take("MB"), take("BN"), take("BKB"), take("split"), take("warps"),
+                                         stages=take("stages"), pair_decode=take("PAIR"), fp16x2=take("H2", False),
+                                         prefetch=take("prefetch", False), e4m3x2_convert=take("CVT", False),
+                                         max_registers=take("maxnreg", None)))
+    if kind == "mma":
+        return done(C.MmaBf16Config(take("BM"), take("BN"), take("BKB"), take("split"), take("warps"), take("stages")))
+    if kind == "wmma":
+        return done(C.WgmmaRegisterAConfig(take("BM"), take("BN"), take("BKB"), take("split"), take("warps"),
+                                           take("stages"), predecode_a=take("APRE", False),
+                                           stream_k=take("stream", False)))
+    if kind == "gvws":
+        return done(C.TmaGemvConfig(take("MB"), take("R"), take("BW"), take("stages"), warps=take("warps"),
+                                    ctas_per_sm=take("ctas"), int8_dot=take("DP")))
+    if kind == "wgws":
+        return done(C.WgmmaWarpSpecializedConfig(take("BM"), take("BN"), take("BKB"), take("stages"),
+                                                 persistent=take("persist", False), swap=take("swap", False)))
+    assert kind == "wgds", kind
+    return done(C.WgmmaDecodeWarpsConfig(take("BM"), take("BN"), take("BKB"), take("stages"), take("astages"),
+                                         take("dstages"), take("parts"), split_k=take("split", 1),
+                                         persistent=take("persist", False)))
+
+
+@pytest.fixture(scope="module")
+def candidates() -> dict:
+    return json.loads((DATA / "candidates_8af9a38.json").read_text())
+
+
+def _fake_device(monkeypatch, kind: str, cap, sms: int, gluon: bool, interpreted: bool) -> torch.device:
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: interpreted)
+    monkeypatch.setattr(runtime, "_SMS", {0: sms})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: tuple(cap))
+    monkeypatch.setattr(target, "gluon_missing", lambda: None if gluon else "faked: no Gluon")
+    return torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+
+
+@pytest.mark.parametrize("profile", ["sm90_132_gluon", "sm90_114_gluon", "sm90_132_no_gluon", "sm89_142", "sm80_108",
+                                     "sm120_170", "cpu_interpreter"])
+def test_candidates_are_the_old_ones(monkeypatch, candidates, profile):
+    dev = _fake_device(monkeypatch, *candidates["profiles"][profile])
+    old = [from_old(c) for c in candidates["configs"]]
+    cases = iter(candidates["cases"][profile])
+    for n, k in candidates["nk"]:
+        for m in candidates["ms"]:
+            want = [old[i] for i in candidates["lists"][next(cases)]]
+            assert configs_for(m, n, k, dev) == want, (profile, m, n, k)
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return ["T", list(x.shape), str(x.dtype), list(x.stride())]
+    return list(x) if isinstance(x, tuple) else x
+
+
+def test_launches_are_the_old_ones(monkeypatch, candidates):
+    """Every config's launches, on meta tensors (no memory, no GPU) with the compiled-kernel options (not interpreted,
+    PDL on, 8 SMs), against what the old launchers made. The Gluon modules import on any Triton with Gluon."""
+    import hashlib
+
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
+    from fp4dispatch.kernels.gemm import wgmma_decode_warps, wgmma_warp_specialized
+    from fp4dispatch.kernels.gemv import tma_warp_specialized
+
+    got = []
+
+    def rec_launch(fn, grid, *args, **kw):
+        got.append([fn.__name__, list(grid), [_describe(a) for a in args],
+                    {k: _describe(v) for k, v in sorted(kw.items())}])
+
+    def rec_desc(ptr, dtype, shape, strides, block, layout):
+        return ("desc", str(dtype), list(shape), list(strides), list(block),
+                hashlib.sha1(repr(layout).encode()).hexdigest()[:12])
+
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)
+    monkeypatch.setattr(runtime, "pdl", lambda device, enabled: {"launch_pdl": True, "PDL": True} if enabled else {})
+    monkeypatch.setattr(runtime, "launch", rec_launch)
+    for mod in (tma_warp_specialized, wgmma_warp_specialized, wgmma_decode_warps):
+        monkeypatch.setattr(mod, "launch", rec_launch)
+        monkeypatch.setattr(mod, "tma_desc", rec_desc)
+    records = json.loads((DATA / "launches_8af9a38.json").read_text())["records"]
+    assert len(records) == len(candidates["configs"])
+    for rec in records:
+        cfg = from_old(candidates["configs"][rec["config"]])
+        m, n, k = rec["mnk"]
+        meta = dict(device="meta")
+        a, b = torch.empty(m, k // 2, dtype=torch.uint8, **meta), torch.empty(n, k // 2, dtype=torch.uint8, **meta)
+        sa = torch.empty(-(-m // 128) * 128 * -(-k // 64) * 4, dtype=torch.float8_e4m3fn, **meta)
+        sb = torch.empty(-(-n // 128) * 128 * -(-k // 64) * 4, dtype=torch.float8_e4m3fn, **meta)
+        got.clear()
+        fp4_mm(a, b, sa, sb, torch.empty(1, **meta), torch.empty(m, n, dtype=torch.bfloat16, **meta), cfg)
+        assert json.loads(json.dumps(got)) == rec["launches"], (cfg, rec["mnk"])
+
+
+def test_configs_refuse_what_cannot_run_naming_the_field():
+    from fp4dispatch.errors import InvalidInputError
+
+    ok = C.WgmmaDecodeWarpsConfig()
+    assert C.from_json(ok.to_json()) == ok and ok.to_json()["family"] == "gemm_wgmma_decode_warps"
+    bad = [(dict(decoded_stages=1), "decoded_stages must be >= max"), (dict(stages=3), "stages must be a multiple"),
+           (dict(block_n=128), "block_n must be 64"), (dict(decode_partitions=3), "decode_partitions must be 1 or 2")]
+    for change, msg in bad:
+        with pytest.raises(InvalidInputError, match=f"WgmmaDecodeWarpsConfig.{msg}"):
+            C.WgmmaDecodeWarpsConfig(**change)
+    with pytest.raises(InvalidInputError, match=r"CudaCoreGemvConfig.k_blocks must be a multiple of 4.*got 2"):
+        C.CudaCoreGemvConfig(1, 4, 2, 1, 4)
+    with pytest.raises(InvalidInputError, match="WgmmaRegisterAConfig.split_k must be an int >= 1; got 0"):
+        C.WgmmaRegisterAConfig(16, 64, 16, 0, 4, 3)
+    with pytest.raises(InvalidInputError, match="WgmmaWarpSpecializedConfig.stages must be >= 2"):
+        C.WgmmaWarpSpecializedConfig(256, 128, 4, 1)
+    with pytest.raises(InvalidInputError, match="TmaGemvConfig.rows must be 1 or 2"):
+        C.TmaGemvConfig(4, 16, 32, 5)
+    with pytest.raises(InvalidInputError, match="family must be one of"):
+        C.from_json({"family": "wgds"})
+
+
+def test_configs_are_short_and_json():
+    for m in (1, 2, 3, 16, 17, 64, 128, 512, 1024, 8192):
+        cfgs = configs_for(m, 8192, 8192, torch.device("cpu"))
+        assert 1 <= len(cfgs) <= 7
+        assert [C.from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+        assert all(c.k_blocks >= 2 for c in cfgs)  # dot K = 8 * k_blocks must be >= 16
+
+
+def _cuda(monkeypatch, cap, gluon: bool = True) -> torch.device:
+    """A CUDA device of capability ``cap`` with 132 SMs and compiled kernels (no GPU)."""
+    return _fake_device(monkeypatch, "cuda", cap, 132, gluon, False)
+
+
+def _of(cfgs, kind):
+    return [c for c in cfgs if isinstance(c, kind)]
+
+
+@pytest.mark.parametrize("cap, want", [((9, 0), True), ((8, 9), True), ((8, 0), False)])
+def test_convert_configs_only_where_the_instruction_exists(monkeypatch, cap, want):
+    cuda = _cuda(monkeypatch, cap, gluon=False)
+    for m in (1, 3):
+        cfgs = configs_for(m, 8192, 8192, cuda)
+        assert any(getattr(c, "e4m3x2_convert", False) for c in _of(cfgs, C.CudaCoreGemvConfig)) is want
+        # the untuned default never needs SM89 (the register-A kernel is offered only from SM89)
+        assert not (isinstance(cfgs[0], C.CudaCoreGemvConfig) and cfgs[0].e4m3x2_convert)
+        assert len(cfgs) <= 7
+
+
+@pytest.mark.parametrize("m, n, k, grown", [(16, 768, 6144, True), (128, 768, 6144, True), (16, 2048, 6144, True),
+                                            (128, 2048, 6144, True), (16, 8192, 8192, False),
+                                            (128, 8192, 8192, False), (128, 6144, 2048, False)])
+def test_register_a_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, grown):
+    from fp4dispatch.kernels.heuristics import REGISTER_A_TILES
+
+    every = _of(configs_for(m, n, k, _cuda(monkeypatch, (9, 0), gluon=False)), C.WgmmaRegisterAConfig)
+    assert len(every) == len(set(every))  # no duplicates
+    assert [c.stream_k for c in every].count(True) == (m > 16)  # stream-K: its split is unused
+    cfgs = [c for c in every if not c.stream_k]
+    table = REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if m <= b)]
+    for bm, bn, bkb, warps, stages, split, *pre in table:
+        tiles = -(-n // bn) * -(-m // bm)
+        steps = k // 16 // bkb
+        if tiles * split < 132:  # under one wave: as many CTAs as the SMs hold, keeping >= 2 K steps per split
+            want = min(max(split, C.register_a_resident(bm, warps) * 132 // tiles), steps // 2)
+        else:  # a full wave already: the tabled split stays
+            want = min(split, steps // 2)
+        got = [c.split_k for c in cfgs if (c.block_m, c.block_n, c.k_blocks, c.warps, c.stages, c.predecode_a)
+               == (bm, bn, bkb, warps, stages, pre[0] if pre else True)]
+        assert want in got, (bm, bn, split, want, got)
+    # the small shapes get a larger split than the table's on some tile; the large ones keep the table's splits
+    assert any(c.split_k not in {t[5] for t in table} for c in cfgs) is grown
+
+
+@pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((12, 0), 1), ((8, 0), 0)])
+def test_register_a_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
+    cuda = _cuda(monkeypatch, cap, gluon=False)  # the Gluon kernels: their own tests below
+    for m in (3, 16, 17, 128, 4096):
+        cfgs = configs_for(m, 8192, 8192, cuda)
+        ra = _of(cfgs, C.WgmmaRegisterAConfig)
+        assert bool(ra) is (rank > 0) and len(cfgs) <= 7
+        assert isinstance(cfgs[0], C.WgmmaRegisterAConfig) is (rank == 2)
+        assert bool(_of(cfgs, C.MmaBf16Config)) is (rank < 2)  # SM90 drops the older bf16 tiles; elsewhere they stay
+        if rank == 2 and m <= 16:  # the last M <= 16 tile decodes A in its loop (one launch for small shapes)
+            assert not cfgs[len(ra) - 1].predecode_a
+    # M <= 2 keeps the CUDA-core GEMV first without Gluon
+    assert isinstance(configs_for(1, 8192, 8192, cuda)[0], C.CudaCoreGemvConfig)
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False)])
+def test_warp_specialized_first_above_m128_on_sm90_only(monkeypatch, cap, offered):
+    cuda = _cuda(monkeypatch, cap)
+    big, narrow, small = (256, 128, ""), (256, 64, ""), (128, 128, "")  # (block_m, block_n, variant)
+    persist, swap, swap64 = (256, 128, "persistent"), (256, 128, "swap"), (256, 64, "swap")
+    for m, n, tiles in ((64, 8192, []), (128, 8192, []), (129, 8192, [small]),
+                        (300, 8192, [persist, big, narrow, small]), (512, 8192, [persist, big, narrow, small]),
+                        (513, 8192, [persist, big, narrow]), (8192, 8192, [persist, big, narrow]),
+                        (4096, 2048, [swap, persist, big, narrow, swap64]),
+                        (300, 256, [swap, persist, big, narrow, small, swap64])):
+        cfgs = configs_for(m, n, 8192, cuda)
+        ws = _of(cfgs, C.WgmmaWarpSpecializedConfig)
+        got = [(c.block_m, c.block_n, "persistent" if c.persistent else "swap" if c.swap else "") for c in ws]
+        assert got == (tiles if offered else []), (m, n, cfgs)
+        assert cfgs[:len(ws)] == ws and len(cfgs) <= 7  # first: the untuned default above M = 128
+        assert _of(cfgs, C.WgmmaRegisterAConfig)  # the tuner still compares
+    # TMA needs 16-byte weight rows (K % 32 == 0); a Triton without the Gluon it is written for offers none
+    assert not _of(configs_for(1024, 8192, 8208, cuda), C.WgmmaWarpSpecializedConfig)
+    monkeypatch.setattr(target, "gluon_missing", lambda: "no gluon here")
+    assert not _of(configs_for(1024, 8192, 8192, cuda), C.WgmmaWarpSpecializedConfig)
+    monkeypatch.setattr(target, "gluon_missing", lambda: None)
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: True)
+    assert not _of(configs_for(1024, 8192, 8192, cuda), C.WgmmaWarpSpecializedConfig)
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
+def test_tma_gemv_first_at_m_le_2_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
+
+    cuda = _cuda(monkeypatch, cap)
+    for m in (1, 2):
+        cfgs = configs_for(m, 8192, 8192, cuda)
+        gv = _of(cfgs, C.TmaGemvConfig)
+        assert [(c.rows_per_quarter, c.k_blocks, c.stages, c.ctas_per_sm) for c in gv] == (
+            list(TMA_GEMV_TILES) if offered else [])
+        assert cfgs[:len(gv)] == gv and all(c.rows == m and c.int8_dot for c in gv)  # first: the untuned default
+        assert _of(cfgs, C.CudaCoreGemvConfig) and len(cfgs) <= 7  # the tuner still compares
+    assert not _of(configs_for(3, 8192, 8192, cuda), C.TmaGemvConfig)
+    # its boxes need N % 32 == 0 (a box of a 32-row quarter) and K % 32 == 0 (16-byte rows)
+    assert not _of(configs_for(1, 8200, 8192, cuda), C.TmaGemvConfig)
+    assert not _of(configs_for(1, 8192, 8208, cuda), C.TmaGemvConfig)
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
+def test_decode_warps_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
+    from dataclasses import replace
+
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS
+
+    cuda = _cuda(monkeypatch, cap)
+    for m in (64, 65, 100, 128, 129):
+        cfgs = configs_for(m, 8192, 8192, cuda)
+        want = [DECODE_WARPS, replace(DECODE_WARPS, persistent=True)] if offered and 64 < m <= 128 else []
+        assert _of(cfgs, C.WgmmaDecodeWarpsConfig) == want, (m, cfgs)
+        if want:  # after the first register-A tile, which stays the untuned default; the tuner compares them
+            assert isinstance(cfgs[0], C.WgmmaRegisterAConfig) and cfgs[1:3] == want and len(cfgs) <= 7
+    # its boxes need N % 32 == 0 (rows taken the way the scales are stored) and K % 32 == 0 (16-byte rows)
+    assert not _of(configs_for(128, 8200, 8192, cuda), C.WgmmaDecodeWarpsConfig)
+    assert not _of(configs_for(128, 8192, 8208, cuda), C.WgmmaDecodeWarpsConfig)
+
+
+def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
+    """Fewer tiles than SMs (N <= 2048 at M = 128 on 132 SMs): a split-K config comes first among the decode-warps
+    candidates, in the parts that minimize the busiest SM's K steps plus the partials' cost, one wave of them."""
+    from dataclasses import replace
+
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS, decode_warps_split
+
+    cuda = _cuda(monkeypatch, (9, 0))
+    # (N, K) -> parts: 2048x6144 32 tiles of 48 steps -> 4 parts of 12 (at most 132 // 32); 768x6144 12 tiles -> 4
+    # (12 + 18 against 5 + 36 for 10 parts); 6144x2048 96 tiles: a second wave of parts, none
+    for (n, k), split in {(2048, 6144): 4, (768, 6144): 4, (6144, 2048): 1, (8192, 8192): 1, (28672, 8192): 1}.items():
+        cfgs = configs_for(128, n, k, cuda)
+        want = ([replace(DECODE_WARPS, split_k=split)] if split > 1 else []) + [
+            DECODE_WARPS, replace(DECODE_WARPS, persistent=True)]
+        assert _of(cfgs, C.WgmmaDecodeWarpsConfig) == want, (n, k)
+        assert isinstance(cfgs[0], C.WgmmaRegisterAConfig) and cfgs[1:1 + len(want)] == want and len(cfgs) <= 7
+    # (N tiles, tiles, K steps): 992 rows make 8 groups of 2 N tiles, M = 300 three M tiles, K = 2080 17 steps
+    assert C.decode_warps_work(300, 992, 130, DECODE_WARPS) == (16, 48, 17)
+    assert decode_warps_split(12, 3, 132) == 1  # parts of >= 2 steps
+    assert decode_warps_split(12, 96, 132) == 6 and decode_warps_split(132, 48, 132) == 1
