@@ -27,6 +27,7 @@ from ..backends.reference import reference_mm
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
+from ..validate import check_fp4_mm_args
 from .cache import DecisionCache
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
@@ -94,8 +95,6 @@ class Dispatcher(FaultRecovery):
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
-        from ..validate import check_fp4_mm_args
-
         problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
         if problem.m == 0:
             return ops.out
