@@ -53,16 +53,17 @@ def _flag(name: str, default: bool) -> bool:
     raise _bad(name, raw, "/".join(_TRUE) + " or " + "/".join(_FALSE), "1" if default else "0")
 
 
-def _seconds(name: str, default: float) -> float:
+def _positive(name: str, default, kind, accepted: str):
+    """``kind(value)`` of the variable, which must be > 0 and finite; ``default`` when unset."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        v = float(raw)
+        v = kind(raw)
     except ValueError:
-        v = -1.0
+        v = -1
     if not 0 < v < float("inf"):
-        raise _bad(name, raw, "a positive number of seconds", default)
+        raise _bad(name, raw, accepted, default)
     return v
 
 
@@ -106,9 +107,9 @@ def read_settings() -> Settings:
         cache_dir=Path(os.environ["FP4DISPATCH_CACHE_DIR"]) if os.environ.get("FP4DISPATCH_CACHE_DIR") else None,
         tune=_flag("FP4DISPATCH_TUNE", True),
         isolate=_flag("FP4DISPATCH_ISOLATE", False),
-        probe_timeout_s=_seconds("FP4DISPATCH_PROBE_TIMEOUT", 30.0),
+        probe_timeout_s=_positive("FP4DISPATCH_PROBE_TIMEOUT", 30.0, float, "a positive number of seconds"),
         guard=_flag("FP4DISPATCH_GUARD", False),
-        guard_every=_positive_int("FP4DISPATCH_GUARD_EVERY", 64, "calls between guard checks"),
+        guard_every=_positive("FP4DISPATCH_GUARD_EVERY", 64, int, "a positive integer (calls between guard checks)"),
         timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
     )
 
@@ -118,17 +119,3 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if raw not in choices:
         raise _bad(name, raw, " or ".join(choices), default)
     return raw
-
-
-def _positive_int(name: str, default: int, what: str) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise InvalidInputError(f"{name} must be a positive integer ({what}); got {raw!r}. Unset it for the "
-                                f"default {default}")
-    return n

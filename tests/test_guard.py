@@ -134,8 +134,9 @@ def test_nonfinite_from_finite(dtype, value, flagged):
 @pytest.mark.parametrize("value", ["abc", "0", "-3"])
 def test_guard_every_env_errors(monkeypatch, value):
     monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", value)
-    with pytest.raises(InvalidInputError, match=rf"FP4DISPATCH_GUARD_EVERY must be a positive integer .*got "
-                                                rf"'{value}'\. Unset it for the default 64"):
+    with pytest.raises(InvalidInputError, match=rf"FP4DISPATCH_GUARD_EVERY='{value}' is not valid; accepted: a "
+                                                rf"positive integer \(calls between guard checks\)\. Unset it for "
+                                                rf"the default 64"):
         read_settings()
 
 
