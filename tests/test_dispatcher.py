@@ -348,3 +348,43 @@ def d_problem4():
     from fp4dispatch.problem import Problem
 
     return Problem(4, 64, 128, torch.float32, torch.device("cpu"))
+
+
+def test_eager_calls_and_captured_calls_each_get_their_own_winner(tmp_path, monkeypatch):
+    """A backend fast on the GPU but slow on the host wins in CUDA graphs; one with less host time wins eager calls.
+    Both picks are proven at each M and remembered on disk."""
+    from fp4dispatch.testing import fake_eager_bench
+
+    def disp():
+        gpu_fast = FakeBackend("gpu-fast", cost=1e-6, launch_cost=1e-4)  # e.g. two launches and a descriptor build
+        host_light = FakeBackend("host-light", cost=1e-5)
+        return Dispatcher([gpu_fast, host_light], cache_dir=tmp_path / "c", do_bench=fake_do_bench,
+                          eager_bench=fake_eager_bench), gpu_fast, host_light
+    d, gpu_fast, host_light = disp()
+    out, ref = _call(d, 8)
+    assert _close(out, ref)
+    p = d_problem(8)
+    assert d.choose(p).backend.name == "host-light"
+    monkeypatch.setattr(Dispatcher, "_capturing", staticmethod(lambda device: True))  # as if a stream captured
+    assert d.choose(p).backend.name == "gpu-fast"
+    entry = d.cache_for("cpu").decisions["m8-n64-k128-float32"]
+    assert entry["backend"] == "gpu-fast" and entry["eager"]["backend"] == "host-light"
+    assert entry["eager"]["eager_us"] == pytest.approx(10.0)
+    monkeypatch.undo()
+    d2, gpu_fast2, host_light2 = disp()  # a new process: both picks from the cache, proven M included
+    _call(d2, 8)
+    assert host_light2.calls == 1 and gpu_fast2.calls == 0
+    monkeypatch.setattr(Dispatcher, "_capturing", staticmethod(lambda device: True))
+    assert d2.choose(p).backend.name == "gpu-fast"
+    monkeypatch.undo()
+    from fp4dispatch.graphs import warmup
+
+    before = gpu_fast2.calls, host_light2.calls
+    assert warmup([(8, 64, 128)], out_dtype=torch.float32, device="cpu", dispatcher=d2) == {(8, 64, 128): "host-light"}
+    assert (gpu_fast2.calls, host_light2.calls) == (before[0] + 1, before[1] + 1)  # a capture will run gpu-fast
+
+
+def d_problem(m):
+    from fp4dispatch.problem import Problem
+
+    return Problem(m, 64, 128, torch.float32, torch.device("cpu"))
