@@ -206,11 +206,11 @@ def test_tp_split_giving_k_not_multiple_of_16_is_skipped_and_said(capsys, tmp_pa
 def test_default_run_on_cpu_says_so_and_prints_both_tables(capsys):
     code, out, _ = _run(capsys, [])
     assert code == 0
-    assert "No CUDA device found: tuning on the CPU" in out
+    assert "No CUDA device found: deciding on the CPU" in out and "nothing is timed on a CPU" in out
     assert "Per shape" in out and "Per backend" in out
     shape_rows = [ln for ln in out.splitlines() if "cpu-small" in ln]
     assert len(shape_rows) == len(presets.default_shapes(on_gpu=False))
-    assert all("reference" in ln for ln in shape_rows)
+    assert all("reference" in ln and "| 1/1 ok |" in ln for ln in shape_rows)
     assert any(ln.startswith("| cpu") and "reference" in ln and "| ok" in ln for ln in out.splitlines())
 
 

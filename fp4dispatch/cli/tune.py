@@ -27,8 +27,8 @@ from .profile import ProfileError, export_profile, import_profile
 __all__ = ["main", "build_parser", "TuneOptions"]
 
 _COMMANDS = ("tune", "show", "clear", "export", "import")
-_CPU_NOTE = ("No CUDA device found: tuning on the CPU with the backends that run there (the exact reference); "
-             "the default CPU shapes are small")
+_CPU_NOTE = ("No CUDA device found: deciding on the CPU with the backends that run there (the exact reference), in "
+             "priority order (nothing is timed on a CPU); the default CPU shapes are small")
 
 
 def _default_device() -> torch.device:
@@ -84,7 +84,7 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         cfg = ",".join(f"{k}={v}" for k, v in sorted(r.get("config", {}).items())) if ok else ""
         tried = r.get("tried", [])
         line = [str(r["m_bucket"]), str(r["n"]), str(r["k"]), ", ".join(r["layers"]) or "-",
-                f"{sum(t['time_us'] is not None for t in tried)}/{len(tried)} ok" if ok else "-",
+                f"{sum(not t.get('reason') for t in tried)}/{len(tried)} ok" if ok else "-",
                 (r["winner"] + (f" [{cfg}]" if cfg else "")) if ok else "NONE",
                 _fmt(r.get("time_us")), _fmt(r.get("tflops"), ".3g"),
                 _fmt(r.get("speedup_vs_runner_up"), ".2f", "x")
