@@ -1,0 +1,219 @@
+"""Reliability defects 7-12: what the decision cache holds, its lock, its size, its leftovers, its modes, and an
+unwritable cache (CPU, fakes). Each test starts with the defect's reproducer."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from _reliability_helpers import CPU, KEY, disp, right
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+
+# -- 7. cache content never raises ------------------------------------------------------------------------------
+def _set(path, value):
+    """A mutation that sets data[path[0]][path[1]]... = value."""
+    def mutate(data):
+        node = data
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = value
+        return json.dumps(data).encode()
+    return mutate
+
+
+HOSTILE = {
+    "decision-is-a-string": _set(["decisions", KEY], "good"),
+    "decision-is-a-list": _set(["decisions", KEY], ["good"]),
+    "ranking-is-a-string": _set(["decisions", KEY, "ranking"], "abc"),
+    "config-is-a-string": _set(["decisions", KEY, "config"], "xyz"),
+    "time-is-a-string": _set(["decisions", KEY, "time_us"], "fast"),
+    "tuned-at-negative": _set(["decisions", KEY, "tuned_at_m"], -1),
+    "bad-key": _set(["decisions", "m4-n48-k64-bfloat16-extra"], {"backend": "good"}),
+    "other-key-bad-entry": _set(["decisions", "m8-n48-k64-float32"], {"backend": 5}),
+    "seconds-is-a-string": _set(["health", "good", "seconds"], "abc"),
+    "seconds-is-null": _set(["health", "good", "seconds"], None),
+    "status-is-a-list": _set(["health", "good", "status"], ["ok"]),
+    "status-upper-case": _set(["health", "good", "status"], "OK"),
+    "blacklist-is-a-number": _set(["shape_blacklist", KEY], 5),
+    "verified-not-a-list": _set(["verified", KEY], {"good|default": "x"}),
+    "fault-count-a-string": _set(["faults", KEY], {"good": {"count": "many", "last": 1.0, "reason": ""}}),
+    "section-is-a-list": _set(["decisions"], []),
+    "not-utf8": lambda data: b"\xff\xfe\x00{garbage",
+    "deep-nesting": lambda data: b"[" * 200000,
+    "truncated": lambda data: json.dumps(data).encode()[:40],
+}
+
+
+@pytest.mark.parametrize("mutation", list(HOSTILE))
+def test_07_hostile_cache_content_is_dropped_with_one_warning(tmp_path, mutation, caplog):
+    d = disp([FakeBackend("good")], tmp_path)
+    assert right(d, 4) and right(d, 8)
+    path = d.cache_for(CPU).path
+    path.write_bytes(HOSTILE[mutation](json.loads(path.read_text())))
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        fresh = disp([FakeBackend("good")], tmp_path)  # a new process: was a crash on every call
+        assert right(fresh, 4) and right(fresh, 8, seed=1)
+        recs = fresh.report(CPU)
+        assert "good" in str(recs) and recs[0].status == "ok"
+    cache_warnings = [r for r in caplog.records if "cache file" in r.getMessage()]
+    assert len(cache_warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_07_import_refuses_a_profile_with_a_malformed_entry(tmp_path, capsys):
+    from fp4dispatch.tune import main
+
+    d = Dispatcher(cache_dir=tmp_path / "c")  # the built-in backends, so the profile matches this device
+    a, b, sa, sb, al = make_nvfp4_inputs(4, 48, 64)
+    d.fp4_mm(a, b, sa, sb, al)
+    assert main(["export", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "c")]) == 0
+    prof = json.loads((tmp_path / "p.json").read_text())
+    prof["decisions"]["m4-n48-k64-bfloat16"] = "reference"  # was accepted, then fp4_mm raised AttributeError
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "1 malformed entries, so nothing was imported" in err and "decisions['m4-n48-k64-bfloat16']" in err
+    assert not (tmp_path / "d").exists() or not list((tmp_path / "d").glob("decisions-*.json"))
+
+
+# -- 8. a peer holding the lock must not stall calls -------------------------------------------------------------
+def test_08_a_held_lock_costs_a_call_at_most_the_short_wait(tmp_path):
+    from filelock import FileLock
+
+    d = disp([FakeBackend("good")], tmp_path)
+    cache = d.cache_for(CPU)
+    peer = FileLock(str(cache.path) + ".lock")  # another process's lock, in effect (flock is per open file)
+    peer.acquire()
+    try:
+        import time
+
+        t0 = time.perf_counter()
+        assert right(d, 4) and right(d, 16)  # was 120.8 s for the first call and 60 s per new key
+        waited = time.perf_counter() - t0
+        assert waited < 30, waited  # a hang guard, not a timing goal: each write waits LOCK_TIMEOUT_S (1 s) once
+        assert not cache.path.exists() or "m16-n48-k64-float32" not in cache.path.read_text()
+    finally:
+        peer.release()
+    assert right(d, 2)  # the next write takes the free lock and writes everything kept in memory
+    on_disk = json.loads(cache.path.read_text())["decisions"]
+    assert {"m4-n48-k64-float32", "m16-n48-k64-float32", "m2-n48-k64-float32"} <= set(on_disk)
+
+
+# -- 9. scaling -------------------------------------------------------------------------------------------------
+def test_09_an_oversized_file_is_not_read_and_sections_are_bounded(tmp_path, monkeypatch, caplog):
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    d = disp([FakeBackend("good")], tmp_path)
+    assert right(d, 4)
+    path = d.cache_for(CPU).path
+    data = json.loads(path.read_text())
+    data["decisions"].update({f"m1-n{n}-k64-float32": data["decisions"][KEY] for n in range(1, 3000)})
+    path.write_text(json.dumps(data))  # a valid file of ~1 MB: was re-read and rewritten whole on every write
+    monkeypatch.setattr(cache_mod, "MAX_FILE_BYTES", 64 << 10)
+    monkeypatch.setattr(cache_mod, "MAX_KEYS", 8)
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        fresh = disp([FakeBackend("good")], tmp_path)
+        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+            assert right(fresh, m, seed=m)
+    assert any("over the 65536-byte bound" in r.getMessage() for r in caplog.records)
+    data = json.loads(path.read_text())
+    assert path.stat().st_size < 64 << 10
+    assert all(len(data[s]) <= 8 for s in ("decisions", "verified", "health"))
+
+
+# -- 10. leftovers ----------------------------------------------------------------------------------------------
+def test_10_temp_files_of_killed_writers_and_lock_files_are_cleaned(tmp_path, capsys):
+    from fp4dispatch.tune import main
+
+    d = disp([FakeBackend("good")], tmp_path)
+    assert right(d, 4)
+    path = d.cache_for(CPU).path
+    stale = [path.parent / f".{path.name}.abc{i}.tmp" for i in range(3)]
+    other = path.parent / ".decisions-0123456789abcdef.json.xyz.tmp"
+    for p in stale + [other]:
+        p.write_text("{half a fi")
+    disp([FakeBackend("good")], tmp_path).cache_for(CPU)  # opening cleans this fingerprint's leftovers
+    assert not any(p.exists() for p in stale) and other.exists()
+    (path.parent / "decisions-0123456789abcdef.json.lock").write_text("")
+    assert main(["clear", "--all", "--cache-dir", str(path.parent)]) == 0
+    assert sorted(p.name for p in path.parent.iterdir()) == []
+
+
+def _kill_writer(cache_dir: str) -> None:
+    from fp4dispatch.dispatch.cache import DecisionCache
+
+    c = DecisionCache(cache_dir, {"device_type": "cpu", "libs": {}})
+    i = 0
+    while True:
+        i += 1
+        c.update("decisions", {f"m1-n{i}-k64-float32": {"backend": "x", "config": {}, "time_us": 1.0,
+                                                       "ranking": [{"backend": "x", "pad": "y" * 4000}] * 16}})
+
+
+def test_10_kill_9_mid_write_never_corrupts_nor_sticks(tmp_path):
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    from fp4dispatch.dispatch.cache import DecisionCache
+
+    ctx = mp.get_context("fork")  # the writer needs no fresh interpreter; fork keeps each round short
+    for i in range(10):
+        p = ctx.Process(target=_kill_writer, args=(str(tmp_path),))
+        p.start()
+        time.sleep(0.2 + 0.05 * i)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        c = DecisionCache(tmp_path, {"device_type": "cpu", "libs": {}})  # parses, cleans leftovers
+        assert c.flush() and c.update("health", {"x": {"status": "ok", "reason": "", "seconds": 0.0}})
+        assert not list(tmp_path.glob(".decisions-*.tmp"))
+    assert json.loads(c.path.read_text())["decisions"]  # entries the killed writers completed are all there
+
+
+# -- 11. sharing a cache across users ---------------------------------------------------------------------------
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_11_files_get_the_umask_mode(tmp_path, umask, mode):
+    import os
+
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    old = os.umask(umask)
+    cache_mod._umask.cache_clear()
+    try:
+        d = disp([FakeBackend("good")], tmp_path)
+        assert right(d, 4)
+        path = d.cache_for(CPU).path
+        assert path.stat().st_mode & 0o777 == mode  # was 0600 (mkstemp): no other user could read it
+    finally:
+        os.umask(old)
+        cache_mod._umask.cache_clear()
+
+
+# -- 12. an unwritable cache is reported, once ------------------------------------------------------------------
+def test_12_unwritable_cache_fails_tune_and_import_and_warns_once(tmp_path, capsys, caplog):
+    from fp4dispatch.tune import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    bad_dir = str(blocker / "cache")  # below a regular file: cannot be created, even by root
+    code = main(["--shape", "4,48,64", "--cache-dir", bad_dir], backends=[FakeBackend("good")],
+                do_bench=fake_do_bench)
+    out = capsys.readouterr().out
+    assert code == 1 and "could not write the cache" in out and "lost when this process ends" in out
+    good = tmp_path / "good"
+    assert main(["--shape", "4,48,64", "--cache-dir", str(good)]) == 0
+    assert f"cache: {good}" in capsys.readouterr().out  # tune says where it wrote
+    assert main(["export", str(tmp_path / "p.json"), "--cache-dir", str(good)]) == 0
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "p.json"), "--cache-dir", bad_dir]) == 1  # was "imported ..." and 0
+    assert "nothing was written" in capsys.readouterr().err
+    d = Dispatcher([FakeBackend("good")], cache_dir=bad_dir, do_bench=fake_do_bench)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        for m in range(1, 21):
+            assert right(d, m, seed=m)
+    assert sum("could not write the cache" in r.getMessage() for r in caplog.records) == 1  # was 18 in 20 calls
