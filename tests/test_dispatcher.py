@@ -373,19 +373,15 @@ def test_eager_calls_and_captured_calls_each_get_their_own_winner(tmp_path, monk
     monkeypatch.undo()
     d2, gpu_fast2, host_light2 = disp()  # a new process: both picks from the cache, proven M included
     _call(d2, 8)
-    _call(d2, 8, seed=1)
-    # no proof runs; the graph pick runs once at the key's first call at this M, so that eager calls prepare a capture
-    assert host_light2.calls == 2 and gpu_fast2.calls == 1
+    assert host_light2.calls == 1 and gpu_fast2.calls == 0
     monkeypatch.setattr(Dispatcher, "_capturing", staticmethod(lambda device: True))
     assert d2.choose(p).backend.name == "gpu-fast"
     monkeypatch.undo()
     from fp4dispatch.graphs import warmup
 
     before = gpu_fast2.calls, host_light2.calls
-    assert warmup([(16, 64, 128)], out_dtype=torch.float32, device="cpu", dispatcher=d2) == {
-        (16, 64, 128): "host-light"}
-    # tuned (each candidate checked once and timed twice), the eager pick run once, the graph pick once more
-    assert gpu_fast2.calls - before[0] == 4 and host_light2.calls - before[1] == 4
+    assert warmup([(8, 64, 128)], out_dtype=torch.float32, device="cpu", dispatcher=d2) == {(8, 64, 128): "host-light"}
+    assert (gpu_fast2.calls, host_light2.calls) == (before[0] + 1, before[1] + 1)  # a capture will run gpu-fast
 
 
 def d_problem(m):

@@ -1,19 +1,14 @@
 """What a decided key runs (``Choice``), the merges of the cache sections the dispatcher writes, and device checks."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import Backend, Config, config_id
-from ..errors import InvalidInputError, describe_exception
-from ..problem import Operands, Problem
-from .verify import random_operands, reset_cuda_error
+from ..errors import InvalidInputError
 
-__all__ = ["Choice", "ident", "prepare", "add_proven", "add_faults", "check_device", "resolve_device"]
-
-log = logging.getLogger("fp4dispatch")
+__all__ = ["Choice", "ident", "add_proven", "add_faults", "check_device", "resolve_device"]
 
 
 @dataclass(eq=False)
@@ -27,19 +22,6 @@ class Choice:
 
 def ident(backend: Backend, config: Config) -> str:
     return f"{backend.name}|{config_id(config)}"
-
-
-def prepare(c: Choice, problem: Problem) -> None:
-    """Run ``c`` once on random operands of ``problem`` (compiles its kernels, builds what it caches), so that a CUDA
-    graph capture that runs it later has nothing to set up. Never raises: it was proven at this M already."""
-    ops = Operands(*random_operands(problem.m, problem.n, problem.k, problem.device, seed=problem.m),
-                   torch.empty((problem.m, problem.n), dtype=problem.out_dtype, device=problem.device))
-    try:
-        c.backend.run(problem, ops, c.config)
-    except Exception as e:  # noqa: BLE001 - a capture would meet this again and say so
-        reset_cuda_error(problem.device)
-        log.warning("fp4dispatch: preparing %s for CUDA graphs at %s raised %s", c.backend.name, problem,
-                    describe_exception(e))
 
 
 def add_proven(old: dict, new: dict) -> dict:

@@ -30,7 +30,7 @@ from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args
 from .cache import DecisionCache
 from .cached import CachedPicks
-from .choice import Choice, add_proven, check_device, ident, prepare, resolve_device
+from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_in_bucket
@@ -161,13 +161,10 @@ class Dispatcher(CachedPicks, FaultRecovery):
             self._state(problem.device)
             if key not in self._choices:
                 self._choices[key], self._eager[key] = self._cached_picks(key, problem) or self._tune_key(key, problem)
-            # both picks are proven at this M, and the graph pick runs here once where it differs: eager calls are
-            # how a caller warms up before a capture, and a capture can compile or set up nothing
-            g = self._choices[key] = self._prove(key, problem, self._choices[key], mode=0)
-            e = self._eager[key] = self._prove(key, problem, self._eager[key], mode=1)
-            if (g.backend, g.config) != (e.backend, e.config):
-                prepare(g, problem)
-            return e
+            # both picks are proven at this M: a warm-up (eager) must prepare what a later capture runs
+            self._choices[key] = self._prove(key, problem, self._choices[key], mode=0)
+            self._eager[key] = self._prove(key, problem, self._eager[key], mode=1)
+            return self._eager[key]
 
     def _choice(self, key: tuple, backend: Backend, config: Config, fallbacks: tuple) -> Choice:
         return Choice(backend, config, fallbacks, key, self._proven.setdefault((key, ident(backend, config)), set()))
@@ -357,6 +354,13 @@ class Dispatcher(CachedPicks, FaultRecovery):
         """Decide every (M, N, K) in ``shapes`` now and prove it at that M (before CUDA-graph capture or serving)."""
         dev = resolve_device(device)
         return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev)) for m, n, k in shapes}
+
+    def picks(self, problem: Problem) -> tuple[Choice, Choice]:
+        """(graph pick, eager pick) of ``problem``'s key, decided and proven at ``problem.m``: what a captured call
+        and an eager call of it run (the same object when they agree, or for a forced backend)."""
+        eager = self.choose(problem)
+        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+        return self._choices.get(key, eager) if eager.key is not None else eager, eager
 
     def report(self, device=None) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
