@@ -22,7 +22,6 @@ import torch
 
 from .errors import InvalidInputError
 from .format import BLOCK
-from .problem import Operands, Problem
 
 __all__ = ["warmup"]
 
@@ -76,12 +75,7 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         for i, (m, n, k) in enumerate(todo):
             a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed=i)
             # the first run uses alpha=None so that validate's per-device ones-tensor exists before capture
-            out = d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
-            # a captured call runs the key's graph pick: compile and set it up now too, where it differs
-            p = Problem(m, n, k, out_dtype, dev)
-            graph_pick, eager_pick = d.picks(p)
-            if (graph_pick.backend, graph_pick.config) != (eager_pick.backend, eager_pick.config):
-                d.execute(graph_pick, p, Operands(a, b, sa, sb, alpha, out))
+            d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     if dev.type == "cuda":

@@ -14,7 +14,7 @@ from .backends.reference import reference_mm
 from .problem import Operands, Problem
 from .dispatch.verify import random_operands
 
-__all__ = ["make_nvfp4_inputs", "FakeBackend", "fake_do_bench", "fake_eager_bench", "make_operands"]
+__all__ = ["make_nvfp4_inputs", "FakeBackend", "fake_do_bench", "make_operands"]
 
 
 def make_nvfp4_inputs(m: int, n: int, k: int, *, device="cpu", seed: int = 0):
@@ -38,25 +38,16 @@ def make_operands(problem: Problem, seed: int = 0) -> Operands:
 _cost_acc = threading.local()
 
 
-def _charge(seconds: float, launch: float = 0.0) -> None:
+def _charge(seconds: float) -> None:
     _cost_acc.total = getattr(_cost_acc, "total", 0.0) + seconds
-    _cost_acc.launch = getattr(_cost_acc, "launch", 0.0) + launch
 
 
 def fake_do_bench(fn: Callable[[], object]) -> float:
     """Run ``fn`` once and return, in milliseconds (like ``triton.testing.do_bench``), the summed ``cost`` of the
-    fake backends it ran: their device time, as a CUDA-graph timer sees it. Lets tuning be tested without a GPU or a
-    clock."""
-    _cost_acc.total = _cost_acc.launch = 0.0
+    fake backends it ran. Lets tuning be tested without a GPU or a clock."""
+    _cost_acc.total = 0.0
     fn()
     return _cost_acc.total * 1e3
-
-
-def fake_eager_bench(fn: Callable[[], object]) -> float:
-    """Like :func:`fake_do_bench`, plus the fake backends' ``launch_cost``: what one eager call costs its caller."""
-    _cost_acc.total = _cost_acc.launch = 0.0
-    fn()
-    return (_cost_acc.total + _cost_acc.launch) * 1e3
 
 
 RESULTS = ("correct", "zeros", "nan", "transposed", "scaled", "abs_alpha", "nan_scale_as_zero")
@@ -68,7 +59,6 @@ class FakeBackend(BaseBackend):
 
     Args:
         cost: seconds per run as seen by :func:`fake_do_bench`; a float or ``callable(M, N, K) -> float``.
-        launch_cost: seconds of host time per run that only an eager call pays (:func:`fake_eager_bench`).
         result: "correct", "zeros", "nan" (NaN rows), "transposed" (b's layout misread), "scaled" (x2),
             "abs_alpha" (uses |alpha|), "nan_scale_as_zero" (reads a NaN block scale as 0).
         unavailable / unsupported: a reason string (the backend says it cannot run on the device / the problem).
@@ -86,7 +76,7 @@ class FakeBackend(BaseBackend):
     ``.calls`` counts every run (probe, tuning, verification, real calls).
     """
 
-    def __init__(self, name: str, *, cost=1e-5, launch_cost: float = 0.0, result: str = "correct", unavailable: str | None = None,
+    def __init__(self, name: str, *, cost=1e-5, result: str = "correct", unavailable: str | None = None,
                  unsupported: str | None = None, raises: BaseException | None = None, wrong_for_m=(),
                  nan_rows_for_m=(), nan_rows_after: int | None = None, fail_after: int | None = None,
                  mutates: str | None = None, out_fault: str | None = None, crash: str | None = None,
@@ -99,7 +89,6 @@ class FakeBackend(BaseBackend):
             raise ValueError(f"FakeBackend: mutates must name an input {Operands._fields[:5]}; got {mutates!r}")
         self.name = name
         self.cost = cost
-        self.launch_cost = launch_cost
         self.result = result
         self._unavailable = unavailable
         self._unsupported = unsupported
@@ -140,7 +129,7 @@ class FakeBackend(BaseBackend):
             raise RuntimeError(f"{self.name}: failing after {self.fail_after} runs (scripted)")
         self.successes += 1
         c = self.cost(problem.m, problem.n, problem.k) if callable(self.cost) else self.cost
-        _charge(c * config.get("cost_factor", 1.0), self.launch_cost)
+        _charge(c * config.get("cost_factor", 1.0))
         if problem.m in self.wrong_for_m or self.result == "zeros":
             ops.out.zero_()
             return

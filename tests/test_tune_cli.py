@@ -371,16 +371,3 @@ def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):
     decisions = json.loads(cache_file.read_text())["decisions"]
     assert set(decisions) == {r["key"] for r in rows}
     assert all(decisions[r["key"]]["backend"] == r["winner"] for r in rows)
-
-
-def test_the_table_shows_the_eager_winner_beside_the_graph_winner(tmp_path, capsys):
-    from fp4dispatch.testing import fake_eager_bench
-
-    backends = [FakeBackend("gpu-fast", cost=1e-6, launch_cost=1e-4), FakeBackend("host-light", cost=1e-5)]
-    assert main(["--shape", "8,64,128", "--cache-dir", str(tmp_path / "c")], backends=backends,
-                do_bench=fake_do_bench, eager_bench=fake_eager_bench) == 0
-    out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if "eager winner" in line)
-    row = next(line for line in out.splitlines() if line.startswith("| 8 "))
-    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
-    assert cells["winner"] == "gpu-fast" and cells["eager winner"] == "host-light" and cells["eager (us)"] == "10.0"

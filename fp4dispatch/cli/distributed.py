@@ -48,11 +48,10 @@ class TuneOptions:
     progress: bool = True
 
 
-def make_dispatcher(opts: TuneOptions, backends=None, do_bench=None, eager_bench=None) -> Dispatcher:
+def make_dispatcher(opts: TuneOptions, backends=None, do_bench=None) -> Dispatcher:
     """A dispatcher with the CLI's settings (``--isolate``, ``--cache-dir``) over the environment's."""
     settings = dataclasses.replace(read_settings(), isolate=opts.isolate)
-    return Dispatcher(backends, cache_dir=opts.cache_dir, do_bench=do_bench, eager_bench=eager_bench,
-                      settings=settings)
+    return Dispatcher(backends, cache_dir=opts.cache_dir, do_bench=do_bench, settings=settings)
 
 
 def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device, timer: str = "graph") -> float:
@@ -81,10 +80,6 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
            "runner_up_us": runner["time_us"] if runner else None, "speedup_vs_runner_up": None}
     if runner and time_us:
         row["speedup_vs_runner_up"] = round(runner["time_us"] / time_us, 3)
-    eager = entry.get("eager") or {}
-    row["eager_winner"] = eager.get("backend") if eager.get("eager_us") is not None else None
-    row["eager_config"] = eager.get("config") or {}
-    row["eager_us"] = eager.get("eager_us")
     return row
 
 

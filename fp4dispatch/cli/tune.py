@@ -73,9 +73,7 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         con.print(note)
     gpu = any(r.get("cublas_bf16_us") is not None for r in rows)
     several = len({r["tuned_by"] for r in rows}) > 1
-    eager = any(r.get("eager_winner") for r in rows)  # timed eagerly too (on a GPU): both picks are shown
     cols = ["M bucket", "N", "K", "layer", "tried", "winner", "time (us)", "TFLOP/s", "vs runner-up"]
-    cols += ["eager winner", "eager (us)"] if eager else []
     cols += ["vs cuBLAS bf16"] if gpu else []
     cols += ["by"] if several else []
     body = []
@@ -89,11 +87,6 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
                 _fmt(r.get("time_us")), _fmt(r.get("tflops"), ".3g"),
                 _fmt(r.get("speedup_vs_runner_up"), ".2f", "x")
                 + (f" ({r['runner_up']})" if r.get("runner_up") else "")]
-        if eager:
-            ecfg = ",".join(f"{k}={v}" for k, v in sorted(r.get("eager_config", {}).items()))
-            same = ok and r.get("eager_winner") == r["winner"] and r.get("eager_config") == r.get("config")
-            line += ["same" if same else (r.get("eager_winner") or "-") + (f" [{ecfg}]" if ecfg else ""),
-                     _fmt(r.get("eager_us"))]
         line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
         line += [r["tuned_by"]] if several else []
         body.append(line)
@@ -158,7 +151,7 @@ def _collect_shapes(args, parser, on_gpu: bool) -> tuple[list, list[dict]]:
     return presets.expand_shapes(raw), skipped
 
 
-def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench, eager_bench) -> int:
+def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
     dev = _default_device()
     shapes, skipped = _collect_shapes(args, parser, dev.type == "cuda" or bool(args.devices))
     skip_notes = [f"skipped {s['layer']} (N={s['n']}, K={s['k']}): {s['reason']}" for s in skipped]
@@ -182,7 +175,7 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench, eager_bench) 
         notes += errors
         payload.update(mode="devices", devices=args.devices)
         return _finish(args, payload, rows, backs, notes)
-    d = make_dispatcher(opts, backends, do_bench, eager_bench)
+    d = make_dispatcher(opts, backends, do_bench)
     rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev))
     payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path))
     return _finish(args, payload, rows, backend_rows(d, dev), notes, d.cache_for(dev))
@@ -356,9 +349,9 @@ def _check(args, parser) -> None:
         parser.error("--all applies to clear only")
 
 
-def main(argv: list[str] | None = None, *, backends=None, do_bench=None, eager_bench=None) -> int:
-    """Run the CLI; returns the exit code. ``backends`` replaces the built-in list, ``do_bench`` and ``eager_bench``
-    the timers (tests, custom builds); none reaches ``--devices`` processes, which use the defaults."""
+def main(argv: list[str] | None = None, *, backends=None, do_bench=None) -> int:
+    """Run the CLI; returns the exit code. ``backends`` replaces the built-in list and ``do_bench`` the timer
+    (tests, custom builds); neither reaches ``--devices`` processes, which use the defaults."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -377,7 +370,7 @@ def main(argv: list[str] | None = None, *, backends=None, do_bench=None, eager_b
     if args.self_test:
         return _cmd_self_test(args, opts, backends)
     try:
-        return _cmd_tune(args, parser, opts, backends, do_bench, eager_bench)
+        return _cmd_tune(args, parser, opts, backends, do_bench)
     except SystemExit as e:  # parser.error from a shape source (a bad --hf-config)
         return int(e.code or 0)
 

@@ -22,21 +22,20 @@ from pathlib import Path
 import torch
 
 from ..backends import default_backends
-from ..backends.base import Backend, Config
+from ..backends.base import Backend, Config, config_json
 from ..backends.reference import reference_mm
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args
 from .cache import DecisionCache
-from .cached import CachedPicks
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_in_bucket
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report
-from .timer import DoBench, eager_call_bench, for_device
+from .timer import DoBench, for_device
 from .tuner import tune, verify_only
 from .verify import check_run, make_case
 
@@ -46,7 +45,7 @@ log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-class Dispatcher(CachedPicks, FaultRecovery):
+class Dispatcher(FaultRecovery):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
@@ -56,28 +55,20 @@ class Dispatcher(CachedPicks, FaultRecovery):
             (``FP4DISPATCH_TIMER=eager``: eager launches). On the CPU nothing is timed unless ``do_bench`` is given:
             backends keep their priority order (the reference is the only one that matters there, and a loaded
             machine's timings would decide at random).
-        eager_bench: ``fn -> milliseconds`` of one eager call, host included (default on CUDA: synchronize, call,
-            synchronize; none when ``do_bench`` is given or on the CPU). A key keeps two picks: the fastest in
-            ``do_bench``'s time for calls made while a stream captures a CUDA graph, the fastest eagerly for the
-            others.
         settings: environment knobs (default: read from ``FP4DISPATCH_*`` now).
         guard: guard mode (default ``FP4DISPATCH_GUARD``).
     """
 
     def __init__(self, backends: list[Backend] | None = None, *, cache_dir: str | Path | None = None,
-                 do_bench: DoBench | None = None, eager_bench: DoBench | None = None, settings: Settings | None = None,
-                 guard: bool | None = None):
+                 do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None):
         self.settings = settings or read_settings()
         self.backends: list[Backend] = list(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}
         self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
         self._do_bench = do_bench
-        self._eager_bench = eager_bench
         self._forced = self.settings.forced_backend
-        self._choices: dict[tuple, Choice] = {}  # the graph-time pick of each key: used while a stream captures
-        self._eager: dict[tuple, Choice] = {}  # the eager-time pick: used for every other call
-        self._benched: dict[tuple, dict[str, str]] = {}  # key -> backends that raised on a call here, and why
+        self._choices: dict[tuple, Choice] = {}
         self._named: dict[tuple, Choice] = {}
         self._proven: dict[tuple, set] = {}  # (key, ident) -> M proven, shared by every Choice of that pair
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
@@ -115,12 +106,8 @@ class Dispatcher(CachedPicks, FaultRecovery):
             return self._named_choice(backend, problem)
         m, n, k, dt, dev = problem
         key = (dev, m_bucket(m), n, k, dt)
-        c = (self._choices if self._capturing(dev) else self._eager).get(key)
+        c = self._choices.get(key)
         return c if c is not None and m in c.verified else self._decide(key, problem)
-
-    @staticmethod
-    def _capturing(device: torch.device) -> bool:
-        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def execute(self, choice: Choice, problem: Problem, ops: Operands) -> torch.Tensor:
         try:
@@ -140,71 +127,85 @@ class Dispatcher(CachedPicks, FaultRecovery):
         with self._lock:
             cache, _ = self._state(problem.device)
             self._ban(cache, choice.key, choice.backend.name, reason)
-            self._forget(choice.key)
-            return self._decide(choice.key, problem)
-
-    def _forget(self, key: tuple) -> None:
-        """Drop a key's picks from memory: the next call derives them again from the cache (bans and benches
-        applied)."""
-        self._choices.pop(key, None)
-        self._eager.pop(key, None)
+            new = self._prove(choice.key, problem, self._next(choice))
+            self._choices[choice.key] = new
+            return new
 
     # -- decisions -----------------------------------------------------------------------------------------------
     def _decide(self, key: tuple, problem: Problem) -> Choice:
         with self._lock:
-            graph = self._capturing(problem.device)
-            c = (self._choices if graph else self._eager).get(key)
+            c = self._choices.get(key)
             if c is not None and problem.m in c.verified:
                 return c
-            if graph:
-                return self._capture_choice(key, problem, self._choices.get(key))
+            if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return self._capture_choice(key, problem, c)
             self._state(problem.device)
-            if key not in self._choices:
-                self._choices[key], self._eager[key] = self._cached_picks(key, problem) or self._tune_key(key, problem)
-            # both picks are proven at this M: a warm-up (eager) must prepare what a later capture runs
-            self._choices[key] = self._prove(key, problem, self._choices[key], mode=0)
-            self._eager[key] = self._prove(key, problem, self._eager[key], mode=1)
-            return self._eager[key]
+            if c is None:
+                c = self._cached_choice(key, problem) or self._tune_key(key, problem)
+            c = self._prove(key, problem, c)
+            self._choices[key] = c
+            return c
 
     def _choice(self, key: tuple, backend: Backend, config: Config, fallbacks: tuple) -> Choice:
         return Choice(backend, config, fallbacks, key, self._proven.setdefault((key, ident(backend, config)), set()))
 
-    def _next(self, c: Choice, *, benched: bool = False) -> Choice | None:
-        """The first of ``c``'s fallbacks that may still serve its key (``benched``: backends benched after a
-        fault count as able)."""
-        fb = c.fallbacks
-        while fb:
-            (b, cfg), fb = fb[0], fb[1:]
-            if self._usable(c.key, b.name, benched=benched) is None:
-                return self._choice(c.key, b, cfg, fb)
-        return None
+    def _next(self, c: Choice) -> Choice | None:
+        return self._choice(c.key, *c.fallbacks[0], c.fallbacks[1:]) if c.fallbacks else None
 
-    def _usable(self, key: tuple, name: str, *, benched: bool = False) -> str | None:
-        """Why backend ``name`` may not serve ``key`` (unhealthy, banned, wrong at a probe M in its bucket, benched
-        after a fault in this process unless ``benched``)."""
+    def _usable(self, key: tuple, name: str) -> str | None:
+        """Why backend ``name`` may not serve ``key`` (unhealthy, banned, wrong at a probe M in its bucket)."""
         cache, health = self._states[key[0]]
         v = health.get(name)
         if v is None or v.status != "ok":
             return f"{v.status}: {v.reason}" if v else "unknown backend"
-        return (cache.shape_blacklist.get(key_str(key), {}).get(name) or self._wrong_when_probed(key, v)
-                or (None if benched else self._benched.get(key, {}).get(name)))
+        return cache.shape_blacklist.get(key_str(key), {}).get(name) or self._wrong_when_probed(key, v)
 
     @staticmethod
     def _wrong_when_probed(key: tuple, v: Verdict) -> str | None:
         m = wrong_in_bucket(v, key[1])
         return f"incorrect at M={m} when probed (M bucket {key[1]} holds it): {v.reason}" if m else None
 
-    def _timers(self, problem: Problem) -> tuple[DoBench | None, DoBench | None]:
-        """(graph-mode timer, eager timer) for tuning; None: not timed."""
-        if not self.settings.tune:
-            return None, None
-        if self._do_bench is not None:
-            return self._do_bench, self._eager_bench
-        if problem.device.type == "cpu":
-            return None, None
-        return for_device(problem.device, self.settings.timer), self._eager_bench or eager_call_bench
+    def _cached_choice(self, key: tuple, problem: Problem) -> Choice | None:
+        """The cached decision of ``key``, or None when there is none or its winner can no longer serve (unhealthy,
+        banned, or its config is no longer offered: the key is then tuned again). Never raises."""
+        cache, _ = self._states[key[0]]
+        ks = key_str(key)
+        entry = cache.decisions.get(ks)
+        if entry is None:
+            return None
+        try:
+            ranked: list[tuple[Backend, Config]] = []
+            for t in [entry] + list(entry.get("ranking", [])):
+                b = self._by_name.get(t["backend"])
+                if t.get("time_us") is None or b is None or any(r[0] is b for r in ranked):
+                    continue
+                if self._usable(key, b.name) is None:
+                    cfg = next((c for c in b.configs(problem) if config_json(c) == t.get("config", {})), None)
+                    if cfg is not None:
+                        ranked.append((b, cfg))
+                    elif t is entry:  # new candidates may exist: they are tried
+                        self._warn(f"stale:{ks}", "fp4dispatch: the cached config of %s (%s %s) is no longer "
+                                   "offered; tuning the key again", ks, b.name, t.get("config"))
+                        return None
+        except Exception as e:  # noqa: BLE001 - cache content never raises out of fp4_mm
+            self._warn(f"entry:{ks}", "fp4dispatch: ignoring the cached decision of %s (%s)", ks, describe_exception(e))
+            return None
+        if not ranked:
+            return None  # nothing the entry ranked can serve any more: decide again
+        proven = cache.verified.get(ks, {})
+        for b, cfg in ranked:
+            who = ident(b, cfg)
+            self._proven.setdefault((key, who), set()).update(proven.get(who, ()))
+        return self._choice(key, *ranked[0], tuple(ranked[1:]))
 
-    def _tune_key(self, key: tuple, problem: Problem) -> tuple[Choice, Choice]:
+    def _timer(self, problem: Problem) -> DoBench | None:
+        if not self.settings.tune:
+            return None
+        if self._do_bench is not None:
+            return self._do_bench
+        return None if problem.device.type == "cpu" else for_device(problem.device, self.settings.timer)
+
+    def _tune_key(self, key: tuple, problem: Problem) -> Choice:
         cache, _ = self._states[key[0]]
         ks = key_str(key)
         reasons: dict[str, str] = {}
@@ -220,8 +221,8 @@ class Dispatcher(CachedPicks, FaultRecovery):
                 reasons[b.name] = why
         if not candidates:
             raise self._no_backend(problem, reasons)
-        timer, eager_timer = self._timers(problem)
-        trials = tune(problem, candidates, timer, eager_timer) if timer else verify_only(problem, candidates)
+        timer = self._timer(problem)
+        trials = tune(problem, candidates, timer) if timer else verify_only(problem, candidates)
         best: dict[str, object] = {}
         for t in trials:  # sorted: the first trial of a backend is its best config
             best.setdefault(t.backend, t)
@@ -234,28 +235,21 @@ class Dispatcher(CachedPicks, FaultRecovery):
         ok = [t for t in best.values() if t.ok]
         if not ok:
             raise self._no_backend(problem, reasons)
-        good = [t for t in trials if t.ok]
-        eager = sorted(good, key=lambda t: t.eager_ms)  # stable: the graph order where nothing was timed eagerly
         entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
-                 "mode": "tuned" if timer else "priority", "at": round(time.time()),
-                 "eager": {k: v for k, v in eager[0].to_json().items() if k in ("backend", "config", "eager_us")}}
+                 "mode": "tuned" if timer else "priority", "at": round(time.time())}
         cache.update("decisions", {ks: entry})
-        for t in good:  # every ok trial was proven right at this M on the same inputs
-            self._proven.setdefault((key, ident(self._by_name[t.backend], t.config)), set()).add(problem.m)
-        cache.update("verified", {ks: {ident(self._by_name[t.backend], t.config): [problem.m] for t in good}},
-                     merge=add_proven)
-        log.info("fp4dispatch: %s on %s -> %s (eager: %s)", ks, problem.device, ok[0].backend, eager[0].backend)
-        picks = []
-        for order in (good, eager):
-            chain = self._chain(key, problem, [t.to_json() for t in order], False)
-            picks.append(self._choice(key, *chain[0], tuple(chain[1:])))
-        return picks[0], picks[1]
+        ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
+        for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
+            self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
+        cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven)
+        log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
+        return self._choice(key, *ranked[0], ranked[1:])
 
-    def _prove(self, key: tuple, problem: Problem, c: Choice | None, *, mode: int = 1, retune: bool = True,
+    def _prove(self, key: tuple, problem: Problem, c: Choice | None, *, retune: bool = True,
                walk: bool = True) -> Choice:
         """``c`` or (``walk``) the first of its fallbacks proven right at ``problem.m`` (each one found wrong is
-        banned from the key); with none left, the key is tuned again at this M (``retune``: its graph pick for
-        ``mode`` 0, its eager pick for 1) or NoUsableBackendError."""
+        banned from the key); with none left, the key is tuned again at this M (``retune``) or
+        NoUsableBackendError."""
         cache, _ = self._states[key[0]]
         m, case = problem.m, None
         while c is not None and m not in c.verified:
@@ -272,8 +266,7 @@ class Dispatcher(CachedPicks, FaultRecovery):
             return c
         if not retune:
             raise NoUsableBackendError(f"fp4_mm: no verified fallback is left for {problem} on {problem.device}")
-        self._choices[key], self._eager[key] = picks = self._tune_key(key, problem)
-        return picks[mode]
+        return self._tune_key(key, problem)
 
     @staticmethod
     def _remember_proven(cache: DecisionCache, key: tuple, m: int, ident: str) -> None:
@@ -355,13 +348,6 @@ class Dispatcher(CachedPicks, FaultRecovery):
         dev = resolve_device(device)
         return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev)) for m, n, k in shapes}
 
-    def picks(self, problem: Problem) -> tuple[Choice, Choice]:
-        """(graph pick, eager pick) of ``problem``'s key, decided and proven at ``problem.m``: what a captured call
-        and an eager call of it run (the same object when they agree, or for a forced backend)."""
-        eager = self.choose(problem)
-        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
-        return self._choices.get(key, eager) if eager.key is not None else eager, eager
-
     def report(self, device=None) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
         table."""
@@ -387,9 +373,10 @@ class Dispatcher(CachedPicks, FaultRecovery):
             else:
                 cache.decisions.update(entries)
             for key in [k for k in self._choices if k[0] == dev and key_str(k) in entries]:
-                self._forget(key)
+                del self._choices[key]
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
             return self._state(resolve_device(device))[0]
+
 

@@ -1,7 +1,7 @@
 """Runtime faults in users' calls: redo the call on the next proven backend, and record the fault only once another
 backend computed that call (docs/tuning.md, "Faults"). A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`:
-it uses the dispatcher's lock, states and benched backends, and its ``_next``, ``_prove``, ``_cached_picks``,
-``_forget``, ``_ban`` and ``_warn``."""
+it uses the dispatcher's lock, states, choices and its ``_next``, ``_prove``, ``_cached_choice``, ``_ban`` and
+``_warn``."""
 from __future__ import annotations
 
 import time
@@ -56,21 +56,17 @@ class FaultRecovery:
         while c is not None:
             yield c
             c = self._next(c)
-        with self._lock:  # then the key's whole ranking, backends benched after an earlier fault included
-            picks = self._cached_picks(first.key, problem, benched=True)
-        c = picks[1] if picks else None
+        with self._lock:
+            c = self._cached_choice(first.key, problem)
         while c is not None:
             yield c
-            c = self._next(c, benched=True)
+            c = self._next(c)
 
     def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], good: Choice) -> None:
         ks = key_str(key)
         now = round(time.time(), 3)
         with self._lock:
-            benched = self._benched.setdefault(key, {})  # benched for this key in this process
-            benched.pop(good.backend.name, None)  # it just computed a call
-            benched.update(faults)
-            self._forget(key)  # the next call derives the key's picks again, without the benched backends
+            self._choices[key] = good  # the faulted backends are benched for this key in this process
             cache, _ = self._states[key[0]]
             cache.update("faults", {ks: {n: {"count": 1, "last": now, "reason": f"{r} (at M={problem.m})"}
                                          for n, r in faults.items()}}, merge=add_faults)

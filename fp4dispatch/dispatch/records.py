@@ -5,7 +5,7 @@ every entry is checked when read, and one that does not parse is dropped with it
 make ``fp4_mm`` raise. Sections (each ``{key: entry}``; a key is ``m<bucket>-n<N>-k<K>-<out dtype>``):
 
     health           {backend: {"status", "reason", "seconds"[, "wrong_ms"]}}     one verdict per backend
-    decisions        {key: {"backend", "config", "time_us", "ranking", "tuned_at_m", "mode", "eager"}}
+    decisions        {key: {"backend", "config", "time_us", "ranking", "tuned_at_m", "mode"}}
     shape_blacklist  {key: {backend: reason}}        wrong or broken on this key, until ``tune clear``
     verified         {key: {"<backend>|<config id>": [M, ...]}}   the M at which each pick was proven right
     faults           {key: {backend: {"count", "last", "reason"}}}   runtime exceptions on users' calls
@@ -89,7 +89,6 @@ def _check_trial(t: object) -> None:
     _need(isinstance(t.get("config", {}), dict), "config must be a JSON object", t.get("config"))
     _need(t.get("time_us") is None or _number(t.get("time_us")), "time_us must be null or a time", t.get("time_us"))
     _need(isinstance(t.get("reason", ""), str), "reason must be a string", t.get("reason"))
-    _need(t.get("eager_us") is None or _number(t.get("eager_us")), "eager_us must be null or a time", t.get("eager_us"))
 
 
 def _check_decision(e: object) -> None:
@@ -100,8 +99,6 @@ def _check_decision(e: object) -> None:
         _check_trial(t)
     _need(_count(e.get("tuned_at_m", 1)), "tuned_at_m must be a positive integer", e.get("tuned_at_m"))
     _need(e.get("mode", "tuned") in MODES, f"mode must be one of {MODES}", e.get("mode"))
-    if "eager" in e:
-        _check_trial(e["eager"])
 
 
 def _check_reasons(e: object) -> None:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["default_do_bench", "cuda_graph_do_bench", "eager_call_bench", "for_device", "DoBench"]
+__all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "DoBench"]
 
 DoBench = Callable[[Callable[[], object]], float]
 
@@ -81,18 +81,3 @@ def _cuda_event_bench(fn: Callable[[], object], reps: int = 20) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return statistics.median(times)
-
-
-def eager_call_bench(fn: Callable[[], object], reps: int = 30) -> float:
-    """Median ms of ``synchronize -> fn() -> synchronize`` (host time included): what one eager call costs a caller
-    that waits for its result. Picks the eager winner of a key; the graph timer picks what a captured call runs."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3

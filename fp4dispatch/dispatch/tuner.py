@@ -28,7 +28,6 @@ class Trial:
     config: Config = field(default_factory=dict)
     time_ms: float = math.inf
     reason: str = ""  # empty when the trial is correct and timed
-    eager_ms: float = math.inf  # one eager call, host included (inf: not timed that way)
 
     @property
     def ok(self) -> bool:
@@ -36,8 +35,7 @@ class Trial:
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "config": config_json(self.config),
-                "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason,
-                "eager_us": round(self.eager_ms * 1e3, 3) if math.isfinite(self.eager_ms) else None}
+                "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
 
 
 def check_trial(backend: Backend, case: CheckCase, cfg: Config) -> str:
@@ -55,10 +53,8 @@ def _configs(backend: Backend, problem: Problem) -> tuple[list, str]:
     return cfgs, "" if cfgs else "failed: configs() offered none"
 
 
-def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, eager_bench: DoBench | None = None,
-         seed: int = 7) -> list[Trial]:
-    """Every candidate x config, fastest correct first (``do_bench``'s time; each correct one also in
-    ``eager_bench``'s when given); failed/incorrect trials last with their reasons."""
+def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7) -> list[Trial]:
+    """Every candidate x config, fastest correct first; failed/incorrect trials last with their reasons."""
     case = make_case(problem, seed, reference_mm)
     trials: list[Trial] = []
     for backend in candidates:
@@ -77,11 +73,6 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, eager_b
                 if not math.isfinite(t.time_ms) and not t.reason:
                     t.reason = "timer returned a non-finite time"
                     t.time_ms = math.inf
-                if t.ok and eager_bench is not None:
-                    try:
-                        t.eager_ms = float(eager_bench(lambda b=backend, c=cfg: b.run(problem, case.ops, c)))
-                    except Exception:  # noqa: BLE001 - it ran in the graph timer: its eager time is just unknown
-                        reset_cuda_error(problem.device)
             log.debug("tune %s: %s[%s] -> %s", problem, backend.name, config_id(cfg), t.to_json())
             trials.append(t)
     trials.sort(key=lambda t: t.time_ms)
