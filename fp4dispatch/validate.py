@@ -42,7 +42,7 @@ def _check_b_layout(a: torch.Tensor, b: torch.Tensor) -> None:
         return
     # only a transposed *view* ([K/2, N] with strides (1, K/2)) is surely FlashInfer's b.T: a contiguous b whose
     # first dim happens to equal K/2 (N == K/2) is as likely a weight of another K
-    if b.shape[0] == k2 and b.dim() == 2 and b.stride() == (1, k2) and b.shape[1] > 1:
+    if b.shape[0] == k2 and b.stride() == (1, k2) and b.shape[1] > 1:
         raise _fail(
             f"b must be [N, K/2] (the nn.Linear weight layout); got b.shape={tuple(b.shape)} with strides "
             f"{b.stride()}: the transposed view [K/2, N] = FlashInfer's b.T. fp4_mm takes the weight "
