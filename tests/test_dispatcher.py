@@ -101,6 +101,7 @@ def test_warm_cache_runs_no_probe_and_no_tuning(tmp_path):
     d1 = _disp([FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)], tmp_path)
     for m in (16, 9, 10, 11):
         _call(d1, m)  # tunes the bucket at 16, proves the pick at 9, 10 and 11
+    d1.cache_for("cpu").flush()  # what its process does at exit: proven M are written lazily
     fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
     d2 = _disp([fast, slow], tmp_path)  # a new process, in effect: same cache dir, fresh objects
     for i in range(3):
@@ -348,3 +349,18 @@ def d_problem4():
     from fp4dispatch.problem import Problem
 
     return Problem(4, 64, 128, torch.float32, torch.device("cpu"))
+
+
+def test_proving_a_new_m_does_not_rewrite_the_cache_file(tmp_path):
+    d = _disp([FakeBackend("x")], tmp_path)
+    _call(d, 16)
+    path = d.cache_for("cpu").path
+    before = path.read_bytes()
+    for m in (9, 10, 11, 12):
+        out, ref = _call(d, m, seed=m)  # each first call at an M proves the pick there
+        assert _close(out, ref)
+    assert path.read_bytes() == before  # no write per new M (a prefill of every length would rewrite it each time)
+    d.cache_for("cpu").flush()
+    proven = json.loads(path.read_text())["verified"]["m16-n64-k128-float32"]["x|default"]
+    assert sorted(proven) == [9, 10, 11, 12, 16]
+

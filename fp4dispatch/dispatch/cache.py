@@ -188,15 +188,21 @@ class DecisionCache:
             pass  # a writer is busy (its temp file is live) or the directory is not ours to write
 
     # -- writing ---------------------------------------------------------------------------------------------
-    def update(self, section: str, entries: dict, *, merge=None, merge_nested: bool = False) -> bool:
+    def update(self, section: str, entries: dict, *, merge=None, merge_nested: bool = False,
+               defer: bool = False) -> bool:
         """Merge ``entries`` into ``section`` in memory at once and on disk if the lock comes within
         ``LOCK_TIMEOUT_S`` (else with a later write). ``merge(old, new)`` combines an entry with the one already
-        there (default: the new one replaces it). Returns True when everything pending reached the disk."""
+        there (default: the new one replaces it). ``defer``: write it with the next update or at exit, not now
+        (for what is only worth less work in a later process). Returns True when everything pending reached the
+        disk."""
         if merge_nested:
             merge = nested_merge
         with self._mutex:
             _merge(self.data[section], entries, merge)
             self._pending.append((section, entries, merge))
+            if defer:
+                _pending_caches.add(self)
+                return False
             return self.flush()
 
     def flush(self, timeout: float = LOCK_TIMEOUT_S) -> bool:

@@ -272,7 +272,8 @@ class Dispatcher(FaultRecovery):
     def _remember_proven(cache: DecisionCache, key: tuple, m: int, ident: str) -> None:
         ks = key_str(key)
         if len(cache.verified.get(ks, {}).get(ident, ())) < MAX_VERIFIED_M:
-            cache.update("verified", {ks: {ident: [m]}}, merge=add_proven)
+            # deferred: the first call at each new M (every prefill length) must not rewrite the cache file
+            cache.update("verified", {ks: {ident: [m]}}, merge=add_proven, defer=True)
 
     def _ban(self, cache: DecisionCache, key: tuple, name: str, reason: str) -> None:
         ks = key_str(key)
