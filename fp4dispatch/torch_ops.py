@@ -3,7 +3,8 @@
 
 Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
 an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here (through
-``api._traced``) only while compiling; eager calls take the direct path (a custom-op dispatch costs ~10 us, the call budget is ~5 us).
+``api._traced``) only while compiling; eager calls take the direct path (a custom-op dispatch costs more host
+time than the whole dispatcher).
 
 Schema notes: ``alpha`` is ``Tensor?`` plus a Python ``float`` (``alpha_value``) used when the tensor is None, so a
 Python-float alpha traces too; ``backend`` is ``str?``; ``out_dtype`` is a ``ScalarType``.

@@ -230,18 +230,20 @@ class Dispatcher(FaultRecovery):
         health = self._states[key[0]][1]
         bad.update((n, r) for n, r in reasons.items() if r == self._wrong_when_probed(key, health[n]))
         if bad:
-            cache.update("shape_blacklist", {ks: bad}, merge_nested=True)
+            cache.update("shape_blacklist", {ks: bad}, merge_nested=True, defer=True)  # one write per key, below
             reasons.update(bad)
         ok = [t for t in best.values() if t.ok]
         if not ok:
+            cache.flush()
             raise self._no_backend(problem, reasons)
         entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
                  "mode": "tuned" if timer else "priority", "at": round(time.time())}
-        cache.update("decisions", {ks: entry})
         ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
         for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
             self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
-        cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven)
+        cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven,
+                     defer=True)
+        cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
         log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
         return self._choice(key, *ranked[0], ranked[1:])
 

@@ -1,11 +1,12 @@
 """Guard mode: catch a backend that returns NaN/Inf from finite inputs, without a host sync per call.
 
-Opt-in (``FP4DISPATCH_GUARD=1`` or ``Dispatcher(guard=True)``). After every guarded call a few tiny device
-kernels fold "this output is non-finite although its inputs are finite" into a per-(key, backend) device flag.
-Every ``FP4DISPATCH_GUARD_EVERY`` calls (default 64), or on demand (``fp4dispatch.guard.check()``), the flags are
-read in one host sync; a flagged backend is banned from that key through ``Dispatcher.blacklist`` (memory and disk,
-like a backend found wrong), a warning is logged, and the current call is recomputed with the next best backend. Calls made before a check keep their bad
-outputs: guard mode bounds how long a bad backend stays in use, it does not make every output right.
+Opt-in (``FP4DISPATCH_GUARD=1`` or ``Dispatcher(guard=True)``). After every guarded call a few tiny device kernels
+fold "this output is non-finite although its inputs are finite" into a per-(key, backend) device flag. Every
+``FP4DISPATCH_GUARD_EVERY`` calls (default 64), or on demand (``fp4dispatch.guard.check()``), the flags are read in
+one host sync; a flagged backend is banned from that key through ``Dispatcher.blacklist`` (memory and disk, like a
+backend found wrong), a warning is logged, and the current call is recomputed with the next best backend. Calls made
+before a check keep their bad outputs: guard mode bounds how long a bad backend stays in use, it does not make every
+output right.
 
 "Finite inputs": e2m1 codes are always finite, so this means no NaN e4m3 block scale (0x7F/0xFF) and a finite
 alpha. For float16 outputs only NaN counts, since a finite fp16 product may legitimately overflow to Inf.

@@ -72,8 +72,8 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, problem: Problem) -> str 
     """None if ``out`` matches ``ref`` (float32), else the reason, e.g. ``all zeros at M=300``.
 
     Rules: no NaN/Inf where the reference is finite (this also catches unwritten elements of a NaN-poisoned out),
-    NaN wherever the reference has NaN (a NaN block scale), not all zeros when the reference is not, relative Frobenius error
-    <= 1e-2.
+    NaN wherever the reference has NaN (a NaN block scale), not all zeros when the reference is not, relative
+    Frobenius error <= 1e-2.
     """
     o = out.float()
     ref = ref.to(out.dtype).float()  # an overflow of the out dtype that the exact result also has is correct
