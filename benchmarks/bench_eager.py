@@ -7,7 +7,8 @@ L2, as layer after layer in a model):
   graph  one CUDA graph of R calls, one per weight copy, replayed; time per call.
 fp4_mm runs through a fresh dispatcher whose keys are decided (tuned, proven) before anything is timed; "pick" names
 what it ran (one pick per key, chosen by CUDA-graph time: eager calls and captured calls run the same kernels and
-return the same bits).
+return the same bits); "launches" its kernel launches per call and, where a pre-decode launch precedes the GEMM, the
+tuner's time of the pick beside that of the best one-launch candidate of the key (whether the pre-decode pays).
 
     export PYTHONPATH=$PWD; python benchmarks/bench_eager.py --out $OUT [--shapes 8192x8192,... --ms 1,16,...]
 """
@@ -68,6 +69,20 @@ def _pick(entry: dict | None) -> str:
     return entry.get("backend", "-") + (f" {cfg['family']}" if "family" in cfg else "")
 
 
+def _launches(entry: dict | None) -> tuple[int, float | None, float | None]:
+    """(launches per call of the pick, its tuned time, the tuned time of the best one-launch candidate): whether a
+    pre-decode launch pays, by the tuner's own measurement of the key."""
+    from fp4dispatch.kernels.config import from_json
+
+    def count(t: dict) -> int:
+        cfg = t.get("config") or {}
+        return from_json(cfg).launches if t.get("backend") == "triton:fused" and "family" in cfg else 1
+    if not entry:
+        return 1, None, None
+    single = [t["time_us"] for t in entry.get("ranking", []) if t.get("time_us") is not None and count(t) == 1]
+    return count(entry), entry.get("time_us"), min(single, default=None)
+
+
 def cell(m: int, n: int, k: int) -> dict:
     import fp4dispatch
     from fp4dispatch import dequantize_nvfp4, quantize_nvfp4
@@ -101,8 +116,16 @@ def cell(m: int, n: int, k: int) -> dict:
         row[f"graph_{name}"] = _graph_us(call, r)
     entry = fp4dispatch.get_dispatcher().entry_for(Problem(m, n, k, torch.bfloat16, torch.device("cuda")))
     row["pick"] = _pick(entry)
+    row["launches"], row["tuned_us"], row["one_launch_us"] = _launches(entry)
     torch.cuda.empty_cache()
     return row
+
+
+def _launch_text(r: dict) -> str:
+    if r["launches"] == 1:
+        return "1"
+    one = f"{r['one_launch_us']:.1f}" if r["one_launch_us"] is not None else "none offered"
+    return f"{r['launches']} ({r['tuned_us']:.1f} / {one})"
 
 
 def main() -> int:
@@ -114,15 +137,17 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}", flush=True)
-    print("| N x K | M | host us fp4 / torch.mm | eager us fp4 / bf16 | graph us fp4 / bf16 | pick |")
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| N x K | M | host us fp4 / torch.mm | eager us fp4 / bf16 | graph us fp4 / bf16 | pick | launches (tuned us "
+          "/ best one-launch us) |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for n, k in shapes:
         for m in ms:
             r = cell(m, n, k)
             rows.append(r)
             print(f"| {n}x{k} | {m} | {r['host_fp4']:.0f} / {r['host_bf16']:.0f} | {r['eager_fp4']:.1f} / "
-                  f"{r['eager_bf16']:.1f} | {r['graph_fp4']:.1f} / {r['graph_bf16']:.1f} | {r['pick']} |", flush=True)
+                  f"{r['eager_bf16']:.1f} | {r['graph_fp4']:.1f} / {r['graph_bf16']:.1f} | {r['pick']} | "
+                  f"{_launch_text(r)} |", flush=True)
     host_ok = sum(r["host_fp4"] <= 1.3 * r["host_bf16"] for r in rows)
     graph_wins = [r for r in rows if r["graph_fp4"] <= r["graph_bf16"]]
     eager_ok = sum(r["eager_fp4"] <= r["eager_bf16"] for r in graph_wins)

@@ -46,7 +46,10 @@ def bench_ms(fn, warmup: int = 5, rep: int = 25) -> float:
 def capture(*fns) -> torch.cuda.CUDAGraph:
     """The calls ``fns`` captured in order in one CUDA graph, after a pass on the current stream and one on a side
     stream (as torch's capture wants) and with split-K counters prepared for the capture stream."""
-    from fp4dispatch.kernels import splitk
+    try:
+        from fp4dispatch.kernels import workspace
+    except ImportError:  # a tree from before workspace.py (--ab against an older commit): its name was splitk
+        from fp4dispatch.kernels import splitk as workspace
 
     for fn in fns:
         fn()
@@ -57,7 +60,7 @@ def capture(*fns) -> torch.cuda.CUDAGraph:
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(s)
-    splitk.prepare_capture(torch.device("cuda"))  # as fp4dispatch.warmup() does
+    workspace.prepare_capture(torch.device("cuda"))  # as fp4dispatch.warmup() does
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for fn in fns:

@@ -11,7 +11,7 @@ allocate, and how to avoid it:
 * scales: pass them swizzled (``scale_layout="linear"`` swizzles into a new tensor on every call);
 * split-K counters of the Triton kernels: ``warmup`` creates them for ``torch.cuda.graph``'s default capture stream;
   a graph captured on another stream (``torch.cuda.graph(g, stream=s)``) should call
-  ``fp4dispatch.kernels.splitk.prepare(device, s)`` first, else each captured split-K launch adds a small memset.
+  ``fp4dispatch.kernels.workspace.prepare(device, s)`` first, else each captured split-K launch adds a small memset.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     if dev.type == "cuda":
-        from .kernels import splitk
+        from .kernels import workspace
 
-        splitk.prepare_capture(dev)
+        workspace.prepare_capture(dev)
     result = {s: c.backend.name for s, c in choices.items()}
     log.info("fp4dispatch: warmed up %s", result)
     return result

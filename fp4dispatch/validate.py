@@ -128,6 +128,7 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
 
 
 _U8, _E4M3, _F32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+_new = tuple.__new__
 _F32_MAX = torch.finfo(torch.float32).max
 
 
@@ -158,7 +159,9 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
             elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()
                       and not out.requires_grad):
                 raise ValueError  # explained by the slow path
-            return Problem(m, n, 2 * k2, out_dtype, dev), Operands(a, b, a_scale, b_scale, alpha, out)
+            # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
+            return (_new(Problem, (m, n, 2 * k2, out_dtype, dev)),
+                    _new(Operands, (a, b, a_scale, b_scale, alpha, out)))
     except (AttributeError, ValueError, TypeError):
         pass
     return _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)

@@ -21,10 +21,10 @@ def _gluon_module(name: str):
 def test_decode_warps_split_buffers_typed_even_unsplit(monkeypatch):
     """wgds compiles its split epilogue whatever SPLIT is: unsplit, alpha stands in as an fp32 workspace and int32
     counters (never touched); split, a [BN, BM] fp32 block per (tile, part) and the stream's zeroed counters."""
-    from fp4dispatch.kernels import splitk
+    from fp4dispatch.kernels import workspace
     split_buffers = _gluon_module("gemm.wgmma_decode_warps").split_buffers
 
-    monkeypatch.setattr(splitk, "_COUNTERS", {})
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
     alpha, out = torch.ones(1), torch.empty(3, 5)
     ws, cnt = split_buffers(1, 12, 64 * 128, alpha, out)
     assert ws is alpha and cnt.dtype == torch.int32 and cnt.data_ptr() == alpha.data_ptr()

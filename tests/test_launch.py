@@ -147,3 +147,52 @@ def test_interpreter_always_takes_the_jit_path(monkeypatch):
     for _ in range(2):
         L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
     assert [e[0] for e in fn.log] == ["jit", "jit"] and L._COMPILED == {}
+
+
+class FakeLauncherRun:
+    """Shaped like Triton 3.6's CudaLauncher: what ``direct_launcher`` reads."""
+
+    def __init__(self, log, scratch=0):
+        self.log = log
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, *args):
+        self.log.append(("launcher", args))
+
+
+class FakeCompiledWithLauncher(FakeCompiled):
+    def __init__(self, log, scratch=0):
+        super().__init__(log)
+        self.run = FakeLauncherRun(log, scratch)
+        self.function, self.packed_metadata = 0xF00, (4, 1, 0)
+
+
+@pytest.mark.parametrize("case", ["direct", "hooks", "global_scratch"])
+def test_a_kept_kernel_is_launched_through_its_launcher_unless_triton_must_see_it(monkeypatch, case):
+    """The compiled kernel's launcher gets what ``compiled[grid]`` would give it (grid, the current stream, handle,
+    flags, no scratch, metadata, no launch metadata and no hooks, every parameter); with a launch hook set (a
+    profiler) or a kernel that needs Triton's per-launch scratch, the call goes through ``compiled[grid]``."""
+    monkeypatch.setattr(L, "raw_stream", lambda idx: 0x5157)
+    monkeypatch.setattr(L, "launch_hooks_set", lambda: case == "hooks")
+    log: list = []
+    compiled = FakeCompiledWithLauncher(log, scratch=64 if case == "global_scratch" else 0)
+
+    class JIT:
+        signature = inspect.signature(_kernel)
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                log.append(("jit", grid, args, kwargs))
+                return compiled
+            return call
+
+    fn = JIT()
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4,), x, y, 10, BLOCK=32)
+    L.launch(fn, (4,), x, y, 10, BLOCK=32)
+    if case == "direct":
+        assert log[1] == ("launcher", (4, 1, 1, 0x5157, 0xF00, False, True, None, None, (4, 1, 0), None, None, None,
+                                       x, y, 10, 32, False, 7))
+    else:
+        assert log[1][0] == "direct"

@@ -64,3 +64,26 @@ def test_the_backend_reaches_kernels_through_fp4_mm():
     kernel_imports = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)
                       and n.module and n.module.startswith("kernels")}
     assert kernel_imports == {"kernels", "kernels.heuristics", "kernels.fp4_mm"}, kernel_imports
+
+
+def test_kernel_families_only_launch_and_take_scratch_from_the_workspace():
+    """A launch plan (kernels/plan.py) replays a family's launches and its workspace scratch, nothing else: a torch
+    allocation or a torch op in a family module would be missing from every replayed call."""
+    allocating = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like", "cat",
+                  "stack", "mm", "matmul", "tensor", "arange"}
+    in_place = {"fill_", "zero_", "copy_", "clone", "contiguous", "to", "float", "half", "bfloat16", "index_fill_"}
+    def jitted(fn: ast.FunctionDef) -> bool:  # device code: @triton.jit, @gluon.jit, @jit
+        return any("jit" in ast.unparse(d) for d in fn.decorator_list)
+
+    checked = 0
+    for p in sorted((KERNELS / "gemm").glob("*.py")) + sorted((KERNELS / "gemv").glob("*.py")):
+        host = [f for f in ast.parse(p.read_text()).body if isinstance(f, ast.FunctionDef) and not jitted(f)]
+        checked += any(f.name == "run" for f in host)
+        for node in (n for f in host for n in ast.walk(f)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            f = node.func
+            if isinstance(f.value, ast.Name) and f.value.id == "torch":
+                assert f.attr not in allocating, f"{p.name}:{node.lineno}: torch.{f.attr} in a kernel family"
+            assert f.attr not in in_place, f"{p.name}:{node.lineno}: .{f.attr}() on a tensor in a kernel family"
+    assert checked == 7  # every family's launcher was looked at

@@ -132,8 +132,8 @@ def test_wgds_exact(m, out_dtype, variant):
         err = _rel(ops.out, _ref64(ops))
         assert err <= TOL[out_dtype], (n, err)
     if "split_k" in variant:
-        from fp4dispatch.kernels import splitk
-        assert int(splitk._COUNTERS[splitk._key(torch.device("cuda"), None)].count_nonzero()) == 0
+        from fp4dispatch.kernels import workspace
+        assert int(workspace._COUNTERS[workspace._key(torch.device("cuda"), None)].count_nonzero()) == 0
 
 
 def test_wgds_nan_block_scale_propagates():
@@ -302,7 +302,7 @@ def test_split_k_one_launch_deterministic_eager_and_in_graphs(cfg):
     """The last CTA of a tile sums the split-K partials in split order: every call gives the same bits, the counters
     are back at zero after each launch (also in graph replays), and a graph captured on a stream with no prepared
     counters (fresh ones, zeroed inside the graph) matches too."""
-    from fp4dispatch.kernels import splitk
+    from fp4dispatch.kernels import workspace
     from fp4dispatch.kernels.fp4_mm import fp4_mm
 
     m = 16 if isinstance(cfg, C.WgmmaRegisterAConfig) else 4
@@ -316,22 +316,22 @@ def test_split_k_one_launch_deterministic_eager_and_in_graphs(cfg):
         run()
         assert torch.equal(ops.out, first)
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert int(splitk._COUNTERS[splitk._key(dev, None)].count_nonzero()) == 0
+    assert int(workspace._COUNTERS[workspace._key(dev, None)].count_nonzero()) == 0
     for prepared in (True, False):
         s = torch.cuda.Stream()
         if prepared:
-            splitk.prepare(dev, s)
+            workspace.prepare(dev, s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             run()
-        assert (splitk._key(dev, s) in splitk._COUNTERS) is prepared  # unprepared: fresh counters, not kept
+        assert (workspace._key(dev, s) in workspace._COUNTERS) is prepared  # unprepared: fresh counters, not kept
         for _ in range(2):
             ops.out.fill_(float("nan"))
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(ops.out, first)
         if prepared:
-            assert int(splitk._COUNTERS[splitk._key(dev, s)].count_nonzero()) == 0
+            assert int(workspace._COUNTERS[workspace._key(dev, s)].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("kernel", ["CudaCoreGemvConfig", "WgmmaRegisterAConfig"])
@@ -355,3 +355,45 @@ def test_direct_launch_cache_follows_pointer_alignment(kernel):
         fp4_mm(a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
         assert _rel(ops.out, ref) <= 1e-5
     assert len(L._COMPILED) > before  # the direct-launch path was taken (compiled kernels were kept)
+
+
+@pytest.mark.parametrize("m", [1, 16, 128, 300])
+def test_launch_plan_replays_every_config_exactly(m):
+    """kernels/plan.py: the first call of a config at M records its launch plan; later calls on fresh operands (other
+    addresses, NaN-poisoned out) replay it. Every replay must equal the reference and have the bits of the ordinary
+    path on the same inputs, eagerly and captured in a CUDA graph (which gets its scratch from the graph's pool: an
+    eager call that grows the kept scratch afterwards must not change the graph's result)."""
+    from fp4dispatch.kernels import fp4_mm as F
+    from fp4dispatch.kernels import workspace
+    from fp4dispatch.kernels.heuristics import configs_for
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    n, k = 1024, 2048  # N % 32 == 0 and K % 32 == 0: the TMA families are offered too
+    problem = Problem(m, n, k, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))
+    unplanned = []
+    for i, cfg in enumerate(configs_for(m, n, k, problem.device)):
+        first = make_operands(problem, seed=31 * m + i)
+        F.fp4_mm(*first, cfg)
+        entry = F._PLANS[(id(cfg), first.a.shape, n, torch.bfloat16, problem.device.index)]
+        if entry[1] is None:
+            unplanned.append(cfg)
+            continue
+        for r in range(2):
+            ops = make_operands(problem, seed=7000 + 31 * m + 2 * i + r)
+            F.fp4_mm(*ops, cfg)  # the replay
+            assert _rel(ops.out, _ref64(ops)) <= TOL[torch.bfloat16], (cfg, r)
+            replayed = ops.out.clone()
+            ops.out.fill_(float("nan"))
+            F._run(*ops, cfg)  # the ordinary path
+            assert torch.equal(ops.out.view(torch.int16), replayed.view(torch.int16)), cfg
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            F.fp4_mm(*ops, cfg)
+        for purpose in ("predecode", "splitk"):  # grow the kept scratch and scribble over it
+            workspace.scratch(purpose, (1 << 24,), torch.uint8, problem.device).fill_(255)
+        ops.out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ops.out.view(torch.int16), replayed.view(torch.int16)), cfg
+    assert not unplanned, unplanned

@@ -69,7 +69,7 @@ for m, n, k in [(1, 40, 96), (2, 24, 128), (3, 70, 160), (17, 33, 272), (127, 20
 
 # split-K in one launch: the last CTA of a tile sums the partials in split order, so a repeated call gives the same
 # bits, and every counter is back at zero afterwards (the next launch on the stream relies on that)
-from fp4dispatch.kernels import splitk
+from fp4dispatch.kernels import workspace
 for cfg in (RA(16, 16, 4, 3, 4, 3, predecode_a=True), RA(16, 16, 4, 1, 4, 3, stream_k=True, stream_ctas=5),
             C.CudaCoreGemvConfig(2, 8, 4, 3, 4, fp16x2=True), C.MmaBf16Config(16, 16, 2, 3, 4, 3)):
     ops = make_operands(Problem(20, 40, 192, torch.float32, cpu), seed=7)
@@ -77,7 +77,7 @@ for cfg in (RA(16, 16, 4, 3, 4, 3, predecode_a=True), RA(16, 16, 4, 1, 4, 3, str
     first = ops.out.clone()
     ops.out.fill_(float("nan"))
     fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, cfg)
-    cnt = splitk._COUNTERS[("cpu", 0)]
+    cnt = workspace._COUNTERS[("cpu", 0)]
     res["split"].append({"cfg": cfg.to_json(), "same": bool(torch.equal(first, ops.out)), "err": rel(ops.out, ref64(ops)),
                          "zero": int(cnt.count_nonzero()) == 0, "counters": cnt.numel()})
 
@@ -239,43 +239,43 @@ def test_stream_k_schedule_covers_every_step_once(tiles, steps, ctas):
 
 
 def test_split_buffers_per_stream_and_under_capture(monkeypatch):
-    from fp4dispatch.kernels import splitk
+    from fp4dispatch.kernels import workspace
 
-    monkeypatch.setattr(splitk, "_COUNTERS", {})
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
     cpu = torch.device("cpu")
-    ws, cnt = splitk.buffers(3, 5, 2, 7, cpu)
+    ws, cnt = workspace.buffers(3, 5, 2, 7, cpu)
     assert ws.shape == (2, 3, 5) and ws.dtype == torch.float32
-    assert cnt.dtype == torch.int32 and cnt.numel() == splitk.MIN_COUNTERS and int(cnt.count_nonzero()) == 0
-    assert splitk.buffers(3, 5, 2, 7, cpu)[1] is cnt  # zeroed once, then reused
-    big = splitk.buffers(1, 1, 2, splitk.MIN_COUNTERS + 1, cpu)[1]
-    assert big.numel() == splitk.MIN_COUNTERS + 1 and splitk.buffers(1, 1, 2, 7, cpu)[1] is big  # grown, kept
+    assert cnt.dtype == torch.int32 and cnt.numel() == workspace.MIN_COUNTERS and int(cnt.count_nonzero()) == 0
+    assert workspace.buffers(3, 5, 2, 7, cpu)[1] is cnt  # zeroed once, then reused
+    big = workspace.buffers(1, 1, 2, workspace.MIN_COUNTERS + 1, cpu)[1]
+    assert big.numel() == workspace.MIN_COUNTERS + 1 and workspace.buffers(1, 1, 2, 7, cpu)[1] is big  # grown, kept
     # capturing with no buffer for the stream: a fresh zeroed one per launch, not kept (its zero-fill is captured)
-    monkeypatch.setattr(splitk, "_COUNTERS", {})
-    monkeypatch.setattr(splitk, "_capturing", lambda device: True)
-    c1, c2 = splitk.buffers(1, 1, 2, 9, cpu)[1], splitk.buffers(1, 1, 2, 9, cpu)[1]
-    assert c1 is not c2 and c1.numel() == 9 and int(c1.count_nonzero()) == 0 and splitk._COUNTERS == {}
-    splitk.prepare(cpu)  # prepared outside capture: captured launches reuse it
-    assert splitk.buffers(1, 1, 2, 9, cpu)[1] is splitk._COUNTERS[("cpu", 0)]
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)
+    c1, c2 = workspace.buffers(1, 1, 2, 9, cpu)[1], workspace.buffers(1, 1, 2, 9, cpu)[1]
+    assert c1 is not c2 and c1.numel() == 9 and int(c1.count_nonzero()) == 0 and workspace._COUNTERS == {}
+    workspace.prepare(cpu)  # prepared outside capture: captured launches reuse it
+    assert workspace.buffers(1, 1, 2, 9, cpu)[1] is workspace._COUNTERS[("cpu", 0)]
 
 
 def test_prepare_capture_only_for_a_capture_stream_on_that_device(monkeypatch):
     from types import SimpleNamespace
 
-    from fp4dispatch.kernels import splitk
+    from fp4dispatch.kernels import workspace
 
     made = []
-    monkeypatch.setattr(splitk, "prepare", lambda device, stream=None, tiles=0: made.append((device, stream)))
+    monkeypatch.setattr(workspace, "prepare", lambda device, stream=None, tiles=0: made.append((device, stream)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: SimpleNamespace(device=torch.device("cuda", 0)))
     monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
-    splitk.prepare_capture(torch.device("cuda", 1))  # not the current device: torch would capture elsewhere
+    workspace.prepare_capture(torch.device("cuda", 1))  # not the current device: torch would capture elsewhere
     assert torch.cuda.graph.default_capture_stream is None and made == []
-    splitk.prepare_capture(torch.device("cuda"))  # the current device: the stream is made the way torch makes it
+    workspace.prepare_capture(torch.device("cuda"))  # the current device: the stream is made the way torch makes it
     stream = torch.cuda.graph.default_capture_stream
     assert stream is not None and made == [(torch.device("cuda", 0), stream)]
-    splitk.prepare_capture(torch.device("cuda", 1))  # the existing capture stream lives on device 0
+    workspace.prepare_capture(torch.device("cuda", 1))  # the existing capture stream lives on device 0
     assert len(made) == 1
-    splitk.prepare_capture(torch.device("cpu"))
+    workspace.prepare_capture(torch.device("cpu"))
     assert len(made) == 1
 
 

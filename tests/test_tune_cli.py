@@ -295,7 +295,9 @@ def test_export_import_round_trip_and_refusal_on_mismatch(capsys, tuned, tmp_pat
     assert code == 0 and "imported 2 decisions" in out
     fresh = _fakes()
     d = Dispatcher(fresh, cache_dir=dst, do_bench=fake_do_bench)
-    assert d.choose(Problem(16, 256, 512, torch.bfloat16, torch.device("cpu"))).backend.name == "fast"
+    # the device the CLI tuned and exported for: its default one (a GPU where there is one)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert d.choose(Problem(16, 256, 512, torch.bfloat16, dev)).backend.name == "fast"
     assert all(b.calls == 0 for b in fresh)  # the imported verdicts and decisions are used as they are
 
     data = json.loads(prof.read_text())

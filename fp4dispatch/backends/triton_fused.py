@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import device_problem
+from ..kernels.fp4_mm import fp4_mm
 from ..problem import Operands, Problem
 from .base import BaseBackend, Config
 
@@ -33,6 +34,4 @@ class TritonFusedBackend(BaseBackend):
         return configs_for(problem.m, problem.n, problem.k, problem.device)
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
-        from ..kernels.fp4_mm import fp4_mm
-
         fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, config)

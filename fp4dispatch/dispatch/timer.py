@@ -53,10 +53,10 @@ def cuda_graph_do_bench(fn: Callable[[], object]) -> float:
         from triton.testing import do_bench_cudagraph
     except ImportError:
         return default_do_bench(fn)
-    from ..kernels import splitk
+    from ..kernels import workspace
 
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
-    splitk.prepare_capture(torch.device("cuda"))
+    workspace.prepare_capture(torch.device("cuda"))
     try:
         return float(do_bench_cudagraph(fn, rep=40, return_mode="median"))
     except Exception:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly

@@ -6,8 +6,9 @@ needs it.
 - ``config.py``: one frozen dataclass per kernel family; ``heuristics.py``: the candidate configs of a problem;
 - ``gemv/`` and ``gemm/``: one module per kernel family (its ``@triton.jit``/Gluon code and its launcher);
 - ``numerics/``: e2m1/e4m3 decode, fp16x2 pairs, int8 dot products; ``tiles.py``: epilogue, split-K reduction;
-- ``runtime.py``: launches, TMA descriptors, device queries; ``splitk.py``: split-K workspace and counters;
-  ``target.py``: what the device and Triton allow;
+- ``runtime.py``: launches, TMA descriptors, device queries; ``workspace.py``: scratch kept per (device, stream)
+  (pre-decoded operands, split-K partials and counters); ``plan.py``: launch plans (an eager call's launches
+  recorded once, replayed with only the addresses bound); ``target.py``: what the device and Triton allow;
 - ``dequant.py`` / ``quantize.py`` (kernels in ``_dequant.py`` / ``_quantize.py``).
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter), which is how CI tests them.
 docs/kernels.md describes each family; docs/architecture.md how to add one.

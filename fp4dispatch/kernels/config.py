@@ -53,6 +53,11 @@ class KernelConfig:
     def check(self) -> None:
         """The family's own constraints (fields already typed)."""
 
+    @property
+    def launches(self) -> int:
+        """Kernel launches per call: 2 where an operand is decoded by a kernel of its own first."""
+        return 1
+
     def _require_pow2(self, *names: str) -> None:
         for name in names:
             self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
@@ -176,6 +181,10 @@ class WgmmaRegisterAConfig(KernelConfig):
     max_registers: int | None = None
     pdl: bool = True
 
+    @property
+    def launches(self) -> int:
+        return 2 if self.predecode_a else 1
+
     def check(self) -> None:
         self._require_pow2("block_m", "block_n", "k_blocks", "warps")
         self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
@@ -199,6 +208,10 @@ class WgmmaWarpSpecializedConfig(KernelConfig):
     persistent: bool = False
     swap: bool = False
     pdl: bool = True
+
+    @property
+    def launches(self) -> int:
+        return 2  # the pre-decode, then the GEMM
 
     def check(self) -> None:
         self._require("block_m", _pow2(self.block_m) and self.block_m >= 64, "a power of two >= 64")
@@ -229,6 +242,10 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
     persistent: bool = False
     decode_registers: int = 128
     pdl: bool = True
+
+    @property
+    def launches(self) -> int:
+        return 2  # the pre-decode, then the GEMM
 
     def check(self) -> None:
         # two partitions of 8 decode warps at block_n 128 do not get the registers they need to compile

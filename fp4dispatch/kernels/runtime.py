@@ -12,17 +12,21 @@ grid and the device. A later call with an equal key launches that compiled kerne
 ``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a direct launch raises,
 the fast path is switched off for the process and the call goes through ``kernel[grid]``.
 There is one entry per distinct key (e.g. per M a model runs with); the entries share the compiled kernels.
+``plan.py`` goes further for a whole ``fp4_mm`` call: it records the launches once (``recording``) and replays them
+through the compiled kernels' launchers with only the addresses bound.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import threading
 
 import torch
 
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
-           "launch", "tma_desc"]
+           "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
+           "raw_stream", "capturing", "direct_launcher"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -30,6 +34,7 @@ _COMPILED: dict[tuple, tuple[object, list]] = {}
 _PARAMS: dict[int, tuple[list[str], dict]] = {}
 _fast = True
 _SMS: dict[int, int] = {}
+_tls = threading.local()  # .rec: the list a launch plan is being recorded into on this thread (plan.py), or None
 
 
 def interpreting() -> bool:
@@ -48,6 +53,16 @@ def jit_interpreted() -> bool:
 def cuda_index(device: torch.device) -> int:
     """The CUDA device index of ``device`` ("cuda" means the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def raw_stream(idx: int) -> int:
+    """The handle of the current CUDA stream of device ``idx`` (what Triton's launcher takes)."""
+    return torch._C._cuda_getCurrentRawStream(idx)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_current_stream_capturing()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -101,7 +116,7 @@ def _params(fn) -> tuple[list[str], dict]:
     return got
 
 
-class _Address:
+class Address:
     """What a host TMA descriptor reads of its tensor (Triton's launcher and ``_desc_key``: ``data_ptr()``,
     ``dtype``), so that a cached descriptor holds no reference to a tensor and cannot keep a freed weight alive."""
     __slots__ = ("ptr", "dtype")
@@ -121,7 +136,7 @@ def tma_desc(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, block: 
     the rest of a small call, and the Gluon kernels pass two to four per call."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(_Address(ptr, dtype), list(shape), list(strides), list(block), layout)
+    return TensorDescriptor(Address(ptr, dtype), list(shape), list(strides), list(block), layout)
 
 
 def _desc_key(a):
@@ -134,15 +149,71 @@ def _desc_key(a):
     return a
 
 
+@functools.cache
+def _runtime_knobs():
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is set (a profiler such as proton): each launch must then go through Triton's
+    own path, which calls them. Triton 3.6 keeps the hooks in (possibly empty) chains; older ones hold a function or
+    None."""
+    k = _runtime_knobs()
+    for hook in (k.launch_enter_hook, k.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def recording(rec: list | None) -> None:
+    """Start (``rec``, a list) or stop (None) recording this thread's launches and scratch buffers: ``launch``
+    appends ``("launch", compiled kernel or None, grid, args, remaining parameters)``, ``note_buffer`` appends
+    ``("buffer", address, request)``. ``plan.record`` turns the list into a launch plan."""
+    _tls.rec = rec
+
+
+def note_buffer(t: torch.Tensor, request: tuple) -> None:
+    """Tell a recording (if any) that ``t`` is scratch obtained with ``request`` (``workspace``'s)."""
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.append(("buffer", t.data_ptr(), request))
+
+
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``; from the second call with the same key on, without Triton's argument binding.
     ``args`` are the leading parameters; ``kwargs`` the keyword parameters (constexprs) and launch options
     (``num_warps``, ``launch_pdl``, ...)."""
-    global _fast
     grid = (*grid, *(1,) * (3 - len(grid)))  # the compiled kernel's launcher reads three grid dims
+    hit = _launch(fn, grid, args, kwargs)
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        compiled, tail = hit[:2] if hit is not None else (None, None)
+        rec.append(("launch", compiled, grid, args, tail))
+
+
+def direct_launcher(compiled) -> tuple | str:
+    """(launcher, function handle, cooperative, pdl, packed metadata): what a compiled kernel's ``[grid]`` runner
+    passes its launcher besides the grid, the stream and the arguments, so that a caller can call the launcher
+    itself (Triton 3.6's ``CudaLauncher.launch``: the C launcher, wrapped by a closure that expands descriptor
+    arguments), or why it cannot."""
+    lw = getattr(compiled, "run", None)
+    fn = getattr(lw, "launch", None)
+    if fn is None or not hasattr(compiled, "function") or not hasattr(compiled, "packed_metadata"):
+        return "the compiled kernel has no launcher this module knows"
+    if getattr(lw, "global_scratch_size", 1) or getattr(lw, "profile_scratch_size", 1):
+        return "the kernel needs global or profiling scratch, which Triton allocates per launch"
+    return fn, compiled.function, lw.launch_cooperative_grid, lw.launch_pdl, compiled.packed_metadata
+
+
+def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    """``launch``'s work; returns (compiled kernel, remaining parameters, ``direct_launcher``'s or None) when the
+    compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
+    global _fast
     if not _fast or jit_interpreted():
         fn[grid](*args, **kwargs)
-        return
+        return None
     # kwargs in call order: a call site passes them in one order (another order only misses the cache)
     key = (id(fn), torch.cuda.current_device(), grid, tuple(kwargs.items()),
            *[(a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a if isinstance(a, (int, float))
@@ -154,13 +225,23 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
             names, defaults = _params(fn)
             # the rest of the argument list kernel[grid] passes to the compiled kernel: every remaining parameter
             # in signature order, defaults filled in (options such as num_warps are not parameters)
-            _COMPILED[key] = (compiled, [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):]])
-        return
-    compiled, tail = hit
+            tail = [kwargs[n] if n in kwargs else defaults[n] for n in names[len(args):]]
+            direct = direct_launcher(compiled)
+            hit = _COMPILED[key] = (compiled, tail, None if isinstance(direct, str) else direct)
+        return hit
+    compiled, tail, direct = hit
     try:
-        compiled[grid](*args, *tail)
+        if direct is not None and not launch_hooks_set():
+            # what compiled[grid] would do, less its per-call closure, device and stream lookups, launch metadata
+            # and the calls of Triton 3.6's always-present (empty) hook chains
+            run, function, coop, pdl_, packed = direct
+            run(*grid, raw_stream(key[1]), function, coop, pdl_, None, None, packed, None, None, None, *args, *tail)
+        else:
+            compiled[grid](*args, *tail)
     except Exception as e:  # noqa: BLE001 - a Triton whose compiled-kernel launcher wants other arguments
         _fast = False
         log.warning("fp4dispatch: direct launch of a compiled Triton kernel failed (%s: %s); using kernel[grid] "
                     "from now on", type(e).__name__, e)
         fn[grid](*args, **kwargs)
+        return None
+    return hit

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, splitk
+from .. import runtime, workspace
 from ..config import MmaBf16Config
 from ..numerics.e2m1_e4m3 import TWO_18, TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
 from ..tiles import store_out
@@ -64,7 +64,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     kb = k2 // 8
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(m, cfg.block_m) * runtime.cdiv(n, cfg.block_n), split)
-    ws, cnt = splitk.buffers(m, n, split, grid[0], out.device) if split > 1 else (out, out)
+    ws, cnt = workspace.buffers(m, n, split, grid[0], out.device) if split > 1 else (out, out)
     runtime.launch(mma_kernel, grid, a, b, sa, sb, alpha, out, ws, cnt, m, n, k2, kb, runtime.cdiv(kb, 4), per,
                    BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, GROUP_M=cfg.group_m, SPLIT=split > 1,
                    DOT_F32=runtime.jit_interpreted(), num_warps=cfg.warps, num_stages=cfg.stages)

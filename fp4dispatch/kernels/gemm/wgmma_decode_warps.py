@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 i
 
 from .gluon_tiles import dec16, epilogue, first_tile, layouts, raw_layout, store_layout, tile_offsets
 from ..gemv.tma_warp_specialized import plain, weight_descriptors
-from .. import runtime, splitk
+from .. import runtime, workspace
 from ..config import WgmmaDecodeWarpsConfig, decode_warps_work
 from ..runtime import cdiv, launch, tma_desc
 from .wgmma_register_a import pdl_after_predecode, predecode
@@ -307,7 +307,7 @@ def split_buffers(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: 
     in for both, never read or written."""
     if parts == 1:
         return alpha, alpha.view(torch.int32)
-    return splitk.buffers(tiles, block, parts, tiles, out.device)
+    return workspace.buffers(tiles, block, parts, tiles, out.device)
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,

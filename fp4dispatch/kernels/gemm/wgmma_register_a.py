@@ -24,7 +24,7 @@ import triton.language as tl
 
 import torch
 
-from .. import runtime, splitk
+from .. import runtime, workspace
 from ..config import WgmmaRegisterAConfig, register_a_resident
 from ..numerics.e2m1_e4m3 import e4m3_to_f32, swz_row
 from ..numerics.fp16x2 import _cvt4, _halves, _pair
@@ -240,7 +240,8 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16,
     (m, kb), (br, bkb, warps) = a64.shape, tile
     if bkb % 4:  # the scale swizzle and the K order both go by groups of 4 blocks
         raise ValueError(f"predecode: tile[1] (16-blocks per CTA) must be a multiple of 4; got tile={tile}")
-    ad = torch.empty((m, runtime.cdiv(kb, 4) * 64), dtype=torch.float16 if asm else torch.float32, device=a64.device)
+    ad = workspace.scratch("predecode", (m, runtime.cdiv(kb, 4) * 64), torch.float16 if asm else torch.float32,
+                           a64.device)
     runtime.launch(wmma_prep_a_kernel, (runtime.cdiv(m, br), runtime.cdiv(kb, bkb)), a64, sa, ad, m, kb,
                    runtime.cdiv(kb, 4), BR=br, BKB=bkb, ASM=asm, num_warps=warps, **opts)
     return ad
@@ -265,12 +266,12 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
         tiles = nt * runtime.cdiv(m, bm)
         ctas = min(tiles * steps, cfg.stream_ctas or runtime.num_sms(out.device) * register_a_resident(bm, cfg.warps))
         parts = stream_parts(tiles, steps, ctas)
-        ws, cnt = splitk.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+        ws, cnt = workspace.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
         runtime.launch(wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
                        nt, tiles, steps, **opts)
         return
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, bn), split, runtime.cdiv(m, bm))
-    ws, cnt = splitk.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
+    ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
     runtime.launch(wmma_kernel, grid, a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb, per,
                    SPLIT=split > 1, **opts)

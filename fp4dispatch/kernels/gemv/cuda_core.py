@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, splitk
+from .. import runtime, workspace
 from ..config import CudaCoreGemvConfig
 from ..numerics.e2m1_e4m3 import TWO_62, TWO_64, TWO_126, e4m3_to_f32, swz_row
 from ..numerics.fp16x2 import H2_UNDO, H2_UNDO_CVT, h2_block, h2_block_cvt
@@ -163,11 +163,11 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         cfg: CudaCoreGemvConfig) -> None:
     """Launch ``gemv2_kernel`` on canonical operands (scales as uint8): an (N tile, K part, M tile) grid; the last
-    CTA of a tile sums the K parts (``splitk``)."""
+    CTA of a tile sums the K parts (``workspace``)."""
     m, n, kb = a.shape[0], b.shape[0], a.shape[1] // 8
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, cfg.block_n), split, runtime.cdiv(m, cfg.rows))
-    ws, cnt = splitk.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
+    ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
     # int64 views: one word = one 16-block (K % 16 == 0); a misaligned view raises here, so the tuner skips it
     runtime.launch(gemv2_kernel, grid, a.view(torch.int64), b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb,
                    runtime.cdiv(kb, 4), per, MB=cfg.rows, BN=cfg.block_n, BKB=cfg.k_blocks, PAIR=cfg.pair_decode,

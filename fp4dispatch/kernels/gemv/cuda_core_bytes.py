@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, splitk
+from .. import runtime, workspace
 from ..config import BytewiseGemvConfig
 from ..numerics.e2m1_e4m3 import TWO_62, TWO_64, TWO_126, load_block_bytes, nib_hi, nib_lo, per_byte
 from ..tiles import store_out
@@ -47,6 +47,6 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     kb = k2 // 8
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, cfg.block_n), split)
-    ws, cnt = splitk.buffers(m, n, split, grid[0], out.device) if split > 1 else (out, out)
+    ws, cnt = workspace.buffers(m, n, split, grid[0], out.device) if split > 1 else (out, out)
     runtime.launch(gemv_kernel, grid, a, b, sa, sb, alpha, out, ws, cnt, m, n, k2, kb, runtime.cdiv(kb, 4), per,
                    MB=cfg.rows, BN=cfg.block_n, BKB=cfg.k_blocks, SPLIT=split > 1, num_warps=cfg.warps)

@@ -1,0 +1,241 @@
+"""Launch plans (fp4dispatch/kernels/plan.py) and kept scratch (workspace.py) on the CPU, with a fake Triton: a fake
+JIT function whose ``[grid]`` returns a fake compiled kernel, whose launcher is shaped like Triton 3.6's (a C
+function, wrapped by a closure that expands descriptor parameters). The GPU side (plans replayed on real kernels
+against the reference) is in tests/test_triton_gpu.py."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import weakref
+
+import pytest
+import torch
+
+from fp4dispatch.kernels import plan, runtime, workspace
+
+
+def _kernel(a_ptr, w_desc, out_ptr, ws_ptr, cnt_ptr, M, N, BLOCK=8):
+    """The fake kernel's signature (what runtime.launch reads of a JIT function)."""
+
+
+@dataclasses.dataclass
+class FakeDesc:
+    """What plan.py reads of a host TMA descriptor (Gluon's is a dataclass with these fields)."""
+    base: object
+    shape: list
+    strides: list
+    block_shape: list
+
+
+class FakeLauncher:
+    def __init__(self, calls: list, desc_indices=(1,), scratch=0):
+        self.calls = calls
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+        self.launch = self._wrap(self._c_launch, set(desc_indices), [{"meta": i} for i in desc_indices])
+
+    def _c_launch(self, *args):  # stands for the compiled C launcher
+        self.calls.append(args)
+
+    @staticmethod
+    def _wrap(launcher, tensordesc_indices, tensordesc_meta):  # Triton 3.6's wrap_handle_tensordesc, reduced
+        def inner(*args):
+            assert tensordesc_indices is not None and tensordesc_meta is not None
+            return launcher(*args)
+        return inner
+
+
+class FakeCompiled:
+    def __init__(self, calls: list, **kw):
+        self.run = FakeLauncher(calls, **kw)
+        self.function = 0xF00
+        self.packed_metadata = (4, 1, 0)
+
+    def __getitem__(self, grid):
+        return lambda *args: None
+
+
+class FakeJit:
+    def __init__(self, compiled: FakeCompiled):
+        self.signature = inspect.signature(_kernel)
+        self.compiled = compiled
+        self.first_launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.first_launches += 1
+            return self.compiled
+        return launch
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)
+    monkeypatch.setattr(runtime, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "raw_stream", lambda idx: 0x5157)
+    monkeypatch.setattr(runtime, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(runtime, "capturing", lambda: False)
+    monkeypatch.setattr(workspace, "_SCRATCH", {})
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
+
+
+def _ops(m=4, n=32, k=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 255, (m, k // 2), dtype=torch.uint8, generator=g),
+            torch.randint(0, 255, (n, k // 2), dtype=torch.uint8, generator=g),
+            torch.zeros(128, 4, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8),
+            torch.ones(1), torch.empty(m, n, dtype=torch.bfloat16))
+
+
+def _family_run(fn, split=True):
+    """A kernel family's run: scratch, counters, a descriptor over the weight, one launch."""
+    def run(a, b, sa, sb, alpha, out):
+        ws = workspace.scratch("splitk", (2, a.shape[0], b.shape[0]), torch.float32, a.device)
+        cnt = workspace.counters(64, a.device)
+        desc = FakeDesc(runtime.Address(b.data_ptr(), torch.int64), [b.shape[0], 4], [4, 1], [8, 2])
+        runtime.launch(fn, (3, 2), a, desc, out, ws, cnt, a.shape[0], b.shape[0], BLOCK=16)
+    return run
+
+
+class Expand:
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, desc, meta):
+        self.made.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["meta"]), *desc.shape, *desc.strides]
+
+
+def _plan(ops, calls, expand, **kw):
+    fn = FakeJit(FakeCompiled(calls, **kw))
+    run = _family_run(fn)
+    rec = plan.record(lambda: run(*ops))
+    return plan.build(rec, ops, "cfg", torch.device("cpu"), expand), fn
+
+
+def test_replay_binds_the_new_addresses_and_keeps_constants(fake_cuda):
+    calls, expand = [], Expand()
+    ops = _ops()
+    (p, why), _ = _plan(ops, calls, expand)
+    assert p is not None, why
+    assert [n[0] for n in p.needs] == ["scratch", "counters"]
+    new = _ops(seed=1)
+    assert p(*new)
+    args = calls[-1]
+    ws_ptr = workspace._SCRATCH[("cpu", 0x5157, "splitk")].data_ptr()  # kept for the (fake) current stream
+    cnt_ptr = workspace._COUNTERS[workspace._key(torch.device("cpu"), None)].data_ptr()
+    # grid, stream, function, cooperative, pdl, 2 scratch, metadata, launch metadata, 2 hooks
+    assert args[:13] == (3, 2, 1, 0x5157, 0xF00, False, True, None, None, (4, 1, 0), None, None, None)
+    # a, the descriptor's map + shape + strides, out, scratch, counters, M, N, BLOCK
+    assert args[13:] == (new[0].data_ptr(), ("map", new[1].data_ptr(), 1), 32, 4, 4, 1, new[5].data_ptr(), ws_ptr,
+                           cnt_ptr, 4, 32, 16)
+
+
+def test_descriptor_map_is_made_once_per_address_and_survives_in_place_writes(fake_cuda):
+    calls, expand = [], Expand()
+    ops = _ops()
+    (p, _), _ = _plan(ops, calls, expand)
+    made = len(expand.made)
+    for _ in range(3):
+        assert p(*ops)
+    ops[1].copy_(torch.randint(0, 255, ops[1].shape, dtype=torch.uint8))  # new values, same address: same map
+    assert p(*ops)
+    assert len(expand.made) == made
+    b2 = ops[1].clone()  # another weight of the layer shape: one more map
+    assert p(ops[0], b2, *ops[2:])
+    assert expand.made[-1] == b2.data_ptr() and len(expand.made) == made + 1
+    assert calls[-1][14] == ("map", b2.data_ptr(), 1)
+
+
+def test_descriptor_cache_is_bounded_and_keeps_no_tensor_alive(fake_cuda, monkeypatch):
+    monkeypatch.setattr(plan, "MAX_DESCRIPTORS", 2)
+    calls, expand = [], Expand()
+    ops = _ops()
+    (p, _), _ = _plan(ops, calls, expand)
+    weights = [ops[1].clone() for _ in range(5)]
+    for w in weights:
+        assert p(ops[0], w, *ops[2:])
+    d = p.launches[0].descriptors[0][3]
+    assert 1 <= len(d.cache) <= 2
+    ref = weakref.ref(weights[-1])
+    del weights, w
+    gc.collect()
+    assert ref() is None  # the plan holds addresses, never the weight
+
+
+@pytest.mark.parametrize("case", ["unaligned", "shared", "foreign", "global_scratch", "descriptor_index", "hooks"])
+def test_a_plan_is_refused_or_gives_way_when_it_could_be_wrong(fake_cuda, monkeypatch, case):
+    calls, expand = [], Expand()
+    ops = _ops()
+    if case == "unaligned":
+        base = torch.empty(ops[5].numel() * 2 + 8, dtype=torch.bfloat16)
+        out = base[1:1 + ops[5].numel()].view(ops[5].shape)
+        assert plan.unplannable((*ops[:5], out)) == "an operand is not 16-byte aligned"
+        return
+    if case == "shared":
+        assert plan.unplannable((ops[0], ops[0], *ops[2:])) == "two operands share an address"
+        return
+    if case == "foreign":
+        fn = FakeJit(FakeCompiled(calls))
+        stray = torch.empty(8)
+        rec = plan.record(lambda: runtime.launch(fn, (1,), stray, None, ops[5], ops[5], ops[5], 1, 1))
+        p, why = plan.build(rec, ops, "cfg", torch.device("cpu"), expand)
+        assert p is None and why == "parameter 0 is a tensor that is none of the operands or scratch buffers"
+        return
+    if case == "global_scratch":
+        (p, why), _ = _plan(ops, calls, expand, scratch=128)
+        assert p is None and why == "the kernel needs global or profiling scratch, which Triton allocates per launch"
+        return
+    if case == "descriptor_index":
+        (p, why), _ = _plan(ops, calls, expand, desc_indices=(2,))
+        assert p is None and why == "parameter 1 is a descriptor the launcher does not expand"
+        return
+    (p, why), _ = _plan(ops, calls, expand)
+    monkeypatch.setattr(runtime, "launch_hooks_set", lambda: True)
+    n = len(calls)
+    assert p(*ops) is False and len(calls) == n  # a profiler's hook must see the launch: ordinary path
+
+
+def test_scratch_is_kept_per_stream_grown_and_never_kept_under_capture(fake_cuda):
+    cpu = torch.device("cpu")
+    keep: list = []
+
+    def address(purpose, nbytes, capturing=False):
+        return workspace.address(("scratch", purpose, nbytes), cpu, 0, capturing, keep)
+
+    p1 = address("predecode", 1024)
+    assert address("predecode", 512) == p1  # reused: no allocation per call
+    assert workspace.scratch("predecode", (4, 64), torch.float32, cpu).data_ptr() == p1
+    p2 = address("predecode", 4096)  # grown
+    kept = workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")]
+    assert kept.numel() >= 4096 and kept.data_ptr() == p2
+    assert address("splitk", 64) != p2  # one buffer per purpose
+    big = workspace.MAX_KEPT_BYTES + 16
+    address("predecode", big)
+    assert keep[-1].numel() == big and workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")] is kept
+    keep.clear()
+    c1, c2 = address("predecode", 256, True), address("predecode", 256, True)
+    # a captured call gets its own memory from the graph's pool; the kept buffer is never handed to a graph
+    assert len({c1, c2, kept.data_ptr()}) == 3 and len(keep) == 2
+    assert workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")] is kept
+
+
+def test_a_captured_replay_gets_fresh_scratch_and_an_eager_one_the_kept_buffer(fake_cuda, monkeypatch):
+    """An eager replay reuses the kept buffer's address until the buffer is replaced (workspace.generation), then
+    takes the new one; a captured replay never gets the kept buffer."""
+    calls, expand = [], Expand()
+    ops = _ops()
+    (p, _), _ = _plan(ops, calls, expand)
+    assert p(*ops)
+    eager_ws = calls[-1][20]
+    assert p(*ops) and calls[-1][20] == eager_ws
+    cpu = torch.device("cpu")
+    workspace.address(("scratch", "splitk", 1 << 16), cpu, 0x5157, False, [])  # another call grows the buffer
+    assert p(*ops) and calls[-1][20] == workspace._SCRATCH[("cpu", 0x5157, "splitk")].data_ptr() != eager_ws
+    eager_ws = calls[-1][20]
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    assert p(*ops) and calls[-1][20] != eager_ws
