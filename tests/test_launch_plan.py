@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import logging
+import threading
 import weakref
 
 import pytest
@@ -126,7 +128,7 @@ def test_replay_binds_the_new_addresses_and_keeps_constants(fake_cuda):
     new = _ops(seed=1)
     assert p(*new)
     args = calls[-1]
-    ws_ptr = workspace._SCRATCH[("cpu", 0x5157, "splitk")].data_ptr()  # kept for the (fake) current stream
+    ws_ptr = workspace._SCRATCH[("cpu", 0x5157, threading.get_ident(), "splitk")].data_ptr()  # kept for the (fake) current stream
     cnt_ptr = workspace._COUNTERS[workspace._key(torch.device("cpu"), None)].data_ptr()
     # grid, stream, function, cooperative, pdl, 2 scratch, metadata, launch metadata, 2 hooks
     assert args[:13] == (3, 2, 1, 0x5157, 0xF00, False, True, None, None, (4, 1, 0), None, None, None)
@@ -211,17 +213,17 @@ def test_scratch_is_kept_per_stream_grown_and_never_kept_under_capture(fake_cuda
     assert address("predecode", 512) == p1  # reused: no allocation per call
     assert workspace.scratch("predecode", (4, 64), torch.float32, cpu).data_ptr() == p1
     p2 = address("predecode", 4096)  # grown
-    kept = workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")]
+    kept = workspace._SCRATCH[("cpu", 0, threading.get_ident(), "predecode")]
     assert kept.numel() >= 4096 and kept.data_ptr() == p2
     assert address("splitk", 64) != p2  # one buffer per purpose
     big = workspace.MAX_KEPT_BYTES + 16
     address("predecode", big)
-    assert keep[-1].numel() == big and workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")] is kept
+    assert keep[-1].numel() == big and workspace._SCRATCH[("cpu", 0, threading.get_ident(), "predecode")] is kept
     keep.clear()
     c1, c2 = address("predecode", 256, True), address("predecode", 256, True)
     # a captured call gets its own memory from the graph's pool; the kept buffer is never handed to a graph
     assert len({c1, c2, kept.data_ptr()}) == 3 and len(keep) == 2
-    assert workspace._SCRATCH[(*workspace._key(cpu, None), "predecode")] is kept
+    assert workspace._SCRATCH[("cpu", 0, threading.get_ident(), "predecode")] is kept
 
 
 def test_a_captured_replay_gets_fresh_scratch_and_an_eager_one_the_kept_buffer(fake_cuda, monkeypatch):
@@ -235,7 +237,40 @@ def test_a_captured_replay_gets_fresh_scratch_and_an_eager_one_the_kept_buffer(f
     assert p(*ops) and calls[-1][20] == eager_ws
     cpu = torch.device("cpu")
     workspace.address(("scratch", "splitk", 1 << 16), cpu, 0x5157, False, [])  # another call grows the buffer
-    assert p(*ops) and calls[-1][20] == workspace._SCRATCH[("cpu", 0x5157, "splitk")].data_ptr() != eager_ws
+    assert p(*ops) and calls[-1][20] == workspace._SCRATCH[("cpu", 0x5157, threading.get_ident(), "splitk")].data_ptr() != eager_ws
     eager_ws = calls[-1][20]
     monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert p(*ops) and calls[-1][20] != eager_ws
+
+
+def test_each_thread_gets_its_own_scratch_on_a_stream(fake_cuda):
+    """Two threads queueing calls on one stream could interleave one call's pre-decode between another's pre-decode
+    and GEMM: their kept buffers must differ."""
+    cpu = torch.device("cpu")
+    got = []
+
+    def take():
+        got.append(workspace.address(("scratch", "predecode", 1024), cpu, 0, False, []))
+    take()
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    take()
+    assert got[0] == got[2] != got[1]
+
+
+def test_a_plan_whose_launcher_raises_is_dropped_with_a_warning(caplog):
+    from fp4dispatch.kernels import fp4_mm as F
+
+    class Broken:
+        def __call__(self, *ops):
+            raise TypeError("function takes exactly 21 arguments")
+    key, cfg = ("k",), object()
+    F._PLANS[key] = (cfg, Broken())
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+            assert F._replay(key, F._PLANS[key], ()) is False
+        assert F._PLANS[key] == (cfg, None)  # the ordinary path from now on
+        assert "the launch plan of" in caplog.text and "failed (TypeError: function takes exactly 21" in caplog.text
+    finally:
+        F._PLANS.pop(key, None)

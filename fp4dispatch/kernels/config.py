@@ -29,6 +29,7 @@ class KernelConfig:
     """Base of the config classes: the JSON form and the checks shared by all."""
 
     family: ClassVar[str] = ""
+    launches: ClassVar[int] = 1  # kernel launches per call: 2 where a kernel of its own decodes an operand first
 
     def to_json(self) -> dict:
         """``{"family": ..., <field>: <value>, ...}``: what the dispatcher's cache stores."""
@@ -52,11 +53,6 @@ class KernelConfig:
 
     def check(self) -> None:
         """The family's own constraints (fields already typed)."""
-
-    @property
-    def launches(self) -> int:
-        """Kernel launches per call: 2 where an operand is decoded by a kernel of its own first."""
-        return 1
 
     def _require_pow2(self, *names: str) -> None:
         for name in names:
@@ -182,7 +178,7 @@ class WgmmaRegisterAConfig(KernelConfig):
     pdl: bool = True
 
     @property
-    def launches(self) -> int:
+    def launches(self) -> int:  # type: ignore[override] - the A pre-decode is a field here
         return 2 if self.predecode_a else 1
 
     def check(self) -> None:
@@ -201,6 +197,7 @@ class WgmmaWarpSpecializedConfig(KernelConfig):
     one CTA per SM running whole tiles."""
 
     family: ClassVar[str] = "gemm_wgmma_warp_specialized"
+    launches: ClassVar[int] = 2  # the pre-decode, then the GEMM
     block_m: int
     block_n: int
     k_blocks: int
@@ -208,10 +205,6 @@ class WgmmaWarpSpecializedConfig(KernelConfig):
     persistent: bool = False
     swap: bool = False
     pdl: bool = True
-
-    @property
-    def launches(self) -> int:
-        return 2  # the pre-decode, then the GEMM
 
     def check(self) -> None:
         self._require("block_m", _pow2(self.block_m) and self.block_m >= 64, "a power of two >= 64")
@@ -231,6 +224,7 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
     ``split_k`` K parts per tile on CTAs of their own; ``persistent``: one CTA per SM."""
 
     family: ClassVar[str] = "gemm_wgmma_decode_warps"
+    launches: ClassVar[int] = 2  # the pre-decode, then the GEMM
     block_m: int = 128
     block_n: int = 64
     k_blocks: int = 8
@@ -242,10 +236,6 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
     persistent: bool = False
     decode_registers: int = 128
     pdl: bool = True
-
-    @property
-    def launches(self) -> int:
-        return 2  # the pre-decode, then the GEMM
 
     def check(self) -> None:
         # two partitions of 8 decode warps at block_n 128 do not get the registers they need to compile

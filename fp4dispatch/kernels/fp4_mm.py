@@ -56,7 +56,7 @@ def fp4_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: tor
     key = (id(config), a.shape, b.shape[0], out.dtype, torch._C._cuda_getDevice())
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is config:  # the config is held by the entry, so its id is not reused meanwhile
-        if hit[1] is None or not hit[1](*ops):
+        if hit[1] is None or not _replay(key, hit, ops):
             _run(*ops, config)
         return out
     if runtime.jit_interpreted() or plan.unplannable(ops):
@@ -65,11 +65,24 @@ def fp4_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: tor
     rec = plan.record(lambda: _run(*ops, config))
     new, why = plan.build(rec, ops, config, torch.device("cuda", key[-1]))
     if new is None:
-        log.debug("fp4dispatch: no launch plan for %s at M=%d N=%d: %s", config, key[1], key[2], why)
+        log.debug("fp4dispatch: no launch plan for %s at M=%d N=%d: %s", config, a.shape[0], b.shape[0], why)
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.pop(next(iter(_PLANS)))  # the oldest: plans of configs tried while tuning come first
     _PLANS[key] = (config, new)
     return out
+
+
+def _replay(key: tuple, hit: tuple, ops: tuple) -> bool:
+    """Replay a plan; if its launcher raises (a Triton whose launcher wants other arguments), drop the plan of this
+    key and say so: the caller then takes the ordinary path, which relaunches every kernel (their writes are the
+    same), and raises if the kernel itself cannot be launched."""
+    try:
+        return hit[1](*ops)
+    except Exception as e:  # noqa: BLE001 - any launcher failure: the ordinary path decides
+        _PLANS[key] = (hit[0], None)
+        log.warning("fp4dispatch: the launch plan of %s failed (%s: %s); this key launches through Triton from now on",
+                    hit[0], type(e).__name__, e)
+        return False
 
 
 def _run(a, b, a_scale, b_scale, alpha, out, config) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import torch
 
@@ -100,7 +101,7 @@ class Plan:
     def __init__(self, config, device: torch.device, needs: tuple, launches: tuple):
         self.config, self.device, self.launches = config, device, launches
         self.needs = needs  # ("scratch", purpose, nbytes) or ("counters", tiles), in the order the call got them
-        self._kept = None  # (stream, workspace.generation, addresses) of the kept buffers last used eagerly
+        self._kept = None  # ((stream, thread, workspace.generation), addresses) of the kept buffers last used
 
     def __call__(self, a, b, sa, sb, alpha, out) -> bool:
         """Launch the plan on these operands; False (nothing launched) when it may not, and the caller must take the
@@ -113,13 +114,14 @@ class Plan:
         if self.needs:
             capturing = runtime.capturing()
             kept = self._kept
-            if not capturing and kept is not None and kept[0] == stream and kept[1] == workspace.generation:
-                ptrs.extend(kept[2])
+            where = (stream, threading.get_ident(), workspace.generation)
+            if not capturing and kept is not None and kept[0] == where:
+                ptrs.extend(kept[1])
             else:
                 got = [workspace.address(need, self.device, stream, capturing, keep) for need in self.needs]
                 ptrs.extend(got)
                 if not capturing and not keep:
-                    self._kept = (stream, workspace.generation, got)
+                    self._kept = (where, got)
         for launch in self.launches:
             launch(ptrs, stream)
         return True

@@ -1,9 +1,11 @@
 """Scratch memory of the kernels, kept per (device, stream) so that an eager call allocates nothing: the pre-decoded
 operand and the split-K fp32 partials (``scratch``), and the split-K arrival counters (``counters``).
 
-Buffers: one per (device, stream, purpose), grown (never shrunk) when a call needs more. Reuse is safe because
-launches on one stream run in order, so a call's kernels finish with a buffer before the next call's start; a buffer
-replaced by a larger one is freed to torch's caching allocator, which reuses its memory only in that stream's order.
+Buffers: one per (device, stream, thread, purpose), grown (never shrunk) when a call needs more. Reuse is safe
+because one thread queues a call's launches before the next call's, and launches on one stream run in that order, so
+a call's kernels finish with a buffer before the next call's start (two threads queueing on one stream could
+interleave their calls' launches: each has its own buffers); a buffer replaced by a larger one is freed to torch's
+caching allocator, which reuses its memory only in that stream's order.
 A request above ``MAX_KEPT_BYTES`` gets its own tensor instead: at those sizes the kernels run for far longer than an
 allocation takes, and the memory goes back to the allocator after the call.
 
@@ -25,6 +27,7 @@ records a call knows which of its kernel arguments are scratch and how to get th
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -62,7 +65,7 @@ def _scratch_bytes(purpose: str, nbytes: int, device: torch.device) -> torch.Ten
 def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, capturing: bool) -> torch.Tensor:
     if nbytes > MAX_KEPT_BYTES or capturing:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    key = (device.index if device.type == "cuda" else str(device), stream, purpose)
+    key = (device.index if device.type == "cuda" else str(device), stream, threading.get_ident(), purpose)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < nbytes:
         # grow by half again, so that a slowly rising M does not reallocate on every call
@@ -96,7 +99,8 @@ def address(need: tuple, device: torch.device, stream: int, capturing: bool, kee
     the launches; a kept buffer stays where it is until ``generation`` changes."""
     if need[0] == "scratch":
         t = _scratch_at(need[1], need[2], device, stream, capturing)
-        if t is not _SCRATCH.get((device.index if device.type == "cuda" else str(device), stream, need[1])):
+        if t is not _SCRATCH.get((device.index if device.type == "cuda" else str(device), stream, threading.get_ident(),
+                                  need[1])):
             keep.append(t)
     else:
         t = _counters(need[1], device)
