@@ -8,7 +8,12 @@ library (the module, prepared weights) is dropped by ``__getstate__`` and rebuil
 from __future__ import annotations
 
 import importlib
+import logging
+import threading
+import weakref
+from collections import OrderedDict, deque
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -16,7 +21,9 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .base import BaseBackend
 
-__all__ = ["NativeBackend", "import_library", "alignment_reason"]
+__all__ = ["NativeBackend", "import_library", "alignment_reason", "PreparedWeightCache", "clear_prepared_weights"]
+
+log = logging.getLogger("fp4dispatch")
 
 
 def import_library(name: str, install_hint: str) -> tuple[ModuleType | None, str | None]:
@@ -78,3 +85,111 @@ class NativeBackend(BaseBackend):
 
     def _reset_transient(self) -> None:
         """Rebuild what ``__getstate__`` dropped (subclasses with caches extend this)."""
+
+
+# -- prepared weights ------------------------------------------------------------------------------------------------
+# Some native kernels read the weight in a layout of their own (trtllm's shuffled rows, Humming's repacked words). That
+# copy is made once per weight, in a small LRU cache bounded in entries and bytes. The key is the weight's and its
+# scale's storage, offset, shape, stride and autograd version counter, and each entry holds weak references to both
+# storages, so an in-place change (``w.copy_(...)``) or a freed weight whose memory is reused is never served stale.
+# Not seen: a write that bypasses the version counter (through ``.data``, DLPack or a raw pointer) and in-place
+# changes of inference-mode tensors (they have no version counter); call :func:`clear_prepared_weights` after such a
+# write. When the working set exceeds the cache, weights are prepared on every call; that is logged once as a warning.
+DEFAULT_MAX_ENTRIES = 64
+DEFAULT_MAX_BYTES = 1 << 30
+
+_ALL_CACHES: "weakref.WeakSet[PreparedWeightCache]" = weakref.WeakSet()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, _version(t))
+
+
+class PreparedWeightCache:
+    """LRU of prepared weights, bounded in entries and bytes, keyed so that a changed or freed weight misses."""
+
+    def __init__(self, who: str, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.who = who  # the backend whose prepared weights these are (named in the warning)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (refs, prepared, nbytes)
+        self._bytes = 0
+        self._evicted: deque[tuple] = deque(maxlen=1024)
+        self._lock = threading.Lock()
+        self._warned = False
+        self.hits = self.misses = 0
+        _ALL_CACHES.add(self)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def get(self, b: torch.Tensor, b_scale: torch.Tensor, prepare: Callable[[], tuple]) -> tuple:
+        """The prepared form of (b, b_scale), made by ``prepare()`` on a miss: a tuple whose tensors count
+        against the byte limit (other items, such as a library's config object, are kept alongside)."""
+        key = (b.device, _tensor_key(b), _tensor_key(b_scale))
+        sb, ss = b.untyped_storage(), b_scale.untyped_storage()
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e[0][0]() is sb and e[0][1]() is ss:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return e[1]
+        prepared = prepare()
+        nbytes = sum(t.numel() * t.element_size() for t in prepared if isinstance(t, torch.Tensor))
+        drop = self._make_dropper(key)
+        refs = (weakref.ref(sb, drop), weakref.ref(ss, drop))
+        with self._lock:
+            self.misses += 1
+            if key[:2] in self._evicted and not self._warned:
+                self._warned = True
+                log.warning("fp4dispatch: %s prepares weights again on every call: its prepared-weight cache (%d "
+                            "entries, %d MiB) is smaller than the working set; raise its PreparedWeightCache limits "
+                            "or disable it with FP4DISPATCH_DISABLE=%s", self.who, self.max_entries,
+                            self.max_bytes >> 20, self.who)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[2]
+            if nbytes <= self.max_bytes:
+                self._entries[key] = (refs, prepared, nbytes)
+                self._bytes += nbytes
+            while self._entries and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+                k, (_, _, nb) = self._entries.popitem(last=False)
+                self._bytes -= nb
+                self._evicted.append(k[:2])
+        return prepared
+
+    def _make_dropper(self, key: tuple) -> Callable:
+        self_ref = weakref.ref(self)
+
+        def drop(_ref) -> None:  # the weight (or its scale) was freed: its prepared copy goes too
+            cache = self_ref()
+            if cache is None:
+                return
+            with cache._lock:
+                e = cache._entries.pop(key, None)
+                if e is not None:
+                    cache._bytes -= e[2]
+
+        return drop
+
+
+def clear_prepared_weights() -> None:
+    """Drop every prepared weight of every native backend (after a weight write the version counter cannot see)."""
+    for cache in list(_ALL_CACHES):
+        cache.clear()
