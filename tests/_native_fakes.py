@@ -9,6 +9,7 @@ tests, PyTorch test_scaled_matmul_cuda.py).
 """
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -264,3 +265,84 @@ def fake_f_scaled_mm(calls: list):
 
     return scaled_mm
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Humming (humming-kernels 0.1.20: layer.py, schema/modelopt.py, forward.py, config/config.py, tune/; its tests'
+# reference, utils/weight.py + testing/runner.py: W = e2m1(w) * weight_scale (per 16 along K) * weight_scale_2,
+# out = inputs @ W.T)
+# ---------------------------------------------------------------------------------------------------------------
+class FakeHummingLayer(torch.nn.Module):
+    """``humming.layer.HummingLayer`` for ModelOpt NVFP4 weights and 16-bit activations (W4A16)."""
+
+    def __init__(self, shape_n, shape_k, weight_config, input_config=None, pad_n_to_multiple=1,
+                 pad_k_to_multiple=1, num_experts=None, has_bias=False, torch_dtype=None):
+        super().__init__()
+        _need(weight_config.get("quant_method") == "modelopt" and str(weight_config.get("quant_algo")).lower()
+              == "nvfp4", f"weight_config must describe ModelOpt NVFP4; got {weight_config}")
+        _need(input_config is None, "an input_config makes the activations FP4 (W4A4), which needs SM100+")
+        _need(torch_dtype in (torch.bfloat16, torch.float16), f"torch_dtype must be bf16/fp16; got {torch_dtype}")
+        _need(shape_n % 64 == 0 and shape_k % 32 == 0, f"padded N % 64 and K % 32; got N={shape_n}, K={shape_k}")
+        self.n, self.k, self.dtype = shape_n, shape_k, torch_dtype
+        self.weight = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 2, dtype=torch.uint8), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 16, dtype=torch.float8_e4m3fn),
+                                               requires_grad=False)
+        self.weight_scale_2 = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.register_buffer("locks", torch.zeros(2048, dtype=torch.int32))
+        self.humming_config = None
+
+    def load_from_tensors(self, tensors, prefix=""):
+        for name in ("weight", "weight_scale", "weight_scale_2"):
+            _need(name in tensors, f"missing {name}")
+            have, got = getattr(self, name), tensors[name]
+            _need(tuple(got.shape) == tuple(have.shape), f"size mismatch for {name}: copying a param with shape "
+                  f"{tuple(got.shape)}, the shape in current model is {tuple(have.shape)}")
+            # load_state_dict converts by value: uint8 scale bytes would become e4m3 numbers 0..255
+            _need(got.dtype == have.dtype, f"{name} must be {have.dtype}; got {got.dtype} (converted by value)")
+            have.data.copy_(got)
+
+    def transform(self):
+        _need(self.humming_config is None, "transform() twice")
+        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype}
+        # the kernel layout: words of 8 codes, least significant nibble first; the scales stay e4m3
+        self.weight = torch.nn.Parameter(self.weight.data.view(torch.int32).clone(), requires_grad=False)
+
+
+class FakeHumming:
+    """``humming`` with ``layer``, ``forward`` and ``tune``; records each forward's tuning config."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.heuristics = [[0, 1 << 30, {"block_m": 64, "use_stream_k": True}]]  # lru-cached upstream: shared
+
+    def module(self, version: str = "0.1.20") -> types.ModuleType:
+        mod = types.ModuleType("humming")
+        mod.__version__ = version
+        mod.layer = types.ModuleType("humming.layer")
+        mod.layer.HummingLayer = FakeHummingLayer
+        mod.forward = types.ModuleType("humming.forward")
+        mod.forward.humming_forward = self.humming_forward
+        mod.tune = types.ModuleType("humming.tune")
+        mod.tune.get_heuristics_config = lambda config, gemm_type="dense": self.heuristics
+        return mod
+
+    def humming_forward(self, config, inputs, weight, weight_scale=None, zero_point=None, bias=None,
+                        weight_scale_2=None, outputs=None, locks=None, tuning_config=None, **kw):
+        _need(isinstance(config, dict), "config must be layer.humming_config (after transform)")
+        n, k, dt = config["n"], config["k"], config["dtype"]
+        _need(inputs.dim() == 2 and inputs.shape[1] == k and inputs.dtype == dt and inputs.is_contiguous(),
+              f"inputs must be contiguous [M, {k}] {dt}; got {tuple(inputs.shape)} {inputs.dtype}")
+        _need(weight.dtype == torch.int32 and tuple(weight.shape) == (n, k // 8), "weight must be the transformed one")
+        _need(weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (n, k // 16),
+              f"weight_scale must be e4m3 [N, K/16]; got {tuple(weight_scale.shape)} {weight_scale.dtype}")
+        _need(weight_scale_2.dtype == torch.float32 and weight_scale_2.numel() == 1 and weight_scale_2.is_contiguous()
+              and weight_scale_2.data_ptr() % 16 == 0, "weight_scale_2: fp32, one element, 16-byte aligned")
+        m = inputs.shape[0]
+        _need(outputs is not None and tuple(outputs.shape) == (m, n) and outputs.dtype == dt
+              and outputs.is_contiguous(), f"outputs must be contiguous [{m}, {n}] {dt}")
+        _need(locks is not None and locks.dtype == torch.int32, "locks: the layer's int32 buffer")
+        self.calls.append({"tuning_config": copy.deepcopy(tuning_config)})
+        W = dequant(weight.view(torch.uint8), weight_scale)  # the kernel's K order is the packed one
+        acc = inputs.double() @ W.double().T
+        outputs.copy_((acc * weight_scale_2.double()).to(dt))
+        return outputs

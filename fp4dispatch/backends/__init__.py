@@ -24,6 +24,9 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("flashinfer", "FlashInferCakeBackend", ()),
     ("triton_fused", "TritonFusedBackend", ()),
     ("triton_dequant", "TritonDequantBackend", ()),
+    # W4A16 with activations decoded per call; after fp4dispatch's own kernels, which it equals bit for bit where
+    # both run (the tuner picks the faster per key)
+    ("humming", "HummingBackend", ()),
     ("reference", "ReferenceBackend", ()),
 ]
 

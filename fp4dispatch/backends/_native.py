@@ -139,10 +139,11 @@ class PreparedWeightCache:
             self._entries.clear()
             self._bytes = 0
 
-    def get(self, b: torch.Tensor, b_scale: torch.Tensor, prepare: Callable[[], tuple]) -> tuple:
+    def get(self, b: torch.Tensor, b_scale: torch.Tensor, prepare: Callable[[], tuple], variant: object = None) -> tuple:
         """The prepared form of (b, b_scale), made by ``prepare()`` on a miss: a tuple whose tensors count
-        against the byte limit (other items, such as a library's config object, are kept alongside)."""
-        key = (b.device, _tensor_key(b), _tensor_key(b_scale))
+        against the byte limit (other items, such as a library's config object, are kept alongside). ``variant``
+        tells apart forms of one weight prepared for different calls (e.g. per out dtype)."""
+        key = (b.device, _tensor_key(b), _tensor_key(b_scale), variant)
         sb, ss = b.untyped_storage(), b_scale.untyped_storage()
         with self._lock:
             e = self._entries.get(key)

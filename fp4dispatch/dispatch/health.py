@@ -37,7 +37,9 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
             health[b.name] = fresh[b.name] = probe_backend(b, device)
     if isolated:
         with ThreadPoolExecutor(max_workers=len(isolated)) as pool:
-            verdicts = pool.map(lambda b: probe_isolated(b, device, settings.probe_timeout_s), isolated)
+            # a backend that compiles its kernels when first run asks for more time (``probe_timeout_s``)
+            verdicts = pool.map(lambda b: probe_isolated(b, device, max(settings.probe_timeout_s, getattr(
+                b, "probe_timeout_s", 0.0))), isolated)
             for b, v in zip(isolated, verdicts):
                 health[b.name] = v
                 if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process

@@ -1,0 +1,147 @@
+"""``humming:w4a16``: Humming (``pip install humming-kernels``, imported as ``humming``), the quantized GEMM library
+vLLM ships for Hopper, running the NVFP4 weight against activations decoded to bf16/fp16.
+
+How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/modelopt.py``, ``forward.py``,
+``config/config.py``, ``tune/``; docs/backends.md):
+
+- ``a`` is decoded exactly to the out dtype (every e2m1 x e4m3 product is exact in bf16 and fp16); its global scale
+  stays in alpha. The decode is one small kernel per call, counted in the tuner's timing.
+- The weight goes in as ModelOpt's tensors: ``weight`` uint8 [N, K/2] (low nibble = even k, as fp4dispatch's),
+  ``weight_scale`` e4m3 [N, K/16] row-major (fp4dispatch's swizzled scales, unswizzled) and ``weight_scale_2`` fp32
+  ``(1,)``; ``transform()`` repacks it into Humming's kernel layout. That is done once per weight
+  (``_native.PreparedWeightCache``), never per call.
+- alpha is passed as each call's ``weight_scale_2``: Humming reads that device tensor in its fp32 epilogue when the
+  kernel runs (``out = cast(weight_scale_2 * sum(x * e2m1 * e4m3))``), so the result is the contract's with no host
+  sync and nothing of alpha baked into the prepared weight.
+- Stream-K is never used: it adds partial sums into the 16-bit output in an order that changes from call to call
+  (two identical calls gave different bits on the H200), and fp4dispatch returns the same bits for the same call. The
+  tuning config Humming's heuristics choose is passed with ``use_stream_k`` off.
+- Out: bf16 or fp16 (Humming's output dtype is its activation dtype). N % 64 == 0 and K % 32 == 0 (its padded tile;
+  fp4dispatch does not pad).
+- Kernels are compiled on first use (NVRTC or nvcc; 8-14 s for a new shape's set on the H200), so a probe in a worker
+  gets ``PROBE_TIMEOUT_S`` at least.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from types import ModuleType
+
+import torch
+
+from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
+from ..problem import Operands, Problem
+from ._native import NativeBackend, PreparedWeightCache, alignment_reason, import_library
+from .base import Config
+
+__all__ = ["HummingBackend", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install fp4dispatch[humming]"
+PROBE_TIMEOUT_S = 120.0  # a worker's probe compiles the probe shape's kernels
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class HummingBackend(NativeBackend):
+    """NVFP4 weight x decoded activations through ``humming.forward.humming_forward`` (SM75+, bf16 from SM80)."""
+
+    name = "humming:w4a16"
+    probe_timeout_s = PROBE_TIMEOUT_S
+    _transient = ("_lib", "prepared")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared = PreparedWeightCache(self.name)
+
+    def _reset_transient(self) -> None:
+        super()._reset_transient()
+        self.prepared = PreparedWeightCache(self.name)
+
+    # -- availability --------------------------------------------------------------------------------------------
+    def unavailable(self, device: torch.device) -> str | None:
+        cc = self.device_capability(device)
+        if cc is None:
+            return f"needs a CUDA GPU (Humming compiles CUDA kernels); got device type {device.type!r}"
+        if cc < 75:
+            return f"Humming needs compute capability >= 7.5; got {cc // 10}.{cc % 10}"
+        lib, why = _import_humming()
+        self._lib = lib
+        return why
+
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.out_dtype not in _HALF:
+            return (f"Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
+                    f"out_dtype={problem.out_dtype}")
+        if problem.out_dtype == torch.bfloat16 and (self.device_capability(problem.device) or 0) < 80:
+            return "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"
+        return alignment_reason(problem, 64, 32, "Humming (its padded tile)")
+
+    # -- the call ------------------------------------------------------------------------------------------------
+    def weight_tensors(self, problem: Problem, ops: Operands) -> dict:
+        """The weight as ModelOpt stores it and ``HummingLayer.load_from_tensors`` takes it; the global scale is 1
+        here because alpha comes with each call."""
+        scale = unswizzle_scales(ops.b_scale.view(torch.uint8), problem.n, problem.k // BLOCK)
+        return {"weight": ops.b.view(torch.uint8), "weight_scale": scale.view(torch.float8_e4m3fn).contiguous(),
+                "weight_scale_2": torch.ones(1, dtype=torch.float32, device=ops.b.device)}
+
+    def activations(self, problem: Problem, ops: Operands) -> torch.Tensor:
+        """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call)."""
+        if not ops.a.is_cuda:
+            return dequantize_nvfp4(ops.a, ops.a_scale, dtype=problem.out_dtype)
+        from ..kernels import workspace
+        from ..kernels.dequant import dequantize_rows
+
+        x = workspace.scratch("humming_a", (problem.m, problem.k), problem.out_dtype, ops.a.device)
+        return dequantize_rows(ops.a, ops.a_scale, problem.out_dtype, out=x)
+
+    def epilogue_scale(self, ops: Operands) -> torch.Tensor:
+        """alpha as Humming's per-call ``weight_scale_2``: fp32 ``(1,)``, contiguous, 16-byte aligned (its launcher
+        checks); a misaligned alpha is copied (on the device) into an aligned one."""
+        alpha = ops.alpha.reshape(1)
+        if alpha.data_ptr() % 16 == 0:
+            return alpha
+        return torch.empty(4, dtype=torch.float32, device=alpha.device)[:1].copy_(alpha)
+
+    def _prepare(self, problem: Problem, ops: Operands) -> tuple:
+        lib = self._lib or self._load()
+        # the layer makes its lock buffer on the current CUDA device: make it on the weight's
+        with torch.cuda.device(ops.b.device) if ops.b.is_cuda else contextlib.nullcontext():
+            layer = lib.layer.HummingLayer(shape_n=problem.n, shape_k=problem.k,
+                                           weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                                           torch_dtype=problem.out_dtype).to(ops.b.device)
+            layer.load_from_tensors(self.weight_tensors(problem, ops))
+            layer.transform()
+        tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type="dense"))
+        for _lo, _hi, cfg in tuning:
+            cfg["use_stream_k"] = False  # determinism: see the module docstring
+        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, tuning
+
+    def run(self, problem: Problem, ops: Operands, config: Config) -> None:
+        # the prepared weight depends on the out dtype (Humming's layer dtype): one cache entry per dtype
+        w, ws, locks, cfg, tuning = self.prepared.get(ops.b, ops.b_scale, lambda: self._prepare(problem, ops),
+                                                      variant=problem.out_dtype)
+        lib = self._lib or self._load()
+        lib.forward.humming_forward(cfg, self.activations(problem, ops), weight=w, weight_scale=ws,
+                                    weight_scale_2=self.epilogue_scale(ops), outputs=ops.out, locks=locks,
+                                    tuning_config=tuning)
+
+    def _load(self) -> ModuleType:
+        lib, why = _import_humming()
+        if lib is None:
+            raise RuntimeError(f"{self.name}: {why}")
+        self._lib = lib
+        return lib
+
+
+def _import_humming() -> tuple[ModuleType | None, str | None]:
+    """``(humming, None)`` with the parts the adapter calls, or ``(None, why)``: not installed, fails to import, or
+    a release without them (the adapter is written against humming-kernels 0.1.20)."""
+    lib, why = import_library("humming", INSTALL_HINT)
+    if lib is None:
+        return None, why
+    for sub, attr in (("layer", "HummingLayer"), ("forward", "humming_forward"), ("tune", "get_heuristics_config")):
+        mod, why = import_library(f"humming.{sub}", INSTALL_HINT)
+        if mod is None or not hasattr(mod, attr):
+            version = getattr(lib, "__version__", "?")
+            return None, (f"humming {version} lacks humming.{sub}.{attr} (fp4dispatch's adapter is written against "
+                          f"humming-kernels 0.1.20){': ' + why if why else ''}")
+    return lib, None

@@ -1,0 +1,204 @@
+"""``humming:w4a16`` on CPU against Humming's contract emulator (tests/_native_fakes.py, ``FakeHumming``): the adapter
+must call Humming as its layer and tests do, its output (computed by the fake from those arguments) must equal
+fp4dispatch's reference, Stream-K must stay off, the prepared weight is made once per weight, and deliberately wrong
+adapters are caught. Also: availability reasons and per-problem rules. The real library runs on the GPU only."""
+from __future__ import annotations
+
+import pickle
+import sys
+
+import pytest
+import torch
+
+import _native_fakes as fakes
+import _native_helpers as helpers
+from fp4dispatch.backends.humming import HummingBackend
+from fp4dispatch.backends.reference import reference_mm
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.verify import check_output
+from fp4dispatch.problem import Problem
+from fp4dispatch.testing import make_operands
+
+CPU = torch.device("cpu")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture
+def humming(monkeypatch):
+    def install(version: str = "0.1.20", drop: str | None = None) -> fakes.FakeHumming:
+        fake = fakes.FakeHumming()
+        mod = fake.module(version)
+        if drop:
+            delattr(getattr(mod, drop.split(".")[0]), drop.split(".")[1])
+        monkeypatch.setitem(sys.modules, "humming", mod)
+        for sub in ("layer", "forward", "tune"):
+            monkeypatch.setitem(sys.modules, f"humming.{sub}", getattr(mod, sub))
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("m, n, k, dt", [(1, 64, 32, BF16), (5, 128, 512, BF16), (130, 192, 96, FP16),
+                                         (300, 256, 256, BF16)])
+def test_humming_adapter_matches_reference_with_stream_k_off(cc, humming, m, n, k, dt):
+    cc(90)
+    fake = humming()
+    backend = HummingBackend()
+    assert backend.unavailable(CPU) is None
+    problem, ops, ref = helpers.run_backend(backend, m, n, k, dt, seed=m + n)
+    helpers.assert_equals_reference(ops, ref, rtol=8e-3)  # the fake sums in another order: a rounding tie may flip
+    tuning = fake.calls[-1]["tuning_config"]
+    assert tuning and all(cfg["use_stream_k"] is False for _, _, cfg in tuning)  # determinism
+    assert fake.heuristics[0][2]["use_stream_k"] is True  # Humming's cached heuristics were copied, not changed
+
+
+def test_humming_prepares_each_weight_once_per_out_dtype_and_notices_changes(cc, humming):
+    cc(90)
+    humming()
+    backend = HummingBackend()
+    problem = Problem(3, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=1)
+    for _ in range(3):
+        backend.run(problem, ops, {})
+    assert backend.prepared.misses == 1 and backend.prepared.hits == 2
+    half = Problem(3, 128, 256, FP16, CPU)
+    backend.run(half, ops._replace(out=torch.empty(3, 128, dtype=FP16)), {})
+    assert backend.prepared.misses == 2  # Humming's layer has one dtype: one prepared form per out dtype
+    ops.b.copy_(make_operands(problem, seed=2).b)  # an in-place change bumps the version: prepared again
+    backend.run(problem, ops, {})
+    assert backend.prepared.misses == 3
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops))
+
+
+def test_a_misaligned_alpha_is_copied_to_an_aligned_one(cc, humming):
+    cc(90)
+    humming()
+    problem = Problem(2, 64, 64, BF16, CPU)
+    ops = make_operands(problem, seed=3)
+    alpha = torch.empty(5, dtype=FP32)[1:2].copy_(ops.alpha)
+    assert alpha.data_ptr() % 16 != 0
+    ops = ops._replace(alpha=alpha)
+    HummingBackend().run(problem, ops, {})  # the emulator refuses a misaligned weight_scale_2
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deliberately wrong adapters are caught
+# ---------------------------------------------------------------------------------------------------------------
+class _TransposedWeight(HummingBackend):
+    def weight_tensors(self, problem, ops):
+        t = super().weight_tensors(problem, ops)
+        return {**t, "weight": t["weight"].T.contiguous()}
+
+
+class _SwizzledScales(HummingBackend):
+    def weight_tensors(self, problem, ops):
+        return {**super().weight_tensors(problem, ops), "weight_scale": ops.b_scale}
+
+
+class _UintScales(HummingBackend):
+    def weight_tensors(self, problem, ops):
+        t = super().weight_tensors(problem, ops)
+        return {**t, "weight_scale": t["weight_scale"].view(torch.uint8)}
+
+
+class _NibblesSwapped(HummingBackend):
+    def weight_tensors(self, problem, ops):
+        t = super().weight_tensors(problem, ops)
+        w = t["weight"]
+        return {**t, "weight": ((w << 4) | (w >> 4)).to(torch.uint8)}
+
+
+class _AlphaTwice(HummingBackend):
+    def activations(self, problem, ops):
+        return (super().activations(problem, ops).float() * ops.alpha).to(problem.out_dtype)
+
+
+class _GlobalScaleInverted(HummingBackend):
+    def epilogue_scale(self, ops):
+        return super().epilogue_scale(ops.__class__(*ops[:4], 1.0 / ops.alpha, ops.out))
+
+
+@pytest.mark.parametrize("cls, n, match", [
+    pytest.param(_TransposedWeight, 192, r"size mismatch for weight", id="transposed-weight"),
+    pytest.param(_SwizzledScales, 192, r"size mismatch for weight_scale", id="swizzled-scales-padded"),
+    pytest.param(_UintScales, 128, r"weight_scale must be torch.float8_e4m3fn; got torch.uint8", id="uint8-scales"),
+])
+def test_wrong_humming_layouts_are_refused_by_the_emulator(cc, humming, cls, n, match):
+    cc(90)
+    humming()
+    problem = Problem(3, n, 512, BF16, CPU)
+    with pytest.raises(fakes.ContractError, match=match):
+        cls().run(problem, make_operands(problem), {})
+
+
+@pytest.mark.parametrize("cls", [_SwizzledScales, _NibblesSwapped, _AlphaTwice, _GlobalScaleInverted],
+                         ids=["swizzled-scales-as-linear", "nibble-order", "alpha-twice", "global-scale-inverted"])
+def test_wrong_humming_values_are_caught_by_comparing_with_the_reference(cc, humming, cls):
+    """Shapes that fit every check (N % 128 == 0 and K/16 % 4 == 0: the swizzled scales have the linear shape):
+    only the result shows the mistake."""
+    cc(90)
+    humming()
+    problem = Problem(130, 256, 512, BF16, CPU)
+    ops = make_operands(problem, seed=11)
+    cls().run(problem, ops, {})
+    bad = check_output(ops.out, reference_mm(problem, ops), problem)
+    assert bad is not None and bad.startswith("relative error"), bad
+
+
+def test_fp4_mm_runs_through_humming_end_to_end(cc, humming, tmp_path):
+    cc(90)
+    fake = humming()
+    d = Dispatcher([HummingBackend()], cache_dir=tmp_path)
+    problem = Problem(4, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=5)
+    out = d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha)
+    helpers.assert_equals_reference(ops._replace(out=out), reference_mm(problem, ops))
+    assert {r.name: r.status for r in d.report(CPU)}["humming:w4a16"] == "ok" and fake.calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# availability and per-problem rules
+# ---------------------------------------------------------------------------------------------------------------
+def test_humming_not_installed(cc, monkeypatch):
+    cc(90)
+    monkeypatch.setitem(sys.modules, "humming", None)  # import raises ModuleNotFoundError, as when not installed
+    assert HummingBackend().unavailable(CPU) == "humming is not installed (pip install fp4dispatch[humming])"
+
+
+def test_a_humming_without_the_functional_api_is_a_reason(cc, humming):
+    cc(90)
+    humming(version="0.1.0", drop="forward.humming_forward")
+    assert HummingBackend().unavailable(CPU) == ("humming 0.1.0 lacks humming.forward.humming_forward (fp4dispatch's "
+                                                 "adapter is written against humming-kernels 0.1.20)")
+
+
+@pytest.mark.parametrize("cap, want", [(None, "needs a CUDA GPU (Humming compiles CUDA kernels); got device type 'cpu'"),
+                                       (70, "Humming needs compute capability >= 7.5; got 7.0")])
+def test_humming_device_reasons(cc, humming, cap, want):
+    cc(cap)
+    humming()
+    assert HummingBackend().unavailable(CPU) == want
+
+
+@pytest.mark.parametrize("cap, n, k, dt, want", [
+    (90, 128, 256, FP32, "Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
+                         "out_dtype=torch.float32"),
+    (75, 128, 256, BF16, "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"),
+    (90, 96, 256, BF16, "Humming (its padded tile) needs N % 64 == 0 and K % 32 == 0; N=96 is not a multiple of 64 "
+                        "(not padded: the triton/reference backends take any N, K multiple of 16)"),
+])
+def test_humming_unsupported_rules(cc, cap, n, k, dt, want):
+    cc(cap)
+    assert HummingBackend().unsupported(Problem(3, n, k, dt, CPU)) == want
+
+
+def test_humming_pickles_for_probe_workers_and_asks_for_time_to_compile(cc, humming):
+    cc(90)
+    humming()
+    backend = HummingBackend()
+    problem = Problem(2, 64, 64, BF16, CPU)
+    ops = make_operands(problem)
+    backend.run(problem, ops, {})
+    clone = pickle.loads(pickle.dumps(backend))
+    assert clone._lib is None and len(clone.prepared) == 0 and len(backend.prepared) == 1
+    assert backend.risky and backend.probe_timeout_s >= 60
