@@ -273,16 +273,25 @@ def fake_f_scaled_mm(calls: list):
 # out = inputs @ W.T)
 # ---------------------------------------------------------------------------------------------------------------
 class FakeHummingLayer(torch.nn.Module):
-    """``humming.layer.HummingLayer`` for ModelOpt NVFP4 weights and 16-bit activations (W4A16)."""
+    """``humming.layer.HummingLayer`` for ModelOpt NVFP4 weights, with 16-bit activations (W4A16) or, given a
+    ModelOpt NVFP4 ``input_config``, static-scale FP4 activations (W4A4, block-scaled MMA: SM100+)."""
+
+    cc = 90  # the GPU the fake runs on (FakeHumming.module sets it)
 
     def __init__(self, shape_n, shape_k, weight_config, input_config=None, pad_n_to_multiple=1,
                  pad_k_to_multiple=1, num_experts=None, has_bias=False, torch_dtype=None):
         super().__init__()
         _need(weight_config.get("quant_method") == "modelopt" and str(weight_config.get("quant_algo")).lower()
               == "nvfp4", f"weight_config must describe ModelOpt NVFP4; got {weight_config}")
-        _need(input_config is None, "an input_config makes the activations FP4 (W4A4), which needs SM100+")
         _need(torch_dtype in (torch.bfloat16, torch.float16), f"torch_dtype must be bf16/fp16; got {torch_dtype}")
-        _need(shape_n % 64 == 0 and shape_k % 32 == 0, f"padded N % 64 and K % 32; got N={shape_n}, K={shape_k}")
+        self.a4 = input_config is not None
+        if self.a4:
+            _need(input_config == {"quant_method": "modelopt", "quant_algo": "nvfp4"} or input_config.get("dynamic")
+                  is False, f"input_config: ModelOpt NVFP4, static scale; got {input_config}")
+            _need(shape_n % 64 == 0 and shape_k % 128 == 0, f"padded N % 64 and K % 128; got N={shape_n}, K={shape_k}")
+            self.input_scale = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        else:
+            _need(shape_n % 64 == 0 and shape_k % 32 == 0, f"padded N % 64 and K % 32; got N={shape_n}, K={shape_k}")
         self.n, self.k, self.dtype = shape_n, shape_k, torch_dtype
         self.weight = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 2, dtype=torch.uint8), requires_grad=False)
         self.weight_scale = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 16, dtype=torch.float8_e4m3fn),
@@ -292,7 +301,7 @@ class FakeHummingLayer(torch.nn.Module):
         self.humming_config = None
 
     def load_from_tensors(self, tensors, prefix=""):
-        for name in ("weight", "weight_scale", "weight_scale_2"):
+        for name in ("weight", "weight_scale", "weight_scale_2") + (("input_scale",) if self.a4 else ()):
             _need(name in tensors, f"missing {name}")
             have, got = getattr(self, name), tensors[name]
             _need(tuple(got.shape) == tuple(have.shape), f"size mismatch for {name}: copying a param with shape "
@@ -303,8 +312,16 @@ class FakeHummingLayer(torch.nn.Module):
 
     def transform(self):
         _need(self.humming_config is None, "transform() twice")
-        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype}
-        # the kernel layout: words of 8 codes, least significant nibble first; the scales stay e4m3
+        if self.a4:
+            # LayerConfig's check, as Humming raises it (an AssertionError) below SM100
+            assert self.cc >= 100, "static_tensor_dynamic_group requires block-scaled MMA"
+            # the scales go to the SM100 tile layout: int32 [G/4, N], four groups of a row to a word
+            self.weight_scale = torch.nn.Parameter(self.weight_scale.data.view(torch.int32).T.contiguous(),
+                                                   requires_grad=False)
+            self.input_scale_2 = torch.nn.Parameter(self.input_scale.data.amax().reshape(1), requires_grad=False)
+            del self.input_scale
+        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype, "a4": self.a4}
+        # the kernel layout: words of 8 codes, least significant nibble first
         self.weight = torch.nn.Parameter(self.weight.data.view(torch.int32).clone(), requires_grad=False)
 
 
@@ -315,11 +332,11 @@ class FakeHumming:
         self.calls: list[dict] = []
         self.heuristics = [[0, 1 << 30, {"block_m": 64, "use_stream_k": True}]]  # lru-cached upstream: shared
 
-    def module(self, version: str = "0.1.20") -> types.ModuleType:
+    def module(self, version: str = "0.1.20", cc: int = 90) -> types.ModuleType:
         mod = types.ModuleType("humming")
         mod.__version__ = version
         mod.layer = types.ModuleType("humming.layer")
-        mod.layer.HummingLayer = FakeHummingLayer
+        mod.layer.HummingLayer = type("HummingLayer", (FakeHummingLayer,), {"cc": cc})
         mod.forward = types.ModuleType("humming.forward")
         mod.forward.humming_forward = self.humming_forward
         mod.tune = types.ModuleType("humming.tune")
@@ -327,14 +344,33 @@ class FakeHumming:
         return mod
 
     def humming_forward(self, config, inputs, weight, weight_scale=None, zero_point=None, bias=None,
-                        weight_scale_2=None, outputs=None, locks=None, tuning_config=None, **kw):
+                        weight_scale_2=None, outputs=None, input_scale=None, input_scale_2=None, locks=None,
+                        tuning_config=None, **kw):
         _need(isinstance(config, dict), "config must be layer.humming_config (after transform)")
         n, k, dt = config["n"], config["k"], config["dtype"]
-        _need(inputs.dim() == 2 and inputs.shape[1] == k and inputs.dtype == dt and inputs.is_contiguous(),
-              f"inputs must be contiguous [M, {k}] {dt}; got {tuple(inputs.shape)} {inputs.dtype}")
         _need(weight.dtype == torch.int32 and tuple(weight.shape) == (n, k // 8), "weight must be the transformed one")
-        _need(weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (n, k // 16),
-              f"weight_scale must be e4m3 [N, K/16]; got {tuple(weight_scale.shape)} {weight_scale.dtype}")
+        if config["a4"]:
+            # path B: pre-quantized inputs (any dtype but bf16/fp16/fp32 is taken as quantized; the launcher wants
+            # Byte), e4m3 group scales row-major four to an int32 (not the 128x4 swizzle), the static decode scale
+            _need(inputs.dtype == torch.uint8 and inputs.dim() == 2 and inputs.shape[1] == k // 2
+                  and inputs.is_contiguous() and inputs.data_ptr() % 16 == 0,
+                  f"inputs must be contiguous uint8 [M, {k // 2}]; got {tuple(inputs.shape)} {inputs.dtype}")
+            m = inputs.shape[0]
+            _need(input_scale is not None and input_scale.dtype == torch.int32 and tuple(input_scale.shape)
+                  == (m, k // 64) and input_scale.is_contiguous(), f"input_scale must be int32 [M, {k // 64}] (e4m3 "
+                  f"row-major, four to a word); got {None if input_scale is None else tuple(input_scale.shape)}")
+            _need(input_scale_2 is not None and input_scale_2.dtype == torch.float32 and input_scale_2.numel() == 1,
+                  "input_scale_2: the layer's fp32 static scale")
+            _need(weight_scale.dtype == torch.int32 and tuple(weight_scale.shape) == (k // 64, n),
+                  "weight_scale must be the transformed (SM100 tile) one")
+            x = dequant(inputs, input_scale.view(torch.float8_e4m3fn)).double() * input_scale_2.double()
+            ws = weight_scale.T.contiguous().view(torch.float8_e4m3fn)
+        else:
+            _need(inputs.dim() == 2 and inputs.shape[1] == k and inputs.dtype == dt and inputs.is_contiguous(),
+                  f"inputs must be contiguous [M, {k}] {dt}; got {tuple(inputs.shape)} {inputs.dtype}")
+            _need(weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (n, k // 16),
+                  f"weight_scale must be e4m3 [N, K/16]; got {tuple(weight_scale.shape)} {weight_scale.dtype}")
+            x, ws = inputs.double(), weight_scale
         _need(weight_scale_2.dtype == torch.float32 and weight_scale_2.numel() == 1 and weight_scale_2.is_contiguous()
               and weight_scale_2.data_ptr() % 16 == 0, "weight_scale_2: fp32, one element, 16-byte aligned")
         m = inputs.shape[0]
@@ -342,7 +378,7 @@ class FakeHumming:
               and outputs.is_contiguous(), f"outputs must be contiguous [{m}, {n}] {dt}")
         _need(locks is not None and locks.dtype == torch.int32, "locks: the layer's int32 buffer")
         self.calls.append({"tuning_config": copy.deepcopy(tuning_config)})
-        W = dequant(weight.view(torch.uint8), weight_scale)  # the kernel's K order is the packed one
-        acc = inputs.double() @ W.double().T
+        W = dequant(weight.view(torch.uint8), ws)  # the kernel's K order is the packed one
+        acc = x @ W.double().T
         outputs.copy_((acc * weight_scale_2.double()).to(dt))
         return outputs

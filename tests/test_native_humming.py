@@ -12,7 +12,7 @@ import torch
 
 import _native_fakes as fakes
 import _native_helpers as helpers
-from fp4dispatch.backends.humming import HummingBackend
+from fp4dispatch.backends.humming import HummingBackend, HummingW4A4Backend
 from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.dispatch.verify import check_output
@@ -25,9 +25,9 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 @pytest.fixture
 def humming(monkeypatch):
-    def install(version: str = "0.1.20", drop: str | None = None) -> fakes.FakeHumming:
+    def install(version: str = "0.1.20", drop: str | None = None, cc: int = 90) -> fakes.FakeHumming:
         fake = fakes.FakeHumming()
-        mod = fake.module(version)
+        mod = fake.module(version, cc)
         if drop:
             delattr(getattr(mod, drop.split(".")[0]), drop.split(".")[1])
         monkeypatch.setitem(sys.modules, "humming", mod)
@@ -202,3 +202,65 @@ def test_humming_pickles_for_probe_workers_and_asks_for_time_to_compile(cc, humm
     clone = pickle.loads(pickle.dumps(backend))
     assert clone._lib is None and len(clone.prepared) == 0 and len(backend.prepared) == 1
     assert backend.risky and backend.probe_timeout_s >= 60
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# humming:w4a4 (FP4 activations, SM100+)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m, n, k, dt", [(1, 128, 128, BF16), (7, 256, 512, FP16), (300, 128, 256, BF16)])
+def test_humming_w4a4_adapter_matches_reference(cc, humming, m, n, k, dt):
+    cc(100)
+    fake = humming(cc=100)
+    backend = HummingW4A4Backend()
+    assert backend.unavailable(CPU) is None
+    problem, ops, ref = helpers.run_backend(backend, m, n, k, dt, seed=3 * m + n)
+    helpers.assert_equals_reference(ops, ref, rtol=8e-3)
+    assert all(cfg["use_stream_k"] is False for _, _, cfg in fake.calls[-1]["tuning_config"])
+
+
+def test_humming_w4a4_refuses_hopper_with_a_reason_and_humming_agrees(cc, humming):
+    cc(90)
+    humming(cc=90)
+    assert HummingW4A4Backend().unavailable(CPU) == ("Humming's FP4 activations need block-scaled MMA (SM100+); got "
+                                                     "compute capability 9.0 (humming:w4a16 runs there)")
+    problem = Problem(2, 128, 128, BF16, CPU)
+    with pytest.raises(AssertionError, match="requires block-scaled MMA"):  # what Humming itself raises there
+        HummingW4A4Backend().run(problem, make_operands(problem), {})
+
+
+class _A4SwizzledActivationScales(HummingW4A4Backend):
+    def forward_inputs(self, problem, ops, layer_extra):
+        return {**super().forward_inputs(problem, ops, layer_extra),
+                "input_scale": ops.a_scale.view(torch.uint8).contiguous().view(torch.int32)}
+
+
+class _A4AlphaTwice(HummingW4A4Backend):
+    def forward_inputs(self, problem, ops, layer_extra):
+        return {**super().forward_inputs(problem, ops, layer_extra), "input_scale_2": self.epilogue_scale(ops)}
+
+
+class _A4NibblesSwapped(HummingW4A4Backend):
+    def forward_inputs(self, problem, ops, layer_extra):
+        a = ops.a.view(torch.uint8)
+        return {**super().forward_inputs(problem, ops, layer_extra), "inputs": ((a << 4) | (a >> 4)).to(torch.uint8)}
+
+
+@pytest.mark.parametrize("cls", [_A4SwizzledActivationScales, _A4AlphaTwice, _A4NibblesSwapped],
+                         ids=["swizzled-activation-scales", "alpha-twice", "activation-nibble-order"])
+def test_wrong_humming_w4a4_adapters_are_caught(cc, humming, cls):
+    """M = 128 and K/16 % 4 == 0: the swizzled activation scales have the row-major shape; only the result shows."""
+    cc(100)
+    humming(cc=100)
+    problem = Problem(128, 256, 512, BF16, CPU)
+    ops = make_operands(problem, seed=21)
+    cls().run(problem, ops, {})
+    bad = check_output(ops.out, reference_mm(problem, ops), problem)
+    assert bad is not None and bad.startswith("relative error"), bad
+
+
+def test_humming_w4a4_unsupported_rules(cc):
+    cc(100)
+    assert HummingW4A4Backend().unsupported(Problem(3, 128, 192, BF16, CPU)) == (
+        "Humming's block-scaled tile needs N % 128 == 0 and K % 128 == 0; K=192 is not a multiple of 128 (not padded: "
+        "the triton/reference backends take any N, K multiple of 16)")
+    assert HummingW4A4Backend().unsupported(Problem(3, 128, 256, FP32, CPU)).startswith("Humming writes bfloat16")

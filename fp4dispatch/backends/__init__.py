@@ -22,6 +22,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("sgl_kernel", "SglKernelBackend", ()),
     ("torch_scaled_mm", "TorchScaledMmBackend", ()),
     ("flashinfer", "FlashInferCakeBackend", ()),
+    ("humming", "HummingW4A4Backend", ()),  # FP4 activations on block-scaled MMA (SM100+)
     ("triton_fused", "TritonFusedBackend", ()),
     ("triton_dequant", "TritonDequantBackend", ()),
     # W4A16 with activations decoded per call; after fp4dispatch's own kernels, which it equals bit for bit where

@@ -1,5 +1,6 @@
-"""``humming:w4a16``: Humming (``pip install humming-kernels``, imported as ``humming``), the quantized GEMM library
-vLLM ships for Hopper, running the NVFP4 weight against activations decoded to bf16/fp16.
+"""``humming:w4a16`` and ``humming:w4a4``: Humming (``pip install humming-kernels``, imported as ``humming``), the
+quantized GEMM library vLLM ships for Hopper. ``w4a16`` runs the NVFP4 weight against activations decoded to
+bf16/fp16 (any GPU from SM75); ``w4a4`` takes the FP4 activations as they are (SM100+, ``HummingW4A4Backend``).
 
 How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/modelopt.py``, ``forward.py``,
 ``config/config.py``, ``tune/``; docs/backends.md):
@@ -34,7 +35,7 @@ from ..problem import Operands, Problem
 from ._native import NativeBackend, PreparedWeightCache, alignment_reason, import_library
 from .base import Config
 
-__all__ = ["HummingBackend", "INSTALL_HINT"]
+__all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install fp4dispatch[humming]"
 PROBE_TIMEOUT_S = 120.0  # a worker's probe compiles the probe shape's kernels
@@ -46,6 +47,7 @@ class HummingBackend(NativeBackend):
 
     name = "humming:w4a16"
     probe_timeout_s = PROBE_TIMEOUT_S
+    input_config: dict | None = None  # None: 16-bit activations (W4A16)
     _transient = ("_lib", "prepared")
 
     def __init__(self) -> None:
@@ -83,6 +85,10 @@ class HummingBackend(NativeBackend):
         return {"weight": ops.b.view(torch.uint8), "weight_scale": scale.view(torch.float8_e4m3fn).contiguous(),
                 "weight_scale_2": torch.ones(1, dtype=torch.float32, device=ops.b.device)}
 
+    def layer_tensors(self, problem: Problem, ops: Operands) -> dict:
+        """What ``load_from_tensors`` gets: the weight's tensors (and, with FP4 activations, their static scale)."""
+        return self.weight_tensors(problem, ops)
+
     def activations(self, problem: Problem, ops: Operands) -> torch.Tensor:
         """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call)."""
         if not ops.a.is_cuda:
@@ -92,6 +98,10 @@ class HummingBackend(NativeBackend):
 
         x = workspace.scratch("humming_a", (problem.m, problem.k), problem.out_dtype, ops.a.device)
         return dequantize_rows(ops.a, ops.a_scale, problem.out_dtype, out=x)
+
+    def forward_inputs(self, problem: Problem, ops: Operands, layer_extra: dict) -> dict:
+        """``humming_forward``'s activation arguments."""
+        return {"inputs": self.activations(problem, ops)}
 
     def epilogue_scale(self, ops: Operands) -> torch.Tensor:
         """alpha as Humming's per-call ``weight_scale_2``: fp32 ``(1,)``, contiguous, 16-byte aligned (its launcher
@@ -107,22 +117,24 @@ class HummingBackend(NativeBackend):
         with torch.cuda.device(ops.b.device) if ops.b.is_cuda else contextlib.nullcontext():
             layer = lib.layer.HummingLayer(shape_n=problem.n, shape_k=problem.k,
                                            weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                                           input_config=self.input_config,
                                            torch_dtype=problem.out_dtype).to(ops.b.device)
-            layer.load_from_tensors(self.weight_tensors(problem, ops))
+            layer.load_from_tensors(self.layer_tensors(problem, ops))
             layer.transform()
         tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type="dense"))
         for _lo, _hi, cfg in tuning:
             cfg["use_stream_k"] = False  # determinism: see the module docstring
-        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, tuning
+        extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
+        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, tuning, extra
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         # the prepared weight depends on the out dtype (Humming's layer dtype): one cache entry per dtype
-        w, ws, locks, cfg, tuning = self.prepared.get(ops.b, ops.b_scale, lambda: self._prepare(problem, ops),
-                                                      variant=problem.out_dtype)
+        w, ws, locks, cfg, tuning, extra = self.prepared.get(ops.b, ops.b_scale, lambda: self._prepare(problem, ops),
+                                                             variant=problem.out_dtype)
         lib = self._lib or self._load()
-        lib.forward.humming_forward(cfg, self.activations(problem, ops), weight=w, weight_scale=ws,
-                                    weight_scale_2=self.epilogue_scale(ops), outputs=ops.out, locks=locks,
-                                    tuning_config=tuning)
+        lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(ops),
+                                    outputs=ops.out, locks=locks, tuning_config=tuning,
+                                    **self.forward_inputs(problem, ops, extra))
 
     def _load(self) -> ModuleType:
         lib, why = _import_humming()
@@ -130,6 +142,39 @@ class HummingBackend(NativeBackend):
             raise RuntimeError(f"{self.name}: {why}")
         self._lib = lib
         return lib
+
+
+class HummingW4A4Backend(HummingBackend):
+    """``humming:w4a4``: FP4 activations as they are, on block-scaled MMA (SM100+). Path B of ``humming_forward``:
+    ``inputs`` uint8 [M, K/2] (ModelOpt's nibble order, fp4dispatch's), ``input_scale`` e4m3 [M, K/16] row-major
+    packed four to an int32 (not the 128x4 swizzle: fp4dispatch's scales are unswizzled per call), and the layer's
+    static ``input_scale_2`` (a decode scale) at 1; alpha goes in as ``weight_scale_2``, and the fp32 epilogue
+    multiplies by both. The weight stays raw; ``transform()`` moves its scales into the SM100 tile layout."""
+
+    name = "humming:w4a4"
+    input_config = {"quant_method": "modelopt", "quant_algo": "nvfp4"}  # static activation scale (input_scale)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        cc = self.device_capability(device)
+        if cc is not None and cc < 100:
+            return (f"Humming's FP4 activations need block-scaled MMA (SM100+); got compute capability "
+                    f"{cc // 10}.{cc % 10} (humming:w4a16 runs there)")
+        return super().unavailable(device)
+
+    def unsupported(self, problem: Problem) -> str | None:
+        if problem.out_dtype not in _HALF:
+            return (f"Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
+                    f"out_dtype={problem.out_dtype}")
+        return alignment_reason(problem, 128, 128, "Humming's block-scaled tile")
+
+    def layer_tensors(self, problem: Problem, ops: Operands) -> dict:
+        return {**self.weight_tensors(problem, ops),
+                "input_scale": torch.ones(1, dtype=torch.float32, device=ops.b.device)}
+
+    def forward_inputs(self, problem: Problem, ops: Operands, layer_extra: dict) -> dict:
+        scale = unswizzle_scales(ops.a_scale.view(torch.uint8), problem.m, problem.k // BLOCK)
+        return {"inputs": ops.a.view(torch.uint8), "input_scale": scale.contiguous().view(torch.int32),
+                "input_scale_2": layer_extra["input_scale_2"]}
 
 
 def _import_humming() -> tuple[ModuleType | None, str | None]:
