@@ -274,3 +274,4 @@ def test_a_plan_whose_launcher_raises_is_dropped_with_a_warning(caplog):
         assert "the launch plan of" in caplog.text and "failed (TypeError: function takes exactly 21" in caplog.text
     finally:
         F._PLANS.pop(key, None)
+

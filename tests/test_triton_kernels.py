@@ -367,3 +367,25 @@ def test_dequant_backend_configs():
     assert b.configs(Problem(4, 8, 16, torch.bfloat16, cpu)) == [{"alpha": "fold"}, {"alpha": "epilogue"}]
     assert b.configs(Problem(4, 8, 16, torch.float32, cpu)) == [{"alpha": "epilogue"}]
     assert TritonDequantBackend(cache_weight=True).name == "triton:dequant+matmul(cached)"
+
+
+def test_dequant_backend_asks_once_whether_mm_takes_out_dtype(monkeypatch):
+    """triton:dequant+matmul's fp32-output GEMM: a torch whose mm lacks out_dtype for the device is asked once per
+    process (a raised error per call would cost more host time than the GEMM), and the fallback is exact."""
+    from fp4dispatch.backends import triton_dequant as D
+
+    monkeypatch.setattr(D, "_MM_OUT_DTYPE", {})
+    tries = []
+    real_mm = torch.mm
+
+    def mm(a, b, *, out_dtype=None, out=None):
+        if out_dtype is not None:
+            tries.append(out_dtype)
+            raise NotImplementedError("Could not run 'aten::mm.dtype' with arguments from the 'CPU' backend")
+        return real_mm(a, b) if out is None else real_mm(a, b, out=out)
+    monkeypatch.setattr(D.torch, "mm", mm)
+    a, b = torch.randn(3, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    for _ in range(3):
+        got = D._mm_f32(a, b, None)
+        assert got.dtype == torch.float32 and torch.equal(got, a.float() @ b.float().t())
+    assert len(tries) == 1 and D._MM_OUT_DTYPE == {"cpu": False}

@@ -75,15 +75,24 @@ def _scratch(purpose: str, packed: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return workspace.scratch(purpose, (packed.shape[0], packed.shape[1] * 2), dtype, packed.device)
 
 
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there (asked once)
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """a @ b.T with fp32 output from 16-bit operands (cuBLAS accumulates in fp32; no 16-bit rounding of the sum)."""
-    try:
-        if out is not None:
-            return torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
-        return torch.mm(a, b.t(), out_dtype=torch.float32)
-    except (TypeError, RuntimeError, NotImplementedError):  # torch without out_dtype: exact, slower
-        acc = torch.mm(a.float(), b.float().t())
-        if out is not None:
-            out.copy_(acc)
-            return out
-        return acc
+    """a @ b.T with fp32 output from 16-bit operands (cuBLAS accumulates in fp32; no 16-bit rounding of the sum).
+    A torch without ``mm(..., out_dtype=)`` for the device is asked once per process, not on every call: a raised
+    error costs more host time than the GEMM at small M."""
+    kind = a.device.type
+    if _MM_OUT_DTYPE.get(kind, True):
+        try:
+            acc = (torch.mm(a, b.t(), out_dtype=torch.float32, out=out) if out is not None
+                   else torch.mm(a, b.t(), out_dtype=torch.float32))
+            _MM_OUT_DTYPE[kind] = True
+            return acc
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without out_dtype here: exact, slower
+            _MM_OUT_DTYPE[kind] = False
+    acc = torch.mm(a.float(), b.float().t())
+    if out is not None:
+        out.copy_(acc)
+        return out
+    return acc
