@@ -108,7 +108,7 @@ def test_tma_descriptors_key_by_what_types_the_kernel(change):
 
 
 class PtrOnly:
-    """A descriptor base that is no tensor (``launch._Address``: cached descriptors hold no tensor): address, dtype."""
+    """A descriptor base that is no tensor (``runtime.Address``: cached descriptors hold no tensor): address, dtype."""
 
     def __init__(self, ptr: int, dtype: torch.dtype):
         self.ptr, self.dtype, self.shape = ptr, dtype, (64, 32)

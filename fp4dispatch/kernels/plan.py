@@ -35,7 +35,6 @@ __all__ = ["Plan", "unplannable", "record", "build", "MAX_DESCRIPTORS"]
 log = logging.getLogger("fp4dispatch")
 
 MAX_DESCRIPTORS = 4096  # tensor maps kept per descriptor argument (one per weight address a layer shape meets)
-_BASE = 13  # the launcher's leading arguments: grid x3, stream, function, cooperative, pdl, 2 scratch, metadata, hooks
 
 
 def _launcher_parts(compiled) -> tuple | str:

@@ -144,7 +144,7 @@ def _desc_key(a):
     alignment, block shape and layout (its launcher builds the tensor map from the rest on every call); any other
     argument as itself."""
     base = getattr(a, "base", None)
-    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or _Address
+    if hasattr(base, "data_ptr") and hasattr(base, "dtype") and hasattr(a, "block_shape"):  # a tensor or Address
         return ("desc", base.dtype, base.data_ptr() % 16, tuple(a.block_shape), getattr(a, "layout", None))
     return a
 
