@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -238,6 +239,35 @@ def test_table_shows_winner_config_and_runner_up(capsys):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert code == 0 and cells[:3] == ["1", "256", "512"]
     assert cells[4:9] == ["2/2 ok", "fast [BLOCK_M=64]", "10.0", f"{2 * 256 * 512 / 10e-6 / 1e12:.3g}", "4.00x (slow)"]
+
+
+class FirstRunSlow(FakeBackend):
+    """Stands for a backend that compiles its kernels for a shape on its first run there (Humming, Triton)."""
+
+    def __init__(self, name: str, first_s: float, **kw):
+        super().__init__(name, **kw)
+        self.first_s, self.seen = first_s, set()
+
+    def run(self, problem, ops, config):
+        if problem not in self.seen:
+            self.seen.add(problem)
+            time.sleep(self.first_s)
+        super().run(problem, ops, config)
+
+
+def test_table_shows_the_slowest_first_run_of_each_shape(capsys):
+    """A candidate's check is its first run on the shape: a compile shows there, in the table and in --json."""
+    backends = [FakeBackend("fast", cost=1e-5), FirstRunSlow("compiling", 0.3, cost=4e-5)]
+    # a shape the probe does not run (its shapes are N=256, K=512), so the first run there is the tuning check
+    code, out, _ = _run(capsys, ["--shape", "1,384,768"], backends=backends, do_bench=fake_do_bench)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("| 1 ")]
+    last = [c.strip() for c in line.strip("|").split("|")][9]
+    assert code == 0 and last.endswith(" s (compiling)") and float(last.split()[0]) >= 0.3, last
+    code, data, _ = _json(capsys, ["--shape", "1,384,1024", "--json"],
+                          backends=[FakeBackend("fast", cost=1e-5), FirstRunSlow("compiling", 0.3, cost=4e-5)],
+                          do_bench=fake_do_bench)
+    tried = {t["backend"]: t for t in data["shapes"][0]["tried"]}
+    assert tried["compiling"]["check_s"] >= 0.3 and tried["fast"]["check_s"] < tried["compiling"]["check_s"]
 
 
 def test_second_run_reads_the_cache(capsys, tuned, tmp_path):

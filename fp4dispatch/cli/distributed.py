@@ -63,13 +63,16 @@ def _bf16_baseline_us(m: int, n: int, k: int, device: torch.device, timer: str =
 
 
 def _summarize(entry: dict, n: int, k: int) -> dict:
-    """Winner, time, TFLOP/s, tried backends and the runner-up of one cached decision record."""
+    """Winner, time, TFLOP/s, tried backends (best time, slowest first run) and the runner-up of one cached decision
+    record."""
     winner, ranking = entry.get("backend"), list(entry.get("ranking", []))
     timed = entry.get("mode", "tuned") == "tuned"  # FP4DISPATCH_TUNE=0 records priority ranks, not times
     best: dict[str, dict] = {}
     for t in ranking:  # sorted by time: a backend's first trial is its best
-        best.setdefault(t["backend"], {"backend": t["backend"], "time_us": t.get("time_us") if timed else None,
-                                       "reason": t.get("reason", "")})
+        b = best.setdefault(t["backend"], {"backend": t["backend"], "time_us": t.get("time_us") if timed else None,
+                                           "reason": t.get("reason", "")})
+        if isinstance(t.get("check_s"), (int, float)):  # its slowest first run over its configs (a JIT compile)
+            b["check_s"] = max(b.get("check_s", 0.0), t["check_s"])
     best.setdefault(winner, {"backend": winner, "time_us": entry.get("time_us") if timed else None, "reason": ""})
     time_us = entry.get("time_us") if timed else None
     m_t = int(entry.get("tuned_at_m") or 1)

@@ -73,7 +73,8 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         con.print(note)
     gpu = any(r.get("cublas_bf16_us") is not None for r in rows)
     several = len({r["tuned_by"] for r in rows}) > 1
-    cols = ["M bucket", "N", "K", "layer", "tried", "winner", "time (us)", "TFLOP/s", "vs runner-up"]
+    cols = ["M bucket", "N", "K", "layer", "tried", "winner", "time (us)", "TFLOP/s", "vs runner-up",
+            "slowest first run"]
     cols += ["vs cuBLAS bf16"] if gpu else []
     cols += ["by"] if several else []
     body = []
@@ -86,7 +87,7 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
                 (r["winner"] + (f" [{cfg}]" if cfg else "")) if ok else "NONE",
                 _fmt(r.get("time_us")), _fmt(r.get("tflops"), ".3g"),
                 _fmt(r.get("speedup_vs_runner_up"), ".2f", "x")
-                + (f" ({r['runner_up']})" if r.get("runner_up") else "")]
+                + (f" ({r['runner_up']})" if r.get("runner_up") else ""), _slowest_first_run(tried)]
         line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
         line += [r["tuned_by"]] if several else []
         body.append(line)
@@ -97,6 +98,15 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
     if cached:
         con.print(f"\n{cached} of {len(rows)} shapes came from the cache "
                   "(python -m fp4dispatch.tune clear to measure them again).")
+
+
+def _slowest_first_run(tried: list[dict]) -> str:
+    """The candidate whose check (its first run on the shape: a JIT compile, a weight preparation) took longest."""
+    timed = [t for t in tried if t.get("check_s") is not None]
+    if not timed:
+        return "-"
+    t = max(timed, key=lambda t: t["check_s"])
+    return f"{t['check_s']:.2f} s ({t['backend']})"
 
 
 def _failed_lines(rows: list[dict]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from ..backends.base import Backend, Config, config_id, config_json
@@ -28,14 +29,17 @@ class Trial:
     config: Config = field(default_factory=dict)
     time_ms: float = math.inf
     reason: str = ""  # empty when the trial is correct and timed
+    # wall seconds of its check, its first run on this shape: a JIT compile or a weight preparation shows here
+    check_s: float | None = None
 
     @property
     def ok(self) -> bool:
         return math.isfinite(self.time_ms)
 
     def to_json(self) -> dict:
-        return {"backend": self.backend, "config": config_json(self.config),
-                "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
+        d = {"backend": self.backend, "config": config_json(self.config),
+             "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
+        return d if self.check_s is None else {**d, "check_s": round(self.check_s, 3)}
 
 
 def check_trial(backend: Backend, case: CheckCase, cfg: Config) -> str:
@@ -63,7 +67,9 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
             trials.append(Trial(backend.name, {}, reason=why))
         for cfg in cfgs:
             t = Trial(backend.name, cfg)
+            t0 = time.perf_counter()
             t.reason = check_trial(backend, case, cfg)
+            t.check_s = time.perf_counter() - t0
             if not t.reason:
                 try:
                     t.time_ms = float(do_bench(lambda b=backend, c=cfg: b.run(problem, case.ops, c)))
