@@ -259,6 +259,24 @@ def test_each_thread_gets_its_own_scratch_on_a_stream(fake_cuda):
     assert got[0] == got[2] != got[1]
 
 
+def test_a_finished_threads_scratch_is_dropped_and_old_addresses_go_stale(fake_cuda):
+    """A thread per request must not leave 64 MiB behind each, and a later thread that gets the same identifier
+    must not be served an address read by the finished one (workspace.generation moves on)."""
+    cpu = torch.device("cpu")
+    seen = {}
+
+    def work():
+        workspace.address(("scratch", "predecode", 1024), cpu, 0, False, [])
+        seen["ident"], seen["generation"] = workspace.thread_key(), workspace.generation
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    assert not [k for k in workspace._SCRATCH if k[2] == seen["ident"]]
+    assert workspace.generation > seen["generation"]
+
+
 def test_a_plan_whose_launcher_raises_is_dropped_with_a_warning(caplog):
     from fp4dispatch.kernels import fp4_mm as F
 

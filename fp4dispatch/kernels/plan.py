@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import torch
 
@@ -113,7 +112,7 @@ class Plan:
         if self.needs:
             capturing = runtime.capturing()
             kept = self._kept
-            where = (stream, threading.get_ident(), workspace.generation)
+            where = (stream, workspace.thread_key(), workspace.generation)
             if not capturing and kept is not None and kept[0] == where:
                 ptrs.extend(kept[1])
             else:

@@ -1,11 +1,11 @@
-"""Scratch memory of the kernels, kept per (device, stream) so that an eager call allocates nothing: the pre-decoded
-operand and the split-K fp32 partials (``scratch``), and the split-K arrival counters (``counters``).
+"""Scratch memory of the kernels, kept per (device, stream, thread) so that an eager call allocates nothing: the
+pre-decoded operand and the split-K fp32 partials (``scratch``), and the split-K arrival counters (``counters``).
 
 Buffers: one per (device, stream, thread, purpose), grown (never shrunk) when a call needs more. Reuse is safe
 because one thread queues a call's launches before the next call's, and launches on one stream run in that order, so
 a call's kernels finish with a buffer before the next call's start (two threads queueing on one stream could
-interleave their calls' launches: each has its own buffers); a buffer replaced by a larger one is freed to torch's
-caching allocator, which reuses its memory only in that stream's order.
+interleave their calls' launches: each has its own buffers, dropped when the thread ends); a buffer replaced by a
+larger one is freed to torch's caching allocator, which reuses its memory only in that stream's order.
 A request above ``MAX_KEPT_BYTES`` gets its own tensor instead: at those sizes the kernels run for far longer than an
 allocation takes, and the memory goes back to the allocator after the call.
 
@@ -33,7 +33,7 @@ import torch
 
 from .runtime import capturing, cuda_index, note_buffer, raw_stream
 
-__all__ = ["scratch", "counters", "address", "buffers", "prepare", "prepare_capture", "MAX_KEPT_BYTES"]
+__all__ = ["scratch", "counters", "address", "buffers", "prepare", "prepare_capture", "thread_key", "MAX_KEPT_BYTES"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -65,7 +65,7 @@ def _scratch_bytes(purpose: str, nbytes: int, device: torch.device) -> torch.Ten
 def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, capturing: bool) -> torch.Tensor:
     if nbytes > MAX_KEPT_BYTES or capturing:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    key = (device.index if device.type == "cuda" else str(device), stream, threading.get_ident(), purpose)
+    key = (device.index if device.type == "cuda" else str(device), stream, thread_key(), purpose)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < nbytes:
         # grow by half again, so that a slowly rising M does not reallocate on every call
@@ -78,6 +78,36 @@ def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, ca
 def _bump() -> None:
     global generation
     generation += 1
+
+
+class _ThreadEnd:
+    """Lives in a thread's local storage: when the thread ends, its kept buffers are dropped (a server that starts a
+    thread per request must not keep scratch for each), and ``generation`` moves on, so that an address read by that
+    thread is never served to a later thread that gets the same identifier."""
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int):
+        self.ident = ident
+
+    def __del__(self):
+        try:
+            for key in list(_SCRATCH):
+                if key[2] == self.ident:
+                    _SCRATCH.pop(key, None)
+            _bump()
+        except (TypeError, NameError):  # at interpreter exit the module's globals may be gone already
+            pass
+
+
+_local = threading.local()
+
+
+def thread_key() -> int:
+    """The current thread's part of a kept buffer's key (its identifier, watched by ``_ThreadEnd``)."""
+    end = getattr(_local, "end", None)
+    if end is None:
+        end = _local.end = _ThreadEnd(threading.get_ident())
+    return end.ident
 
 
 def scratch(purpose: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,8 +129,7 @@ def address(need: tuple, device: torch.device, stream: int, capturing: bool, kee
     the launches; a kept buffer stays where it is until ``generation`` changes."""
     if need[0] == "scratch":
         t = _scratch_at(need[1], need[2], device, stream, capturing)
-        if t is not _SCRATCH.get((device.index if device.type == "cuda" else str(device), stream, threading.get_ident(),
-                                  need[1])):
+        if t is not _SCRATCH.get((device.index if device.type == "cuda" else str(device), stream, thread_key(), need[1])):
             keep.append(t)
     else:
         t = _counters(need[1], device)
