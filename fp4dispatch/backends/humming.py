@@ -31,6 +31,8 @@ from types import ModuleType
 import torch
 
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
+from ..kernels import workspace
+from ..kernels.dequant import dequantize_rows
 from ..problem import Operands, Problem
 from ._native import NativeBackend, PreparedWeightCache, alignment_reason, import_library
 from .base import Config
@@ -93,9 +95,6 @@ class HummingBackend(NativeBackend):
         """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call)."""
         if not ops.a.is_cuda:
             return dequantize_nvfp4(ops.a, ops.a_scale, dtype=problem.out_dtype)
-        from ..kernels import workspace
-        from ..kernels.dequant import dequantize_rows
-
         x = workspace.scratch("humming_a", (problem.m, problem.k), problem.out_dtype, ops.a.device)
         return dequantize_rows(ops.a, ops.a_scale, problem.out_dtype, out=x)
 
