@@ -31,8 +31,7 @@ from types import ModuleType
 import torch
 
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
-from ..kernels import workspace
-from ..kernels.dequant import dequantize_rows
+from ..kernels.dequant import dequantize_to_scratch
 from ..problem import Operands, Problem
 from ._native import NativeBackend, PreparedWeightCache, alignment_reason, import_library
 from .base import Config
@@ -42,6 +41,7 @@ __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT"]
 INSTALL_HINT = "pip install fp4dispatch[humming]"
 PROBE_TIMEOUT_S = 120.0  # a worker's probe compiles the probe shape's kernels
 _HALF = (torch.bfloat16, torch.float16)
+_OUT_DTYPE_REASON = "Humming writes bfloat16/float16 only (its output dtype is the activations'); got out_dtype={}"
 
 
 class HummingBackend(NativeBackend):
@@ -73,8 +73,7 @@ class HummingBackend(NativeBackend):
 
     def unsupported(self, problem: Problem) -> str | None:
         if problem.out_dtype not in _HALF:
-            return (f"Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
-                    f"out_dtype={problem.out_dtype}")
+            return _OUT_DTYPE_REASON.format(problem.out_dtype)
         if problem.out_dtype == torch.bfloat16 and (self.device_capability(problem.device) or 0) < 80:
             return "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"
         return alignment_reason(problem, 64, 32, "Humming (its padded tile)")
@@ -95,8 +94,7 @@ class HummingBackend(NativeBackend):
         """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call)."""
         if not ops.a.is_cuda:
             return dequantize_nvfp4(ops.a, ops.a_scale, dtype=problem.out_dtype)
-        x = workspace.scratch("humming_a", (problem.m, problem.k), problem.out_dtype, ops.a.device)
-        return dequantize_rows(ops.a, ops.a_scale, problem.out_dtype, out=x)
+        return dequantize_to_scratch("humming_a", ops.a, ops.a_scale, problem.out_dtype)
 
     def forward_inputs(self, problem: Problem, ops: Operands, layer_extra: dict) -> dict:
         """``humming_forward``'s activation arguments."""
@@ -162,8 +160,7 @@ class HummingW4A4Backend(HummingBackend):
 
     def unsupported(self, problem: Problem) -> str | None:
         if problem.out_dtype not in _HALF:
-            return (f"Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
-                    f"out_dtype={problem.out_dtype}")
+            return _OUT_DTYPE_REASON.format(problem.out_dtype)
         return alignment_reason(problem, 128, 128, "Humming's block-scaled tile")
 
     def layer_tensors(self, problem: Problem, ops: Operands) -> dict:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import device_problem, workspace
-from ..kernels.dequant import dequantize_rows
+from ..kernels import device_problem
+from ..kernels.dequant import dequantize_rows, dequantize_to_scratch
 from ..problem import Operands, Problem
 from .base import BaseBackend, Config
 
@@ -41,7 +41,7 @@ class TritonDequantBackend(BaseBackend):
 
     def _weight(self, ops: Operands, dtype: torch.dtype) -> torch.Tensor:
         if not self.cache_weight:
-            return dequantize_rows(ops.b, ops.b_scale, dtype, out=_scratch("dequant_b", ops.b, dtype))
+            return dequantize_to_scratch("dequant_b", ops.b, ops.b_scale, dtype)
         key = (ops.b.data_ptr(), ops.b._version, tuple(ops.b.shape), ops.b_scale.data_ptr(), ops.b_scale._version,
                dtype, ops.b.device)
         w = self._weights.get(key)
@@ -52,8 +52,7 @@ class TritonDequantBackend(BaseBackend):
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
         fold = config.get("alpha") == "fold" and problem.out_dtype == torch.bfloat16
-        a = dequantize_rows(ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None,
-                            out=_scratch("dequant_a", ops.a, dt))
+        a = dequantize_to_scratch("dequant_a", ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
         b = self._weight(ops, dt)
         if fold and a.is_cuda:
             torch.mm(a, b.t(), out=ops.out)
@@ -68,11 +67,6 @@ class TritonDequantBackend(BaseBackend):
         else:
             acc = _mm_f32(a, b, None)
         torch.mul(acc, ops.alpha, out=ops.out)
-
-
-def _scratch(purpose: str, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized [rows, K] operand's memory: kept per (device, stream), as the kernels' scratch is."""
-    return workspace.scratch(purpose, (packed.shape[0], packed.shape[1] * 2), dtype, packed.device)
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there (asked once)

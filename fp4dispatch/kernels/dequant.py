@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from . import workspace
 from .runtime import launch
 
-__all__ = ["dequantize_rows", "DEQUANT_BLOCK"]
+__all__ = ["dequantize_rows", "dequantize_to_scratch", "DEQUANT_BLOCK"]
 
 DEQUANT_BLOCK = (16, 16)  # (rows, 16-element blocks) per program: 16 x 256 values, 2 KB of packed input
 
@@ -29,3 +30,11 @@ def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     launch(dequant_kernel, grid, packed, scale.view(torch.uint8), f, out, r, k2, kb, -(-kb // 4), BR=br, BKB=bkb,
            HAS_F=factor is not None, num_warps=4)
     return out
+
+
+def dequantize_to_scratch(purpose: str, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                          factor: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dequantize_rows` into the kept scratch of ``purpose`` (``workspace.scratch``): for an operand that a
+    backend only reads within its call, so that the call allocates nothing."""
+    out = workspace.scratch(purpose, (packed.shape[0], packed.shape[1] * 2), dtype, packed.device)
+    return dequantize_rows(packed, scale, dtype, factor=factor, out=out)

@@ -56,15 +56,11 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and capturing()
 
 
-def _scratch_bytes(purpose: str, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor of at least ``nbytes`` for ``purpose`` on the current stream (see the module docstring)."""
-    stream = _key(device, None)[1]
-    return _scratch_at(purpose, nbytes, device, stream, _capturing(device))
-
-
-def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, capturing: bool) -> torch.Tensor:
+def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, capturing: bool
+                ) -> tuple[torch.Tensor, bool]:
+    """(a uint8 tensor of at least ``nbytes`` for ``purpose`` on ``stream``, whether it is a kept buffer)."""
     if nbytes > MAX_KEPT_BYTES or capturing:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), False
     key = (device.index if device.type == "cuda" else str(device), stream, thread_key(), purpose)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < nbytes:
@@ -72,7 +68,7 @@ def _scratch_at(purpose: str, nbytes: int, device: torch.device, stream: int, ca
         size = min(max(nbytes, 0 if buf is None else buf.numel() * 3 // 2), MAX_KEPT_BYTES)
         buf = _SCRATCH[key] = torch.empty(max(size, nbytes), dtype=torch.uint8, device=device)
         _bump()
-    return buf
+    return buf, True
 
 
 def _bump() -> None:
@@ -116,7 +112,7 @@ def scratch(purpose: str, shape: tuple, dtype: torch.dtype, device: torch.device
     nbytes = dtype.itemsize
     for s in shape:
         nbytes *= s
-    buf = _scratch_bytes(purpose, nbytes, device)
+    buf, _ = _scratch_at(purpose, nbytes, device, _key(device, None)[1], _capturing(device))
     t = buf[:nbytes].view(dtype).view(shape)
     note_buffer(t, ("scratch", purpose, nbytes))
     return t
@@ -127,14 +123,10 @@ def address(need: tuple, device: torch.device, stream: int, capturing: bool, kee
     ``runtime.note_buffer`` reported it) on ``stream`` of ``device`` (an indexed device), without building a view: a
     launch plan needs only the address. A tensor made for this call alone is appended to ``keep``, which must outlive
     the launches; a kept buffer stays where it is until ``generation`` changes."""
-    if need[0] == "scratch":
-        t = _scratch_at(need[1], need[2], device, stream, capturing)
-        if t is not _SCRATCH.get((device.index if device.type == "cuda" else str(device), stream, thread_key(), need[1])):
-            keep.append(t)
-    else:
-        t = _counters(need[1], device)
-        if t is not _COUNTERS.get(_key(device, None)):
-            keep.append(t)
+    t, kept = (_scratch_at(need[1], need[2], device, stream, capturing) if need[0] == "scratch"
+               else _counters(need[1], device))
+    if not kept:
+        keep.append(t)
     return t.data_ptr()
 
 
@@ -168,21 +160,22 @@ def prepare_capture(device: torch.device) -> None:
         prepare(torch.device("cuda", idx), stream)
 
 
-def _counters(tiles: int, device: torch.device) -> torch.Tensor:
+def _counters(tiles: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(int32 counters of the current stream, >= ``tiles`` of them at zero; whether they are the kept ones)."""
     key = _key(device, None)
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= tiles:
-        return have
+        return have, True
     if _capturing(device):
         log.debug("fp4dispatch: split-K counters zeroed inside the CUDA graph (no prepared buffer for this stream)")
-        return torch.zeros(tiles, dtype=torch.int32, device=device)
+        return torch.zeros(tiles, dtype=torch.int32, device=device), False
     prepare(device, None, tiles)
-    return _COUNTERS[key]
+    return _COUNTERS[key], True
 
 
 def counters(tiles: int, device: torch.device) -> torch.Tensor:
     """int32 counters, >= ``tiles`` of them at zero, for one split-K launch on the current stream."""
-    t = _counters(tiles, device)
+    t, _ = _counters(tiles, device)
     note_buffer(t, ("counters", tiles))
     return t
 
