@@ -10,6 +10,7 @@ tests, PyTorch test_scaled_matmul_cuda.py).
 from __future__ import annotations
 
 import copy
+import json
 import types
 
 import torch
@@ -377,7 +378,9 @@ class FakeHumming:
         _need(outputs is not None and tuple(outputs.shape) == (m, n) and outputs.dtype == dt
               and outputs.is_contiguous(), f"outputs must be contiguous [{m}, {n}] {dt}")
         _need(locks is not None and locks.dtype == torch.int32, "locks: the layer's int32 buffer")
-        self.calls.append({"tuning_config": copy.deepcopy(tuning_config)})
+        # Humming takes a dict, a list or their JSON string (the string is its compiled-kernel cache key as it is)
+        parsed = json.loads(tuning_config) if isinstance(tuning_config, str) else copy.deepcopy(tuning_config)
+        self.calls.append({"tuning_config": parsed, "tuning_as_json": isinstance(tuning_config, str)})
         W = dequant(weight.view(torch.uint8), ws)  # the kernel's K order is the packed one
         acc = x @ W.double().T
         outputs.copy_((acc * weight_scale_2.double()).to(dt))

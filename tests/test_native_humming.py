@@ -48,6 +48,8 @@ def test_humming_adapter_matches_reference_with_stream_k_off(cc, humming, m, n, 
     helpers.assert_equals_reference(ops, ref, rtol=8e-3)  # the fake sums in another order: a rounding tie may flip
     tuning = fake.calls[-1]["tuning_config"]
     assert tuning and all(cfg["use_stream_k"] is False for _, _, cfg in tuning)  # determinism
+    # made into JSON once per weight: humming_forward would serialize a list on every call
+    assert fake.calls[-1]["tuning_as_json"]
     assert fake.heuristics[0][2]["use_stream_k"] is True  # Humming's cached heuristics were copied, not changed
 
 

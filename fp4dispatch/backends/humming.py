@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from types import ModuleType
 
 import torch
@@ -121,6 +122,9 @@ class HummingBackend(NativeBackend):
         tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type="dense"))
         for _lo, _hi, cfg in tuning:
             cfg["use_stream_k"] = False  # determinism: see the module docstring
+        # as a JSON string: humming_forward serializes a list on every call (host time that grows with the
+        # heuristics' table) and keys its compiled kernels by that string; a string goes through as it is
+        tuning = json.dumps(tuning)
         extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
         return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, tuning, extra
 
