@@ -31,7 +31,7 @@ __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "
 log = logging.getLogger("fp4dispatch")
 
 _COMPILED: dict[tuple, tuple[object, list]] = {}
-_PARAMS: dict[int, tuple[list[str], dict]] = {}
+_PARAMS: dict[int, tuple[object, list[str], dict]] = {}  # id(fn) -> (fn, parameter names, defaults)
 _fast = True
 _SMS: dict[int, int] = {}
 _tls = threading.local()  # .rec: the list a launch plan is being recorded into on this thread (plan.py), or None
@@ -111,9 +111,9 @@ def _params(fn) -> tuple[list[str], dict]:
     got = _PARAMS.get(id(fn))
     if got is None:
         sig = fn.signature.parameters  # JITFunction keeps the inspect.Signature of the Python function
-        got = (list(sig), {n: p.default for n, p in sig.items() if p.default is not p.empty})
-        _PARAMS[id(fn)] = got
-    return got
+        # the entry holds fn itself: while it is here, no other object can be given fn's id
+        got = _PARAMS[id(fn)] = (fn, list(sig), {n: p.default for n, p in sig.items() if p.default is not p.empty})
+    return got[1], got[2]
 
 
 class Address:
