@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -336,7 +337,8 @@ def test_export_import_round_trip_and_refusal_on_mismatch(capsys, tuned, tmp_pat
     bad.write_text(json.dumps(data))
     code, out, err = _run(capsys, ["import", str(bad), "--cache-dir", other])
     assert code == 1 and out == ""
-    assert "refusing" in err and f"libs.torch: {torch.__version__} (here) vs 0.0.0-tampered (file)" in err
+    # the fingerprint holds the installed distribution's version (a CUDA build's torch.__version__ adds +cu130)
+    assert "refusing" in err and f"libs.torch: {metadata.version('torch')} (here) vs 0.0.0-tampered (file)" in err
     assert not list(Path(other).glob("decisions-*.json"))  # nothing was written
 
     cache_file = next(Path(src).glob("decisions-*.json"))
@@ -389,7 +391,9 @@ def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(logs), "--redirects", "3", "-m", "fp4dispatch.tune", "--json",
            "--shape", "1,16,256,512", "--shape", "1,512,256"]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True, timeout=180)
+    # gloo on the CPU, also on a GPU machine: two ranks need two GPUs for nccl (one has its own test below)
+    env = {**_env(cache), "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr
     outs = sorted(logs.glob("*/attempt_0/*/stdout.log"))
     assert len(outs) == 2
@@ -403,3 +407,15 @@ def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):
     decisions = json.loads(cache_file.read_text())["decisions"]
     assert set(decisions) == {r["key"] for r in rows}
     assert all(decisions[r["key"]]["backend"] == r["winner"] for r in rows)
+
+
+def test_a_torchrun_rank_without_a_gpu_of_its_own_is_told_how_many_processes_fit(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 needs GPU 1, but this machine has 1 visible GPU\(s\); start "
+                       r"at most 1 process\(es\) per node \(--nproc-per-node 1\)"):
+        distributed._local_gpu()
+    monkeypatch.setattr(distributed, "torchrun_detected", lambda: True)
+    monkeypatch.setattr(distributed, "run_torchrun", lambda *a: distributed._local_gpu())
+    code, out, err = _run(capsys, ["--shape", "1,256,512", "--cache-dir", str(tmp_path)], backends=_fakes())
+    assert code == 2 and out == "" and err.startswith("fp4dispatch.tune: torchrun: LOCAL_RANK=1 needs GPU 1")

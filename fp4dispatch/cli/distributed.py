@@ -149,7 +149,7 @@ def process_group() -> Iterator[tuple[int, int, torch.device]]:
     made = False
     if not dist.is_initialized():
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(_local_gpu())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         made = True
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -158,6 +158,16 @@ def process_group() -> Iterator[tuple[int, int, torch.device]]:
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def _local_gpu() -> int:
+    """This rank's GPU: ``LOCAL_RANK``, which must name a visible one (nccl gives each rank a GPU of its own)."""
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise ValueError(f"torchrun: LOCAL_RANK={local} needs GPU {local}, but this machine has {count} visible "
+                         f"GPU(s); start at most {count} process(es) per node (--nproc-per-node {count}), or tune on "
+                         "the CPU with CUDA_VISIBLE_DEVICES=\"\"")
+    return local
 
 
 def run_torchrun(shapes: list, opts, backends=None, do_bench=None) -> dict:

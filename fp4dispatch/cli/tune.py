@@ -177,7 +177,11 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
     notes = ([] if dev.type == "cuda" else [_CPU_NOTE]) + skip_notes
     payload: dict = {"command": "tune", "skipped": skipped}
     if distributed.torchrun_detected():
-        res = distributed.run_torchrun(shapes, opts, backends, do_bench)
+        try:
+            res = distributed.run_torchrun(shapes, opts, backends, do_bench)
+        except ValueError as e:  # a rank without a GPU of its own
+            print(f"fp4dispatch.tune: {e}", file=sys.stderr)
+            return 2
         payload.update(mode="torchrun", rank=res["rank"], world_size=res["world_size"], device=res["device"])
         return _finish(args, payload, res["rows"], res["backends"], notes)
     if args.devices:
