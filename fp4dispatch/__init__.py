@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .version import __version__
-from .api import fp4_mm, get_dispatcher, set_dispatcher
+from .api import fp4_mm, get_dispatcher, set_dispatcher, w4a16_mm
 from .errors import BackendError, FP4DispatchError, InvalidInputError, NoUsableBackendError
 from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales
 from .graphs import warmup
@@ -12,6 +12,7 @@ from .dispatch.dispatcher import Dispatcher
 __all__ = [
     "__version__",
     "fp4_mm",
+    "w4a16_mm",
     "Dispatcher",
     "warmup",
     "nn",

@@ -22,29 +22,47 @@ def m_bucket(m: int) -> int:
 
 
 class Problem(NamedTuple):
-    """Shape and type of one GEMM: out[M, N] = alpha * A[M, K] @ B[N, K].T (K in elements)."""
+    """Shape and type of one GEMM: out[M, N] = alpha * A[M, K] @ B[N, K].T (K in elements). ``a_dtype`` says which
+    op it is: ``torch.uint8`` (packed NVFP4 activations: ``fp4_mm``) or bf16/fp16 (activations as they are:
+    ``w4a16_mm``)."""
 
     m: int
     n: int
     k: int
     out_dtype: torch.dtype
     device: torch.device
+    a_dtype: torch.dtype = torch.uint8
 
     @property
     def bucket(self) -> int:
         return m_bucket(self.m)
 
+    @property
+    def op(self) -> str:
+        return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16"
+
+    @property
+    def call(self) -> str:
+        """The public function of this op, as messages name it."""
+        return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16_mm"
+
+    @property
+    def key(self) -> tuple:
+        """What one decision serves: (device, M bucket, N, K, out dtype, activation dtype)."""
+        return (self.device, m_bucket(self.m), self.n, self.k, self.out_dtype, self.a_dtype)
+
     def with_m(self, m: int) -> "Problem":
-        return Problem(m, self.n, self.k, self.out_dtype, self.device)
+        return self._replace(m=m)
 
     def __str__(self) -> str:
-        return f"M={self.m} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
+        text = f"M={self.m} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
+        return text if self.op == "fp4_mm" else f"{text} a={str(self.a_dtype).replace('torch.', '')} (w4a16)"
 
 
 class Operands(NamedTuple):
     """Canonical operands: a uint8 [M, K/2], b uint8 [N, K/2] (both contiguous), 2-D 128x4-swizzled zero-padded
     float8_e4m3fn scales, alpha float32 with one element ([1] or 0-d) on the device, and a preallocated contiguous
-    out [M, N]."""
+    out [M, N]. For ``w4a16_mm`` ``a`` is the bf16/fp16 [M, K] activation and ``a_scale`` an empty e4m3 tensor."""
 
     a: torch.Tensor
     b: torch.Tensor

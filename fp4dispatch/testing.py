@@ -73,6 +73,7 @@ class FakeBackend(BaseBackend):
             storage has one) or "transposed_strides" (right values, out left with strides (1, M)).
         crash: "exit" (os._exit(3)), "segv" (SIGSEGV to itself) or "hang" (sleeps forever) on every run.
         risky: probe it in a worker process when isolation is on.
+        ops: the ops it computes (default ``("fp4_mm",)``; ``"w4a16"``: ``w4a16_mm``).
     ``.calls`` counts every run (probe, tuning, verification, real calls).
     """
 
@@ -80,7 +81,7 @@ class FakeBackend(BaseBackend):
                  unsupported: str | None = None, raises: BaseException | None = None, wrong_for_m=(),
                  nan_rows_for_m=(), nan_rows_after: int | None = None, fail_after: int | None = None,
                  mutates: str | None = None, out_fault: str | None = None, crash: str | None = None,
-                 risky: bool = False, configs: list[Config] | None = None):
+                 risky: bool = False, configs: list[Config] | None = None, ops: tuple = ("fp4_mm",)):
         if result not in RESULTS:
             raise ValueError(f"FakeBackend: result must be one of {RESULTS}; got {result!r}")
         if out_fault not in (None, *OUT_FAULTS):
@@ -101,6 +102,7 @@ class FakeBackend(BaseBackend):
         self.out_fault = out_fault
         self.crash = crash
         self.risky = risky
+        self.ops = tuple(ops)
         self._configs = configs or [{}]
         self.calls = 0
         self.successes = 0

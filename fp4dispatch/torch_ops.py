@@ -1,4 +1,4 @@
-"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out``: fp4_mm as torch custom ops, so that ``torch.compile``
+"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm`` / ``w4a16_mm_out``): the calls as torch custom ops, so that ``torch.compile``
 (``fullgraph=True``) traces models that call it without a graph break.
 
 Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp4_mm_op", "fp4_mm_out_op"]
+__all__ = ["fp4_mm_op", "fp4_mm_out_op", "w4a16_mm_op", "w4a16_mm_out_op"]
 
 _LIB = "fp4dispatch"
 
@@ -63,3 +63,38 @@ def _fp4_mm_out_fake(a, b, a_scale, b_scale, alpha, alpha_value, out, scale_layo
     from .validate import check_fp4_mm_args
 
     check_fp4_mm_args(a, b, a_scale, b_scale, alpha if alpha is not None else 1.0, out.dtype, out, scale_layout)
+
+
+@torch.library.custom_op(f"{_LIB}::w4a16_mm", mutates_args=())
+def w4a16_mm_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor | None,
+                out_dtype: torch.dtype | None, scale_layout: str, backend: str | None) -> torch.Tensor:
+    """Functional w4a16_mm: returns a new [M, N] tensor (a tensor alpha or none; a Python float is traced as a
+    constant tensor by torch.compile)."""
+    from . import api
+
+    return api.run_w4a16_mm(api.get_dispatcher(), a, b, b_scale, alpha, out_dtype, None, scale_layout, backend)
+
+
+@w4a16_mm_op.register_fake
+def _w4a16_mm_fake(a, b, b_scale, alpha, out_dtype, scale_layout, backend):
+    from .validate import check_w4a16_mm_args
+
+    problem, _ = check_w4a16_mm_args(a, b, b_scale, alpha if alpha is not None else 1.0, out_dtype, None,
+                                     scale_layout)
+    return a.new_empty((problem.m, problem.n), dtype=problem.out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::w4a16_mm_out", mutates_args=("out",))
+def w4a16_mm_out_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor | None,
+                    out: torch.Tensor, scale_layout: str, backend: str | None) -> None:
+    """w4a16_mm into a preallocated ``out`` (its dtype is the output dtype)."""
+    from . import api
+
+    api.run_w4a16_mm(api.get_dispatcher(), a, b, b_scale, alpha, out.dtype, out, scale_layout, backend)
+
+
+@w4a16_mm_out_op.register_fake
+def _w4a16_mm_out_fake(a, b, b_scale, alpha, out, scale_layout, backend):
+    from .validate import check_w4a16_mm_args
+
+    check_w4a16_mm_args(a, b, b_scale, alpha if alpha is not None else 1.0, out.dtype, out, scale_layout)

@@ -1,4 +1,5 @@
-"""Input contract of ``fp4_mm``: every user-input error is raised here, with argument, expected, got and a fix.
+"""Input contract of ``fp4_mm`` and ``w4a16_mm``: every user-input error is raised here, with argument, expected, got
+and a fix.
 
 The common case (everything right) costs a handful of attribute reads; messages are only built on failure.
 """
@@ -13,7 +14,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, swizzle_scales, swizzled_scale_shape
 from .problem import OUT_DTYPES, Operands, Problem
 
-__all__ = ["check_fp4_mm_args"]
+__all__ = ["check_fp4_mm_args", "check_w4a16_mm_args"]
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 
@@ -160,7 +161,7 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
                       and not out.requires_grad):
                 raise ValueError  # explained by the slow path
             # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
-            return (_new(Problem, (m, n, 2 * k2, out_dtype, dev)),
+            return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8)),
                     _new(Operands, (a, b, a_scale, b_scale, alpha, out)))
     except (AttributeError, ValueError, TypeError):
         pass
@@ -194,17 +195,82 @@ def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> 
     sa = _check_scale(a_scale, "a_scale", m, k, "M", scale_layout, device)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device)
+    out = _check_out(out, m, n, out_dtype, device)
+    return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)
+
+
+def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=device)
-    elif not isinstance(out, torch.Tensor):
+        return torch.empty((m, n), dtype=out_dtype, device=device)
+    if not isinstance(out, torch.Tensor):
         raise _fail(f"out must be a torch.Tensor or None; got {type(out).__name__}")
-    elif tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.device != device or not out.is_contiguous():
+    if tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.device != device or not out.is_contiguous():
         raise _fail(
             f"out must be a contiguous [M, N]=({m}, {n}) tensor of dtype {out_dtype} on {device}; got "
             f"shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, contiguous={out.is_contiguous()}. "
             f"Allocate it with torch.empty(({m}, {n}), dtype={out_dtype}, device={str(device)!r}) or pass out_dtype"
         )
-    elif out.requires_grad:
-        raise _fail("out must not require grad (fp4_mm is not differentiable and writes out in place); got "
+    if out.requires_grad:
+        raise _fail("out must not require grad (the op is not differentiable and writes out in place); got "
                     "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
-    return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)
+    return out
+
+
+_HALF = (torch.bfloat16, torch.float16)
+_NO_SCALE: dict[torch.device, torch.Tensor] = {}  # w4a16's a_scale: an empty e4m3 tensor per device
+
+
+def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
+    """Validate a ``w4a16_mm`` call (``a`` bf16/fp16 [M, K], ``b``/``b_scale``/``alpha``/``out`` as in ``fp4_mm``,
+    ``out_dtype`` None = ``a.dtype``) and return its canonical (Problem, Operands); raise InvalidInputError."""
+    try:
+        return _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout)
+    except InvalidInputError as e:  # the checks shared with fp4_mm name fp4_mm
+        msg = str(e)
+        raise InvalidInputError("w4a16_mm: " + msg.removeprefix("fp4_mm: ")) from None
+
+
+def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
+    if not isinstance(a, torch.Tensor):
+        raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [M, K]; got {_type_name(a)}")
+    if a.dtype not in _HALF:
+        hint = (" It holds packed NVFP4 data: that is fp4_mm's a (with a_scale)" if a.dtype == torch.uint8
+                else " Cast it with a.to(torch.bfloat16)")
+        raise _fail(f"a must be bfloat16 or float16 [M, K] (W4A16: activations as they are); got dtype={a.dtype}."
+                    f"{hint}")
+    if a.dim() != 2:
+        raise _fail(f"a must be 2-D [M, K]; got a.shape={tuple(a.shape)}. Flatten the leading dims: "
+                    "a.reshape(-1, a.shape[-1])")
+    if out_dtype is None:
+        out_dtype = a.dtype
+    if scale_layout not in SCALE_LAYOUTS:
+        raise _fail(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise _fail(f"out_dtype must be None (a's dtype), torch.bfloat16, torch.float16 or torch.float32; got "
+                    f"{out_dtype!r}")
+    b = _check_packed(b, "b")
+    device = a.device
+    if b.device != device:
+        raise _fail(f"a and b must be on the same device; got a.device={device}, b.device={b.device}")
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    if b.shape[1] * 2 != k:
+        hint = (" b looks transposed ([K/2, N]): pass the [N, K/2] weight" if b.shape[0] * 2 == k else "")
+        raise _fail(f"b must be [N, K/2] with K = a.shape[1] = {k}; got b.shape={tuple(b.shape)} (K/2 = "
+                    f"{b.shape[1]}).{hint}")
+    if k % BLOCK or k == 0:
+        raise _fail(f"K=a.shape[1]={k} must be a positive multiple of {BLOCK} (one e4m3 weight scale per 16 values)")
+    if not a.is_contiguous():
+        raise _fail(f"a must be contiguous [M, K]; got strides {a.stride()} for shape {tuple(a.shape)}. "
+                    "Call a.contiguous()")
+    if not b.is_contiguous():
+        raise _fail(f"b must be contiguous [N, K/2]; got strides {b.stride()} for shape {tuple(b.shape)}. "
+                    "Call b.contiguous()")
+    sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
+    al = _check_alpha(alpha, device)
+    out = _check_out(out, m, n, out_dtype, device)
+    none = _NO_SCALE.get(device)
+    if none is None:
+        none = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _NO_SCALE[device] = none
+    return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, none, sb, al, out)

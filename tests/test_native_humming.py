@@ -266,3 +266,20 @@ def test_humming_w4a4_unsupported_rules(cc):
         "Humming's block-scaled tile needs N % 128 == 0 and K % 128 == 0; K=192 is not a multiple of 128 (not padded: "
         "the triton/reference backends take any N, K multiple of 16)")
     assert HummingW4A4Backend().unsupported(Problem(3, 128, 256, FP32, CPU)).startswith("Humming writes bfloat16")
+
+
+@pytest.mark.parametrize("adt", [BF16, FP16])
+def test_humming_serves_w4a16_with_the_activations_as_given(cc, humming, adt):
+    from fp4dispatch.dispatch.verify import check_run, make_case
+
+    cc(90)
+    fake = humming()
+    backend = HummingBackend()
+    problem = Problem(7, 128, 256, adt, CPU, adt)
+    case = make_case(problem, 5, reference_mm)  # the dispatcher's own check: hostile inputs, guard rows
+    assert check_run(backend, case, {}) is None
+    assert fake.calls and backend.activations(problem, case.ops) is case.ops.a  # no decode, no copy
+    other = FP16 if adt is BF16 else BF16
+    assert backend.unsupported(problem._replace(out_dtype=other)) == (
+        f"Humming writes its activations' dtype: out_dtype must be a's dtype ({adt}); got {other}")
+    assert HummingW4A4Backend.ops == ("fp4_mm",)

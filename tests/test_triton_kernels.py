@@ -150,6 +150,29 @@ for name in ("triton:fused", "triton:dequant+matmul"):
         res["dispatch"].append({"backend": name, "m": m, "out": str(odt), "err": rel(out, ref)})
 rep = {r.name: r.status for r in d.report(cpu)}
 res["report"] = rep
+
+# w4a16_mm: every offered config and a few more (several M tiles, split-K), bf16/fp16 activations as given, the
+# dispatcher's own hostile check (NaN scale, subnormal scale, negative alpha, guard rows) per backend and config
+from fp4dispatch.backends.triton_w4a16 import TritonW4A16Backend
+from fp4dispatch.dispatch.verify import check_run, make_case
+from fp4dispatch.backends.reference import reference_mm
+from fp4dispatch.kernels.heuristics import w4a16_configs_for
+res["w4a16"] = []
+w4 = [TritonW4A16Backend(), TritonDequantBackend()]
+for m, n, k in [(1, 40, 96), (3, 64, 256), (17, 33, 272), (70, 48, 160)]:
+    for adt in (torch.bfloat16, torch.float16):
+        for odt in (torch.float32, adt):
+            p = Problem(m, n, k, odt, cpu, adt)
+            case = make_case(p, m + n, reference_mm)
+            extra_w4 = [C.MmaW4A16Config(16, 16, 2, 3, 4, 3), C.CudaCoreW4A16Config(2, 16, 4, 2, 4)]
+            for b in w4:
+                cfgs = b.configs(p) + (extra_w4 if b is w4[0] else [])
+                for cfg in cfgs:
+                    why = check_run(b, case, cfg)
+                    fam = cfg.family if hasattr(cfg, "family") else str(cfg)
+                    res["w4a16"].append({"backend": b.name, "m": m, "n": n, "k": k, "a": str(adt), "out": str(odt),
+                                         "cfg": fam, "why": why, "err": rel(case.ops.out[:, :n - 1],
+                                                                           case.ref.double()[:, :n - 1])})
 print("RESULT " + json.dumps(res))
 '''
 
@@ -389,3 +412,15 @@ def test_dequant_backend_asks_once_whether_mm_takes_out_dtype(monkeypatch):
         got = D._mm_f32(a, b, None)
         assert got.dtype == torch.float32 and torch.equal(got, a.float() @ b.float().t())
     assert len(tries) == 1 and D._MM_OUT_DTYPE == {"cpu": False}
+
+
+def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
+    rows = child["w4a16"]
+    assert {r["cfg"] for r in rows if r["backend"] == "triton:w4a16"} == {"w4a16_gemv_cuda_core", "w4a16_mma"}
+    assert {r["backend"] for r in rows} == {"triton:w4a16", "triton:dequant+matmul"}
+    assert {(r["a"], r["out"]) for r in rows} >= {("torch.bfloat16", "torch.float32"), ("torch.float16",
+                                                                                       "torch.float16")}
+    bad = [r for r in rows if r["why"] is not None]
+    assert not bad, bad[:3]
+    # fp32 out: the sums are fp32, every product exact (the last column, a NaN block scale's, left out)
+    assert max(r["err"] for r in rows if r["out"] == "torch.float32") <= 1e-5

@@ -24,6 +24,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("flashinfer", "FlashInferCakeBackend", ()),
     ("humming", "HummingW4A4Backend", ()),  # FP4 activations on block-scaled MMA (SM100+)
     ("triton_fused", "TritonFusedBackend", ()),
+    ("triton_w4a16", "TritonW4A16Backend", ()),  # w4a16_mm only
     ("triton_dequant", "TritonDequantBackend", ()),
     # W4A16 with activations decoded per call; after fp4dispatch's own kernels, which it equals bit for bit where
     # both run (the tuner picks the faster per key)

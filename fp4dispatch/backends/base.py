@@ -7,7 +7,9 @@ A backend is a small object with a ``name`` that
     JSON-able dict, or a frozen dataclass with ``to_json() -> dict``; that JSON form is what the cache stores, and a
     cached config is used again only if it equals the JSON form of a config the backend still offers;
   * computes ``ops.out = alpha * dequant(ops.a) @ dequant(ops.b).T`` from canonical operands
-    (``run(problem, ops, config)``); adapting to a library's own layout is the backend's job.
+    (``run(problem, ops, config)``); adapting to a library's own layout is the backend's job;
+  * names the ops it computes (``ops``, default ``("fp4_mm",)``): ``"w4a16"`` is ``alpha * a @ dequant(b).T`` with
+    ``a`` bf16/fp16 as given (``w4a16_mm``; ``problem.op`` says which op a problem is).
 
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside
@@ -21,7 +23,10 @@ import torch
 
 from ..problem import Operands, Problem
 
-__all__ = ["Backend", "BaseBackend", "Config", "config_id", "config_json"]
+__all__ = ["Backend", "BaseBackend", "Config", "config_id", "config_json", "OPS", "backend_ops", "computes",
+           "probe_dtype"]
+
+OPS = ("fp4_mm", "w4a16")
 
 Config = Any  # a JSON-able dict, or a frozen dataclass with to_json() -> dict
 
@@ -30,6 +35,20 @@ def config_json(config: Config) -> dict:
     """The JSON form of a config: what the cache stores and what a cached config is matched by."""
     to_json = getattr(config, "to_json", None)
     return to_json() if to_json is not None else dict(config)
+
+
+def backend_ops(backend) -> tuple[str, ...]:
+    """The ops ``backend`` computes (a backend without ``ops`` computes ``fp4_mm`` only)."""
+    return getattr(backend, "ops", ("fp4_mm",))
+
+
+def computes(backend, op: str) -> bool:
+    return op in backend_ops(backend)
+
+
+def probe_dtype(backend) -> torch.dtype:
+    """The activation dtype of ``backend``'s probe problems: packed NVFP4 where it computes ``fp4_mm``, else bf16."""
+    return torch.uint8 if computes(backend, "fp4_mm") else torch.bfloat16
 
 
 def config_id(config: Config) -> str:
@@ -59,6 +78,7 @@ class BaseBackend:
 
     name = "base"
     risky = False
+    ops: tuple[str, ...] = ("fp4_mm",)
 
     def unavailable(self, device: torch.device) -> str | None:
         return None

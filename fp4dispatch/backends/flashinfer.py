@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from ..errors import describe_exception
-from ..problem import Operands, Problem, m_bucket
+from ..problem import Operands, Problem
 from ._native import NativeBackend, alignment_reason, import_library
 from .base import Config
 
@@ -152,7 +152,7 @@ class FlashInferBackend(NativeBackend):
         fi = self._lib or self._load()
         a, b, sa, sb, alpha = self.operands(problem, ops)
         kw = {}
-        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+        key = problem.key
         if key in self._checked:
             # FlashInfer validated this shape class once; its checks cost CPU time on every decode-sized call
             kw["skip_check"] = True

@@ -49,6 +49,7 @@ class HummingBackend(NativeBackend):
     """NVFP4 weight x decoded activations through ``humming.forward.humming_forward`` (SM75+, bf16 from SM80)."""
 
     name = "humming:w4a16"
+    ops = ("fp4_mm", "w4a16")  # fp4_mm: a decoded first; w4a16: a as given
     probe_timeout_s = PROBE_TIMEOUT_S
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     _transient = ("_lib", "prepared")
@@ -75,6 +76,9 @@ class HummingBackend(NativeBackend):
     def unsupported(self, problem: Problem) -> str | None:
         if problem.out_dtype not in _HALF:
             return _OUT_DTYPE_REASON.format(problem.out_dtype)
+        if problem.op == "w4a16" and problem.a_dtype != problem.out_dtype:
+            return (f"Humming writes its activations' dtype: out_dtype must be a's dtype ({problem.a_dtype}); got "
+                    f"{problem.out_dtype}")
         if problem.out_dtype == torch.bfloat16 and (self.device_capability(problem.device) or 0) < 80:
             return "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"
         return alignment_reason(problem, 64, 32, "Humming (its padded tile)")
@@ -92,7 +96,10 @@ class HummingBackend(NativeBackend):
         return self.weight_tensors(problem, ops)
 
     def activations(self, problem: Problem, ops: Operands) -> torch.Tensor:
-        """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call)."""
+        """``a`` decoded exactly to the out dtype, [M, K] (kept scratch on a GPU: no allocation per call); a
+        ``w4a16`` call's ``a`` as it is."""
+        if problem.op == "w4a16":
+            return ops.a
         if not ops.a.is_cuda:
             return dequantize_nvfp4(ops.a, ops.a_scale, dtype=problem.out_dtype)
         return dequantize_to_scratch("humming_a", ops.a, ops.a_scale, problem.out_dtype)
@@ -153,6 +160,7 @@ class HummingW4A4Backend(HummingBackend):
     multiplies by both. The weight stays raw; ``transform()`` moves its scales into the SM100 tile layout."""
 
     name = "humming:w4a4"
+    ops = ("fp4_mm",)
     input_config = {"quant_method": "modelopt", "quant_algo": "nvfp4"}  # static activation scale (input_scale)
 
     def unavailable(self, device: torch.device) -> str | None:

@@ -25,6 +25,7 @@ class TritonDequantBackend(BaseBackend):
     """Triton dequantize of A and B, then a dense GEMM; alpha in an fp32 epilogue (or folded into A for bf16)."""
 
     risky = False
+    ops = ("fp4_mm", "w4a16")
 
     def __init__(self, cache_weight: bool = False):
         self.cache_weight = bool(cache_weight)
@@ -35,7 +36,7 @@ class TritonDequantBackend(BaseBackend):
         return device_problem(device)
 
     def configs(self, problem: Problem) -> list[Config]:
-        if problem.out_dtype == torch.bfloat16:
+        if problem.out_dtype == torch.bfloat16 and problem.op == "fp4_mm":  # w4a16: a is the user's, not ours
             return [{"alpha": "fold"}, {"alpha": "epilogue"}]
         return [{"alpha": "epilogue"}]
 
@@ -50,9 +51,12 @@ class TritonDequantBackend(BaseBackend):
         return w
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
-        dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
-        fold = config.get("alpha") == "fold" and problem.out_dtype == torch.bfloat16
-        a = dequantize_to_scratch("dequant_a", ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
+        if problem.op == "w4a16":  # a as given: the weight is dequantized to its dtype (exact in bf16 and fp16)
+            dt, fold, a = problem.a_dtype, False, ops.a
+        else:
+            dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
+            fold = config.get("alpha") == "fold" and problem.out_dtype == torch.bfloat16
+            a = dequantize_to_scratch("dequant_a", ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
         b = self._weight(ops, dt)
         if fold and a.is_cuda:
             torch.mm(a, b.t(), out=ops.out)

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from ..backends import default_backends
-from ..backends.base import Backend, Config, config_json
+from ..backends.base import Backend, Config, backend_ops, computes, config_json
 from ..backends.reference import reference_mm
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
-from ..validate import check_fp4_mm_args
+from ..validate import check_fp4_mm_args, check_w4a16_mm_args
 from .cache import DecisionCache
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
@@ -100,12 +100,18 @@ class Dispatcher(FaultRecovery):
             return ops.out
         return self.execute(self.choose(problem, backend), problem, ops)
 
+    def w4a16_mm(self, a, b, b_scale, alpha=None, *, out_dtype=None, out=None, scale_layout="swizzled",
+                 backend=None) -> torch.Tensor:
+        """Same contract as :func:`fp4dispatch.w4a16_mm`, through this dispatcher."""
+        problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
+        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
         """The backend and config for ``problem``: a dict and a set lookup once the key is decided and M proven."""
         if backend is not None or self._forced is not None:
             return self._named_choice(backend, problem)
-        m, n, k, dt, dev = problem
-        key = (dev, m_bucket(m), n, k, dt)
+        m, n, k, dt, dev, adt = problem
+        key = (dev, m_bucket(m), n, k, dt, adt)  # Problem.key, written out: this runs on every call
         c = self._choices.get(key)
         return c if c is not None and m in c.verified else self._decide(key, problem)
 
@@ -114,7 +120,7 @@ class Dispatcher(FaultRecovery):
             choice.backend.run(problem, ops, choice.config)
         except Exception as e:  # noqa: BLE001 - a runtime fault falls back; the caller still gets a right result
             if choice.key is None:
-                raise BackendError(f"fp4_mm: backend {choice.backend.name!r} failed on {problem}: "
+                raise BackendError(f"{problem.call}: backend {choice.backend.name!r} failed on {problem}: "
                                    f"{describe_exception(e)}") from e
             return self._recover(choice, problem, ops, e)
         if self.guard is not None and choice.key is not None:
@@ -211,6 +217,8 @@ class Dispatcher(FaultRecovery):
         reasons: dict[str, str] = {}
         candidates = []
         for b in self.backends:
+            if not computes(b, problem.op):
+                continue  # another op's backend: not a candidate, and no reason to list
             why = self._usable(key, b.name)
             # a decision serves the whole M bucket: a backend must accept the bucket's largest M too
             if why is None and (u := b.unsupported(problem) or b.unsupported(problem.with_m(key[1]))) is not None:
@@ -267,7 +275,8 @@ class Dispatcher(FaultRecovery):
         if c is not None:
             return c
         if not retune:
-            raise NoUsableBackendError(f"fp4_mm: no verified fallback is left for {problem} on {problem.device}")
+            raise NoUsableBackendError(f"{problem.call}: no verified fallback is left for {problem} on "
+                                       f"{problem.device}")
         return self._tune_key(key, problem)
 
     @staticmethod
@@ -292,11 +301,12 @@ class Dispatcher(FaultRecovery):
                 c = min(near, key=lambda x: x[0])[1]
             else:
                 health = self._states[key[0]][1] if key[0] in self._states else {}
-                pick = next((b for b in self.backends if health.get(b.name) is not None
+                pick = next((b for b in self.backends if computes(b, problem.op) and health.get(b.name) is not None
                              and health[b.name].status == "ok" and b.unsupported(problem) is None), None)
                 if pick is None:
-                    raise NoUsableBackendError(f"fp4_mm: {problem} has no decision and none can be made during CUDA "
-                                               "graph capture; warm the shape up before capture (fp4dispatch.warmup)")
+                    raise NoUsableBackendError(f"{problem.call}: {problem} has no decision and none can be made "
+                                               "during CUDA graph capture; warm the shape up before capture "
+                                               "(fp4dispatch.warmup)")
                 c = Choice(pick, pick.configs(problem)[0], (), key)
         self._warn(f"capture:{key_str(key)}:{problem.m}", "fp4dispatch: %s at M=%d was not warmed up before CUDA "
                    "graph capture; using %s unproven at this M (fp4dispatch.warmup proves it)", key_str(key),
@@ -304,30 +314,35 @@ class Dispatcher(FaultRecovery):
         return c
 
     def _named_choice(self, name: str | None, problem: Problem) -> Choice:
-        nk = (name or self._forced, problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
+        nk = (name or self._forced, *problem.key)
         c = self._named.get(nk)
         if c is not None:
             return c
         b = self._by_name.get(nk[0])
         if b is None:
             what = "backend" if name is not None else "FP4DISPATCH_BACKEND"
-            raise InvalidInputError(f"fp4_mm: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
+            raise InvalidInputError(f"{problem.call}: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
                                     + ("" if name is not None else ". Fix or unset the variable"))
+        if not computes(b, problem.op):
+            ok = sorted(x.name for x in self.backends if computes(x, problem.op))
+            raise InvalidInputError(f"{problem.call}: backend {b.name!r} computes {' and '.join(backend_ops(b))} "
+                                    f"only; pass one of {ok} or none")
         with self._lock:
             v = self._state(problem.device)[1][b.name]
         if v.status != "ok":
-            raise BackendError(f"fp4_mm: backend {b.name!r} was requested but is {v.status} on {problem.device}: "
-                               f"{v.reason}")
+            raise BackendError(f"{problem.call}: backend {b.name!r} was requested but is {v.status} on "
+                               f"{problem.device}: {v.reason}")
         why = b.unsupported(problem)
         if why is not None:
-            raise BackendError(f"fp4_mm: backend {b.name!r} was requested but does not support {problem}: {why}")
+            raise BackendError(f"{problem.call}: backend {b.name!r} was requested but does not support {problem}: "
+                               + why)
         c = self._named[nk] = Choice(b, b.configs(problem)[0], (), None)
         return c
 
     def _no_backend(self, problem: Problem, reasons: dict[str, str]) -> NoUsableBackendError:
         lines = "\n".join(f"  {n}: {r}" for n, r in reasons.items())
         return NoUsableBackendError(
-            f"fp4_mm: no usable backend for {problem} on {problem.device}:\n{lines}\n"
+            f"{problem.call}: no usable backend for {problem} on {problem.device}:\n{lines}\n"
             "Install a backend's library, unset FP4DISPATCH_DISABLE, or clear the cache (python -m fp4dispatch.tune "
             "clear) if a library was fixed.", reasons)
 
@@ -362,8 +377,7 @@ class Dispatcher(FaultRecovery):
     def entry_for(self, problem: Problem) -> dict | None:
         """The cached decision record (winner, time, ranking) of ``problem``'s key, deciding it if needed."""
         self.choose(problem)
-        key = (problem.device, m_bucket(problem.m), problem.n, problem.k, problem.out_dtype)
-        return self.cache_for(problem.device).decisions.get(key_str(key))
+        return self.cache_for(problem.device).decisions.get(key_str(problem.key))
 
     def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
         """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also

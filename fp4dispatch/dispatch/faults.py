@@ -47,7 +47,7 @@ class FaultRecovery:
             return ops.out
         lines = "\n".join(f"  {n}: {r}" for n, r in faults.items())
         raise NoUsableBackendError(
-            f"fp4_mm: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
+            f"{problem.call}: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
             "recorded against them: when no backend can run a call, the call itself (its tensors or the process's "
             "state, e.g. out of memory) is the likely cause.", faults) from e
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..backends.base import Backend
+from ..backends.base import Backend, probe_dtype
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
@@ -41,7 +41,7 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
     refused: list[str] = []
     ran = 0
     for i, m in enumerate(PROBE_MS):
-        problem = Problem(m, PROBE_N, PROBE_K, torch.bfloat16, device)
+        problem = Problem(m, PROBE_N, PROBE_K, torch.bfloat16, device, probe_dtype(backend))
         try:
             why = backend.unsupported(problem)
             configs = backend.configs(problem) if not why else []

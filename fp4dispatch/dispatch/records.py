@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import torch
+
 from ..problem import M_BUCKETS
 
 __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_entry", "clean_section"]
@@ -23,13 +25,16 @@ __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_ent
 STATUSES = ("ok", "unavailable", "unsupported", "failed", "incorrect")
 SECTIONS = ("health", "decisions", "shape_blacklist", "verified", "faults")
 MODES = ("tuned", "priority")
-_KEY = re.compile(r"m(\d+)-n(\d+)-k(\d+)-(bfloat16|float16|float32)")
+# an fp4_mm key; a w4a16_mm key adds its activation dtype in front ("w4a16-bfloat16-m16-...")
+_KEY = re.compile(r"(?:w4a16-(?:bfloat16|float16)-)?m(\d+)-n(\d+)-k(\d+)-(bfloat16|float16|float32)")
 
 
 def key_str(key: tuple) -> str:
-    """``(device, bucket, n, k, dtype)`` -> ``m<bucket>-n<n>-k<k>-<dtype>``."""
-    _, bucket, n, k, dt = key
-    return f"m{bucket}-n{n}-k{k}-{str(dt).replace('torch.', '')}"
+    """``(device, bucket, n, k, out dtype[, activation dtype])`` (``Problem.key``) -> ``m<bucket>-n<n>-k<k>-<dtype>``,
+    prefixed by ``w4a16-<activation dtype>-`` for a ``w4a16_mm`` key."""
+    _, bucket, n, k, dt, *a = key
+    text = f"m{bucket}-n{n}-k{k}-{str(dt).replace('torch.', '')}"
+    return text if not a or a[0] is torch.uint8 else f"w4a16-{str(a[0]).replace('torch.', '')}-{text}"
 
 
 @dataclass
@@ -78,7 +83,8 @@ def _text(x: object) -> bool:
 
 
 def check_key(ks: object) -> None:
-    _need(isinstance(ks, str) and _KEY.fullmatch(ks) is not None, "a key must look like m16-n4096-k4096-bfloat16", ks)
+    _need(isinstance(ks, str) and _KEY.fullmatch(ks) is not None,
+          "a key must look like m16-n4096-k4096-bfloat16 (w4a16_mm: w4a16-bfloat16-m16-...)", ks)
     bucket, n, k = (int(x) for x in _KEY.fullmatch(ks).groups()[:3])
     _need(bucket in M_BUCKETS and n > 0 and k > 0 and k % 16 == 0, "a key needs an M bucket, N > 0, K % 16 == 0", ks)
 

@@ -19,7 +19,8 @@ from ..errors import describe_exception
 from ..format import BLOCK, swizzle_scales
 from ..problem import Operands, Problem
 
-__all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands", "CheckCase",
+__all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
+           "random_activations", "CheckCase",
            "make_case", "check_run", "reset_cuda_error"]
 
 REL_TOL = 1e-2
@@ -66,6 +67,17 @@ def random_operands(m: int, n: int, k: int, device: torch.device, seed: int, *, 
         elif m > 1:
             sa.view(torch.uint8)[m - 1, 0] = _E4M3_NAN
     return a, b, swizzle_scales(sa), swizzle_scales(sb), alpha
+
+
+def random_activations(m: int, k: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    """bf16/fp16 [M, K] activations for a ``w4a16`` check: normal values with every mantissa bit in use, each row
+    scaled by its own power of two (2^-6..2^4: a kernel that loses range or mantissa bits shows), the first 16 of
+    row 0 zero."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g, device=dev) * torch.exp2(torch.randint(-6, 5, (m, 1), generator=g, device=dev))
+    x[0, :BLOCK] = 0
+    return x.to(dtype)
 
 
 def check_output(out: torch.Tensor, ref: torch.Tensor, problem: Problem) -> str | None:
@@ -133,8 +145,10 @@ _INPUTS = ("a", "b", "a_scale", "b_scale", "alpha")
 
 def make_case(problem: Problem, seed: int, reference) -> CheckCase:
     """Hostile random inputs for ``problem`` and their exact result (``reference(problem, ops) -> float32``)."""
-    m, n, k, dt, dev = problem
+    m, n, k, dt, dev, adt = problem
     a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed, hostile=True)
+    if problem.op == "w4a16":
+        a, sa = random_activations(m, k, adt, dev, seed), sa[:0]
     frame = torch.full((m + 2, n), SENTINEL, dtype=dt, device=dev)
     ops = Operands(a, b, sa, sb, alpha, frame[1:m + 1])
     pristine = tuple(t.clone() for t in (a, b, sa, sb, alpha))

@@ -16,7 +16,8 @@ from typing import ClassVar
 from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
-           "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "FAMILIES", "from_json",
+           "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
+           "MmaW4A16Config", "FAMILIES", "from_json",
            "register_a_resident", "decode_warps_work"]
 
 
@@ -257,6 +258,42 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
                       "a multiple of 8 in 24..256 (setmaxnreg)")
 
 
+@dataclass(frozen=True)
+class CudaCoreW4A16Config(KernelConfig):
+    """``gemv/cuda_core_w4a16``: ``w4a16_mm`` for M <= ``rows`` per M tile on CUDA cores: 16-bit activations read as
+    they are, the weight decoded in registers, fp32 products and sums."""
+
+    family: ClassVar[str] = "w4a16_gemv_cuda_core"
+    rows: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+
+    def check(self) -> None:
+        self._require_pow2("rows", "block_n", "k_blocks", "warps")
+
+
+@dataclass(frozen=True)
+class MmaW4A16Config(KernelConfig):
+    """``gemm/mma_w4a16``: ``w4a16_mm`` on 16-bit tensor cores, any M: the activations as they are, the weight
+    decoded in registers to the activations' dtype (exact); ``group_m`` M tiles per L2 group."""
+
+    family: ClassVar[str] = "w4a16_mma"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+    def check(self) -> None:
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
+        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest M)")
+        self._require("block_n", self.block_n >= 16, ">= 16 (tl.dot's smallest N)")
+
+
 def register_a_resident(block_m: int, warps: int) -> int:
     """CTAs of a ``WgmmaRegisterAConfig`` tile resident per SM on SM90 (its registers and shared memory): 4-warp tiles
     of block_m <= 64 fit 4, 8-warp tiles 2, block_m >= 128 one."""
@@ -272,7 +309,7 @@ def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> t
 
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
-    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig)}
+    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, MmaW4A16Config)}
 
 
 def from_json(doc: dict) -> KernelConfig:

@@ -14,11 +14,11 @@ from dataclasses import replace
 import torch
 
 from . import runtime, target
-from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, KernelConfig, MmaBf16Config, TmaGemvConfig,
-                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work,
-                     register_a_resident)
+from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
+                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig,
+                     WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
 
-__all__ = ["configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES",
+__all__ = ["configs_for", "w4a16_configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES",
            "DECODE_WARPS"]
 
 MAX_CONFIGS = 7
@@ -199,3 +199,35 @@ def configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConf
     elif m > 64 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
         out = (out[:1] + _decode_warps(p) + out[1:])[:MAX_CONFIGS]
     return out
+
+
+# w4a16_mm: (block_m, block_n, k_blocks, warps, stages) of the tensor-core tiles by the largest M they serve, and
+# (block_n, k_blocks) of the CUDA-core GEMV for M <= 8 (its rows: M rounded up to a power of two)
+W4A16_MMA_TILES = {
+    16: [(16, 64, 8, 4, 3), (16, 128, 8, 4, 3)],
+    64: [(64, 64, 8, 4, 3), (32, 128, 8, 4, 3)],
+    256: [(128, 128, 4, 8, 3), (64, 128, 8, 4, 3)],
+    1 << 62: [(128, 256, 4, 8, 3), (128, 128, 4, 8, 4), (256, 128, 4, 8, 3)],
+}
+W4A16_GEMV_TILES = ((32, 16), (64, 8))
+
+
+def _fill_split(tiles: int, steps: int, sms: int) -> int:
+    """K parts that bring ``tiles`` up to about two per SM, with >= 2 K steps per part (1: enough tiles already)."""
+    return max(1, min(16, steps // 2, cdiv(2 * sms, tiles))) if tiles < sms else 1
+
+
+def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
+    """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
+    first: the CUDA-core GEMV for M <= 8, then tensor-core tiles."""
+    sms, kb = runtime.num_sms(device), k // 16
+    out: list[KernelConfig] = []
+    if m <= 8:
+        rows = 1 << (m - 1).bit_length()
+        for bn, bkb in W4A16_GEMV_TILES:
+            out.append(CudaCoreW4A16Config(rows, bn, bkb, _fill_split(cdiv(n, bn), cdiv(kb, bkb), sms), 4))
+    tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)
+    for bm, bn, bkb, warps, stages in tiles:
+        split = _fill_split(cdiv(m, bm) * cdiv(n, bn), cdiv(kb, bkb), sms)
+        out.append(MmaW4A16Config(bm, bn, bkb, split, warps, stages))
+    return out[:MAX_CONFIGS]

@@ -1,0 +1,64 @@
+"""GPU: every backend that computes ``w4a16_mm`` passes the dispatcher's own check on fresh hostile inputs (bf16 and
+fp16 activations, NaN-poisoned out inside guard rows, inputs unchanged) for every config it offers, returns the same
+bits twice, and replays the same bits from a CUDA graph. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the W4A16 kernels are CUDA")
+
+SHAPES = [(m, n, k) for m in (1, 3, 8, 16, 100, 300) for n, k in ((256, 512), (768, 6144), (1000, 2064))]
+
+
+def _w4a16_backends():
+    from fp4dispatch.backends import default_backends
+    from fp4dispatch.backends.base import computes
+
+    return [b for b in default_backends() if computes(b, "w4a16") and b.name != "reference"]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("adt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_w4a16_backend_and_config_passes_the_hostile_check_twice_with_the_same_bits(m, n, k, adt):
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.dispatch.verify import check_run, make_case
+    from fp4dispatch.problem import Problem
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for odt in (adt, torch.float32):
+        problem = Problem(m, n, k, odt, dev, adt)
+        case = make_case(problem, 7 * m + n, reference_mm)
+        for backend in _w4a16_backends():
+            if backend.unavailable(dev) or backend.unsupported(problem):
+                continue
+            for cfg in backend.configs(problem):
+                assert check_run(backend, case, cfg) is None, (backend.name, cfg)
+                first = case.ops.out.clone()
+                assert check_run(backend, case, cfg) is None, (backend.name, cfg)
+                assert torch.equal(first.view(torch.uint8), case.ops.out.view(torch.uint8)), (backend.name, cfg)
+
+
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_w4a16_mm_in_a_cuda_graph_replays_the_eager_bits(m, tmp_path):
+    import fp4dispatch
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
+
+    d = Dispatcher(cache_dir=tmp_path / "c")
+    x = torch.randn(m, 2048, dtype=torch.bfloat16, device="cuda")
+    wq, ws, wg = fp4dispatch.quantize_nvfp4(torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda"))
+    alpha = (1.0 / wg).float().reshape(1)
+    eager = d.w4a16_mm(x, wq, ws, alpha)  # decides and proves the key at this M
+    out = torch.full_like(eager, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        d.w4a16_mm(x, wq, ws, alpha, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        d.w4a16_mm(x, wq, ws, alpha, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
