@@ -1,4 +1,10 @@
-"""``Fp4Linear``: an NVFP4 W4A4 linear layer on ``fp4_mm``.
+"""``Fp4Linear``: an NVFP4 linear layer on ``fp4_mm`` (W4A4) or ``w4a16_mm`` (W4A16).
+
+``mode``: ``"w4a4"`` quantizes the activations to NVFP4 per call and runs ``fp4_mm``; ``"w4a16"`` keeps them 16-bit
+and runs ``w4a16_mm`` (fp32 activations are cast to bf16); ``"auto"`` (the default) picks W4A4 where a backend that
+multiplies on FP4 tensor cores is healthy on the input's device (SM100/SM120 with FlashInfer, sgl-kernel, torch or
+Humming's W4A4) and W4A16 everywhere else: without FP4 tensor cores W4A4 is not faster, and it rounds the activations
+to NVFP4 (docs/integration.md, "Fp4Linear").
 
 The weight is held once in the canonical form every backend takes (packed uint8 [N, K/2], 128x4-swizzled e4m3
 block scales, fp32 global decode scale), so no backend needs a per-call weight transform. No backend needs its
@@ -17,12 +23,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .api import fp4_mm
+from .api import fp4_mm, get_dispatcher, w4a16_mm
 from .errors import InvalidInputError
 from .format import BLOCK, as_e4m3, as_packed_uint8, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .problem import OUT_DTYPES
 
-__all__ = ["Fp4Linear"]
+__all__ = ["Fp4Linear", "MODES", "native_fp4_backend"]
+
+MODES = ("auto", "w4a4", "w4a16")
+
+
+def native_fp4_backend(device: torch.device) -> str | None:
+    """The first backend of the default dispatcher that multiplies on FP4 tensor cores and is healthy on ``device``
+    (probing it once), or None: what ``mode="auto"`` goes by."""
+    d = get_dispatcher()
+    ok = {r.name for r in d.report(device) if r.status == "ok"}
+    return next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok), None)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +84,13 @@ class Fp4Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, mode: str = "auto"):
         super().__init__()
+        if mode not in MODES:
+            raise InvalidInputError(f"Fp4Linear: mode must be one of {MODES}; got {mode!r}. 'auto' picks W4A4 where "
+                                    "FP4 tensor cores serve it, else W4A16")
+        self.mode = mode
+        self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
         if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
             raise InvalidInputError(f"Fp4Linear: in_features must be a positive multiple of {BLOCK} (one e4m3 "
                                     f"scale per 16 values); got {in_features!r}. Pad K with zeros")
@@ -89,13 +110,15 @@ class Fp4Linear(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, input_scale: torch.Tensor | float | None = None) -> "Fp4Linear":
+    def from_linear(cls, linear: nn.Linear, *, input_scale: torch.Tensor | float | None = None,
+                    mode: str = "auto") -> "Fp4Linear":
         """Quantize a float ``nn.Linear`` to NVFP4 (weight global scale ``448*6/amax(W)``).
 
         Args:
             linear: the float layer (its weight's device is kept).
             input_scale: optional static activation decode scale ``amax(x)/(448*6)`` from calibration; None:
-                dynamic per-call scaling.
+                dynamic per-call scaling (both W4A4 only).
+            mode: "auto", "w4a4" or "w4a16" (the module docstring).
         """
         if not isinstance(linear, nn.Linear):
             raise InvalidInputError(f"Fp4Linear.from_linear: linear must be a torch.nn.Linear; got "
@@ -103,7 +126,7 @@ class Fp4Linear(nn.Module):
         w = linear.weight.detach()
         n, k = w.shape
         bias = linear.bias is not None
-        mod = cls(k, n, bias, device=w.device, dtype=linear.bias.dtype if bias else torch.bfloat16)
+        mod = cls(k, n, bias, device=w.device, dtype=linear.bias.dtype if bias else torch.bfloat16, mode=mode)
         packed, scale, gs = quantize_nvfp4(w if w.dtype in OUT_DTYPES else w.float())
         mod._set_weight(packed, scale, 1.0 / gs)
         if bias:
@@ -113,7 +136,8 @@ class Fp4Linear(nn.Module):
 
     @classmethod
     def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> "Fp4Linear":
+                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                      mode: str = "auto") -> "Fp4Linear":
         """From ModelOpt NVFP4 checkpoint tensors, as vLLM/SGLang load them.
 
         Args:
@@ -123,8 +147,9 @@ class Fp4Linear(nn.Module):
             input_scale: fp32 static activation decode scale ``1/gs_a`` (the max over shards is used, as vLLM
                 and SGLang do); None: dynamic activation scaling.
             bias: optional [N].
+            mode: "auto", "w4a4" or "w4a16" (the module docstring).
 
-        ``alpha = input_scale * weight_scale_2`` and activations are quantized with ``1/input_scale``.
+        W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are quantized with ``1/input_scale``.
         """
         if not isinstance(weight, torch.Tensor):
             raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be a packed NVFP4 tensor [N, K/2]; got "
@@ -148,7 +173,7 @@ class Fp4Linear(nn.Module):
                                     f"{BLOCK}")
         ws2 = _scalar_scale(weight_scale_2, "weight_scale_2", allow_spread=False)
         mod = cls(k, n, bias is not None, device=w.device,
-                  dtype=bias.dtype if isinstance(bias, torch.Tensor) else torch.bfloat16)
+                  dtype=bias.dtype if isinstance(bias, torch.Tensor) else torch.bfloat16, mode=mode)
         mod._set_weight(w, swizzle_scales(s.to(w.device).contiguous()), ws2.to(w.device))
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
@@ -201,19 +226,37 @@ class Fp4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty((*lead, self.out_features))
+        if self.resolved_mode(x.device) == "w4a16":
+            a = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
+            y = w4a16_mm(a.contiguous(), self.weight, self.weight_scale.view(torch.float8_e4m3fn),
+                         _f32(self.weight_scale_2), out_dtype=x.dtype)
+        else:
+            y = self._w4a4(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def resolved_mode(self, device: torch.device) -> str:
+        """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
+        if self.mode != "auto":
+            return self.mode
+        got = self._modes.get(device)
+        if got is None:
+            got = self._modes[device] = "w4a4" if native_fp4_backend(device) else "w4a16"
+        return got
+
+    def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         if self.input_scale is None:
             xq, xs, gs = quantize_nvfp4(x2)
             alpha = _f32(self.weight_scale_2) / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:
             xq, xs, _ = quantize_nvfp4(x2, _f32(self._input_global_scale))
             alpha = _f32(self._alpha)
-        y = fp4_mm(xq, self.weight, xs, self.weight_scale.view(torch.float8_e4m3fn), alpha, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return fp4_mm(xq, self.weight, xs, self.weight_scale.view(torch.float8_e4m3fn), alpha, out_dtype=x2.dtype)
 
     def extra_repr(self) -> str:
-        mode = "static" if self.input_scale is not None else "dynamic"
+        scale = "static" if self.input_scale is not None else "dynamic"
+        mode = self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"activation_scale={mode}")
+                f"mode={mode}, activation_scale={scale}")
 

@@ -124,7 +124,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def test_fp4linear_from_linear_is_the_nvfp4_layer_and_close_to_float():
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 192).requires_grad_(False)
-    q = Fp4Linear.from_linear(lin)
+    q = Fp4Linear.from_linear(lin, mode="w4a4")
     x = torch.randn(2, 3, 7, 512)
     y = q(x)
     assert y.shape == (2, 3, 7, 192) and y.dtype == torch.float32
@@ -142,7 +142,7 @@ def test_fp4linear_static_input_scale_and_bf16():
     lin = torch.nn.Linear(256, 64, bias=False).to(torch.bfloat16)
     x = torch.randn(11, 256, dtype=torch.bfloat16)
     amax = float(x.float().abs().amax())
-    q = Fp4Linear.from_linear(lin, input_scale=amax / 2688)
+    q = Fp4Linear.from_linear(lin, input_scale=amax / 2688, mode="w4a4")
     y = q(x)
     assert y.dtype == torch.bfloat16
     yq = _qdq(x.float(), torch.tensor([2688 / amax])) @ _qdq(lin.weight.float()).t()
@@ -165,9 +165,10 @@ def test_fp4linear_survives_module_dtype_casts():
 
 def test_fp4linear_compiles_fullgraph_equal_to_eager():
     torch.manual_seed(3)
-    q = Fp4Linear.from_linear(torch.nn.Linear(128, 48))
-    x = torch.randn(2, 5, 128)
-    assert torch.equal(_compile(q)(x), q(x))
+    for mode in ("w4a4", "w4a16"):
+        q = Fp4Linear.from_linear(torch.nn.Linear(128, 48), mode=mode)
+        x = torch.randn(2, 5, 128)
+        assert torch.equal(_compile(q)(x), q(x)), mode
 
 
 def test_fp4linear_empty_batch():
@@ -188,18 +189,50 @@ def test_fp4linear_from_modelopt_matches_semantics():
     x = torch.randn(6, 256)
     amax = float(x.abs().amax())
     weight, weight_scale, weight_scale_2, input_scale = _modelopt_tensors(w, amax)
-    q = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2, input_scale, bias=bias)
+    q = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2, input_scale, bias=bias, mode="w4a4")
     # vLLM/SGLang: x quantized with 1/input_scale, alpha = input_scale * weight_scale_2
     ref = _qdq(x, torch.tensor([1 / float(input_scale)])) @ _qdq(w).t() + bias
     assert _rel(q(x), ref) < 1e-5
     assert q.weight_scale.shape == swizzled_scale_shape(96, 256)
     # per-shard input scales (fused qkv): the max is used, as the engines do
     q2 = Fp4Linear.from_modelopt(weight, weight_scale.view(torch.uint8), weight_scale_2.reshape(1).repeat(3),
-                                 input_scale.reshape(1) * torch.tensor([1.0, 0.5, 0.25]), bias=bias)
+                                 input_scale.reshape(1) * torch.tensor([1.0, 0.5, 0.25]), bias=bias, mode="w4a4")
     torch.testing.assert_close(q2(x), q(x))
     # no input_scale: dynamic activation scaling
-    q3 = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2)
+    q3 = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2, mode="w4a4")
     assert _rel(q3(x), _qdq(x) @ _qdq(w).t()) < 1e-5
+    # W4A16: the activations as they are (fp32 cast to bf16), alpha = weight_scale_2 alone
+    q4 = Fp4Linear.from_modelopt(weight, weight_scale, weight_scale_2, input_scale, bias=bias, mode="w4a16")
+    ref16 = x.to(torch.bfloat16).double() @ _qdq(w).double().t() + bias.double()
+    assert _rel(q4(x), ref16) < 1e-5
+
+
+def test_fp4linear_auto_is_w4a16_without_fp4_tensor_cores_and_w4a4_with_them(tmp_path):
+    import fp4dispatch
+    from fp4dispatch.backends.reference import ReferenceBackend
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
+    from fp4dispatch.testing import FakeBackend, fake_do_bench
+
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(128, 32)
+    x = torch.randn(3, 128)
+    native = FakeBackend("native-fp4", cost=1e-6)
+    native.fp4_tensor_cores = True
+    errs = {}
+    try:
+        for backends, want in (([ReferenceBackend()], "w4a16"), ([native, ReferenceBackend()], "w4a4")):
+            fp4dispatch.set_dispatcher(Dispatcher(backends, cache_dir=tmp_path / want, do_bench=fake_do_bench))
+            q = Fp4Linear.from_linear(lin)
+            assert q.mode == "auto" and "mode=auto," in repr(q)
+            y = q(x)
+            assert q.resolved_mode(x.device) == want and f"mode=auto ({want} on cpu)" in repr(q)
+            fixed = Fp4Linear.from_linear(lin, mode=want)
+            assert torch.equal(y, fixed(x))
+            errs[want] = _rel(y, lin(x).detach())
+    finally:
+        fp4dispatch.set_dispatcher(None)
+    # the weight's NVFP4 rounding only (W4A16) vs the activations' on top of it (W4A4)
+    assert errs["w4a16"] < 0.8 * errs["w4a4"], errs
 
 
 _W = torch.zeros(8, 32, dtype=torch.uint8)
@@ -232,6 +265,8 @@ def test_fp4linear_from_modelopt_errors(args, match):
     pytest.param(lambda: Fp4Linear(100, 8), r"in_features must be a positive multiple of 16 .*got 100",
                  id="in-features"),
     pytest.param(lambda: Fp4Linear(64, 0), r"out_features must be a positive int; got 0", id="out-features"),
+    pytest.param(lambda: Fp4Linear(64, 8, mode="fp8"), r"^Fp4Linear: mode must be one of \('auto', 'w4a4', 'w4a16'\); "
+                 r"got 'fp8'\. 'auto' picks W4A4 where FP4 tensor cores serve it, else W4A16$", id="mode"),
     pytest.param(lambda: Fp4Linear.from_linear(torch.nn.Conv1d(1, 1, 1)),
                  r"linear must be a torch.nn.Linear; got Conv1d", id="not-linear"),
     pytest.param(lambda: Fp4Linear(64, 8)(torch.randn(3, 32)), r"x must be \[..., in_features=64\]; got \(3, 32\)",

@@ -56,6 +56,7 @@ class NativeBackend(BaseBackend):
     """Base of the library-backed backends: ``risky``, lazy imports, one place that asks the device."""
 
     risky = True
+    fp4_tensor_cores = True  # the native NVFP4 GEMMs run on block-scaled FP4 MMA (humming:w4a16 says otherwise)
     # attributes rebuilt after unpickling (modules and device tensors do not cross into a probe worker)
     _transient: tuple[str, ...] = ("_lib",)
 

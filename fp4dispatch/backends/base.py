@@ -79,6 +79,7 @@ class BaseBackend:
     name = "base"
     risky = False
     ops: tuple[str, ...] = ("fp4_mm",)
+    fp4_tensor_cores = False  # multiplies on FP4 tensor cores (what makes W4A4 pay: Fp4Linear's mode="auto")
 
     def unavailable(self, device: torch.device) -> str | None:
         return None

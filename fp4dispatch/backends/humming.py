@@ -50,6 +50,7 @@ class HummingBackend(NativeBackend):
 
     name = "humming:w4a16"
     ops = ("fp4_mm", "w4a16")  # fp4_mm: a decoded first; w4a16: a as given
+    fp4_tensor_cores = False  # 16-bit MMA on the decoded weight
     probe_timeout_s = PROBE_TIMEOUT_S
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     _transient = ("_lib", "prepared")
@@ -161,6 +162,7 @@ class HummingW4A4Backend(HummingBackend):
 
     name = "humming:w4a4"
     ops = ("fp4_mm",)
+    fp4_tensor_cores = True
     input_config = {"quant_method": "modelopt", "quant_algo": "nvfp4"}  # static activation scale (input_scale)
 
     def unavailable(self, device: torch.device) -> str | None:
