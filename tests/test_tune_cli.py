@@ -419,3 +419,21 @@ def test_a_torchrun_rank_without_a_gpu_of_its_own_is_told_how_many_processes_fit
     monkeypatch.setattr(distributed, "run_torchrun", lambda *a: distributed._local_gpu())
     code, out, err = _run(capsys, ["--shape", "1,256,512", "--cache-dir", str(tmp_path)], backends=_fakes())
     assert code == 2 and out == "" and err.startswith("fp4dispatch.tune: torchrun: LOCAL_RANK=1 needs GPU 1")
+
+
+def test_op_w4a16_tunes_w4a16_keys_among_w4a16_backends_and_says_what_fp4linear_auto_runs(capsys, tmp_path):
+    fakes = [FakeBackend("fp4", cost=1e-6), FakeBackend("w4-fast", cost=1e-5, ops=("w4a16",)),
+             FakeBackend("w4-slow", cost=4e-5, ops=("fp4_mm", "w4a16"))]
+    argv = ["--shape", "1,16,256,512", "--op", "w4a16", "--cache-dir", str(tmp_path)]
+    code, data, _ = _json(capsys, argv + ["--json"], backends=fakes, do_bench=fake_do_bench)
+    assert code == 0
+    assert [r["key"] for r in data["shapes"]] == ["w4a16-bfloat16-m1-n256-k512-bfloat16",
+                                                 "w4a16-bfloat16-m16-n256-k512-bfloat16"]
+    assert {r["op"] for r in data["shapes"]} == {"w4a16"} and {r["winner"] for r in data["shapes"]} == {"w4-fast"}
+    assert all({t["backend"] for t in r["tried"]} == {"w4-fast", "w4-slow"} for r in data["shapes"])
+    code, out, _ = _run(capsys, argv, backends=fakes, do_bench=fake_do_bench)
+    assert code == 0 and "Per shape (w4a16_mm: 16-bit activations)" in out
+    assert "Fp4Linear(mode='auto') on cpu: W4A16 (no backend on FP4 tensor cores is healthy here)" in out
+    fakes[0].fp4_tensor_cores = True
+    _, out, _ = _run(capsys, argv, backends=fakes, do_bench=fake_do_bench)
+    assert "Fp4Linear(mode='auto') on cpu: W4A4 (fp4 runs on FP4 tensor cores)" in out

@@ -43,6 +43,7 @@ class TuneOptions:
     """What a tuning run needs; picklable, so spawned device processes and torchrun ranks get the same."""
 
     out_dtype: str = "bfloat16"
+    op: str = "fp4_mm"  # or "w4a16": w4a16_mm keys (activations of the out dtype; bf16 for float32 out)
     isolate: bool = True
     cache_dir: str | None = None
     progress: bool = True
@@ -92,6 +93,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]
+    adt = torch.uint8 if opts.op == "fp4_mm" else dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
     if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
         print(f"probing {len(d.backends)} backends on {device} ...", file=sys.stderr)
     cache = d.cache_for(device)  # probes every backend on this device once
@@ -99,18 +101,19 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
     for s in bar:
-        ks = key_str((device, m_bucket(s.m), s.n, s.k, dt))
-        row = {"key": ks, "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k, "layers": list(s.layers),
-               "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
+        problem = Problem(s.m, s.n, s.k, dt, device, adt)
+        ks = key_str(problem.key)
+        row = {"key": ks, "op": opts.op, "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
+               "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
                "source": "cache" if ks in cache.decisions else "tuned"}
         try:
-            entry = d.entry_for(Problem(s.m, s.n, s.k, dt, device))
+            entry = d.entry_for(problem)
         except FP4DispatchError as e:  # no usable backend, or FP4DISPATCH_BACKEND names one that cannot run
             row.update(status="no_backend", reasons=getattr(e, "reasons", None) or {"error": str(e)})
             rows.append(row)
             continue
         if entry is None:  # a forced backend (FP4DISPATCH_BACKEND) decides without tuning
-            entry = {"backend": d.choose(Problem(s.m, s.n, s.k, dt, device)).backend.name, "mode": "forced"}
+            entry = {"backend": d.choose(problem).backend.name, "mode": "forced"}
         row.update(status="ok", **_summarize(entry, s.n, s.k))
         row["cublas_bf16_us"] = row["speedup_vs_cublas_bf16"] = None
         if device.type == "cuda":
@@ -124,8 +127,9 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
 
 def backend_rows(d: Dispatcher, device: torch.device) -> list[dict]:
     """Per backend on ``device``: status, reason, and how many decided keys it won."""
-    return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins)}
-            for r in d.report(device)]
+    native = {b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False)}
+    return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins),
+             "fp4_tensor_cores": r.name in native} for r in d.report(device)]
 
 
 # -- torchrun ranks ----------------------------------------------------------------------------------------------

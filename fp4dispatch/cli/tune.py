@@ -91,9 +91,16 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
         line += [r["tuned_by"]] if several else []
         body.append(line)
-    _print_table(con, "Per shape", cols, body, tty)
+    ops = {r.get("op", "fp4_mm") for r in rows}
+    _print_table(con, "Per shape" + ("" if ops <= {"fp4_mm"} else " (w4a16_mm: 16-bit activations)"), cols, body,
+                 tty)
     per_backend = [[b["device"], b["name"], b["status"], b["reason"] or "-", str(b["wins"])] for b in backends]
     _print_table(con, "Per backend", ["device", "name", "status", "reason", "wins"], per_backend, tty)
+    for dev in sorted({b["device"] for b in backends}):
+        native = [b["name"] for b in backends
+                  if b["device"] == dev and b.get("fp4_tensor_cores") and b["status"] == "ok"]
+        con.print(f"\nFp4Linear(mode='auto') on {dev}: " + (f"W4A4 ({native[0]} runs on FP4 tensor cores)" if native
+                  else "W4A16 (no backend on FP4 tensor cores is healthy here)"))
     cached = sum(r.get("source") == "cache" for r in rows)
     if cached:
         con.print(f"\n{cached} of {len(rows)} shapes came from the cache "
@@ -329,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m", type=_argtype(presets.parse_m_spec), metavar="M_LIST",
                    help="M values of --preset / --hf-config (default 1,16,128,1024,4096)")
     g.add_argument("--out-dtype", choices=tuple(distributed.OUT_DTYPES), default="bfloat16")
+    g.add_argument("--op", choices=("fp4_mm", "w4a16"), default="fp4_mm",
+                   help="the op to tune: fp4_mm (NVFP4 activations, default) or w4a16 (w4a16_mm: 16-bit activations "
+                        "of the out dtype, bf16 for float32 out)")
     g.add_argument("--list", action="store_true", help="print the shapes that would be tuned, then exit")
     r = p.add_argument_group("running")
     r.add_argument("--self-test", action="store_true", help="probe every backend only: verdict and reason each")
@@ -374,7 +384,7 @@ def main(argv: list[str] | None = None, *, backends=None, do_bench=None) -> int:
         return int(e.code or 0)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-    opts = TuneOptions(out_dtype=args.out_dtype, isolate=args.isolate, cache_dir=args.cache_dir)
+    opts = TuneOptions(out_dtype=args.out_dtype, op=args.op, isolate=args.isolate, cache_dir=args.cache_dir)
     if args.command == "show":
         return _cmd_show(args, opts)
     if args.command == "clear":
