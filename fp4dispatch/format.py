@@ -184,7 +184,7 @@ def quantize_nvfp4(
             f"got x.shape={tuple(x.shape)}. Pad K with zeros to {_round_up(x.shape[1], BLOCK)}"
         )
     if global_scale is None:
-        gs = default_global_scale(x)
+        gs = None  # 448*6/amax(x): on the device with the kernels below, else default_global_scale
     elif isinstance(global_scale, torch.Tensor):
         if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
             raise InvalidInputError(
@@ -199,13 +199,15 @@ def quantize_nvfp4(
                                     f"float32 tensor, or None; got {global_scale!r}")
         gs = torch.tensor([float(global_scale)], dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    packed = sf = None
     if x.is_cuda and x.shape[0] > 0:
         from .kernels import quantize as _tq
 
-        if _tq.available():
+        if _tq.available():  # one launch with a global scale given, two without (amax, then quantize)
+            if gs is None:
+                return _tq.quantize_dynamic(x, swizzled=scale_layout == "swizzled")
             packed, sf = _tq.quantize(x, gs, swizzled=scale_layout == "swizzled")
             return packed, sf, gs
+    gs = default_global_scale(x) if gs is None else gs
     packed, sf = _quantize_torch(x, gs)
     if scale_layout == "swizzled":
         sf = swizzle_scales(sf)

@@ -125,6 +125,39 @@ for m, k in [(5, 48), (130, 272)]:
                                  "same": bool(torch.equal(p0, p1) and torch.equal(s0c.view(torch.uint8), s1.view(torch.uint8))),
                                  "shape": list(s1.shape), "want_shape": list(s0c.shape)})
 
+# the dynamic quantize (amax kernel, then the quantize kernel) and the static one on inputs holding NaN, inf, zeros
+# and tiny values: the same bits and global scale as format.default_global_scale + _quantize_torch
+from fp4dispatch.format import default_global_scale
+res["quant_dynamic"] = []
+for m, k in [(1, 16), (130, 272)]:
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for case in ("rand", "nan", "zero", "inf", "tiny"):
+            x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(dt)
+            if case == "nan":
+                x[m // 2, k // 3] = float("nan")
+            elif case == "zero":
+                x.zero_()
+            elif case == "inf":
+                x[0, 0] = float("inf")
+            elif case == "tiny" and dt == torch.float32:
+                x = x * 1e-30
+            g0 = default_global_scale(x)
+            p0, s0 = _quantize_torch(x, g0)
+            for sw in (True, False):
+                p1, s1, g1 = tq.quantize_dynamic(x, swizzled=sw)
+                s0c = swizzle_scales(s0) if sw else s0
+                res["quant_dynamic"].append({"m": m, "dtype": str(dt), "case": case, "swizzled": sw,
+                                             "same_gs": bool(torch.equal(g0.view(torch.int32), g1.view(torch.int32))),
+                                             "same": bool(torch.equal(p0, p1) and torch.equal(s0c.view(torch.uint8),
+                                                                                              s1.view(torch.uint8)))})
+
+_launch, launched = tq.launch, []
+tq.launch = lambda fn, grid, *a, **kw: (launched.append(getattr(fn, "__name__", str(fn))), _launch(fn, grid, *a, **kw))
+tq.quantize_dynamic(torch.randn(3, 64))
+tq.quantize(torch.randn(3, 64), torch.ones(1))
+tq.launch = _launch
+res["quant_launches"] = launched
+
 # the pre-decode (A once per call, before the register-A GEMM with predecode_a and the Gluon GEMMs) writes the same
 # values whatever its CTA tile
 from fp4dispatch.kernels.gemm.wgmma_register_a import predecode
@@ -424,3 +457,13 @@ def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
     assert not bad, bad[:3]
     # fp32 out: the sums are fp32, every product exact (the last column, a NaN block scale's, left out)
     assert max(r["err"] for r in rows if r["out"] == "torch.float32") <= 1e-5
+
+
+def test_dynamic_quantize_is_two_launches_with_the_reference_bits(child):
+    rows = child["quant_dynamic"]
+    assert {r["case"] for r in rows} == {"rand", "nan", "zero", "inf", "tiny"} and len(rows) == 60
+    bad = [r for r in rows if not (r["same"] and r["same_gs"])]
+    assert not bad, bad[:3]
+    # dynamic: the amax kernel then the quantize kernel; static: the quantize kernel alone (it writes the swizzled
+    # layout's zero padding itself, so there is no memset before it)
+    assert child["quant_launches"] == ["amax_scale_kernel", "quant_kernel", "quant_kernel"]
