@@ -1,5 +1,5 @@
-"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm`` / ``w4a16_mm_out``): the calls as torch custom ops, so that ``torch.compile``
-(``fullgraph=True``) traces models that call it without a graph break.
+"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm`` / ``w4a16_mm_out``): the calls as torch
+custom ops, so that ``torch.compile`` (``fullgraph=True``) traces models that call them without a graph break.
 
 Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
 an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here (through

@@ -31,8 +31,9 @@ from ..errors import FP4DispatchError
 from ..dispatch.fingerprint import device_fingerprint, fingerprint_hash
 from ..problem import Problem, m_bucket
 
-__all__ = ["TuneOptions", "OUT_DTYPES", "make_dispatcher", "tune_rows", "backend_rows", "torchrun_detected",
-           "process_group", "run_torchrun", "run_on_devices", "merge_device_results", "resolve_devices", "split_shares"]
+__all__ = ["TuneOptions", "OUT_DTYPES", "make_dispatcher", "tune_rows", "backend_rows", "auto_mode_notes",
+           "torchrun_detected", "process_group", "run_torchrun", "run_on_devices", "merge_device_results",
+           "resolve_devices", "split_shares"]
 
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -130,6 +131,17 @@ def backend_rows(d: Dispatcher, device: torch.device) -> list[dict]:
     native = {b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False)}
     return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins),
              "fp4_tensor_cores": r.name in native} for r in d.report(device)]
+
+
+def auto_mode_notes(backends: list[dict]) -> list[str]:
+    """Per device of ``backend_rows``: what ``Fp4Linear(mode="auto")`` runs there and why."""
+    notes = []
+    for dev in sorted({b["device"] for b in backends}):
+        native = [b["name"] for b in backends if b["device"] == dev and b.get("fp4_tensor_cores")
+                  and b["status"] == "ok"]
+        notes.append(f"Fp4Linear(mode='auto') on {dev}: " + (f"W4A4 ({native[0]} runs on FP4 tensor cores)" if native
+                     else "W4A16 (no backend on FP4 tensor cores is healthy here)"))
+    return notes
 
 
 # -- torchrun ranks ----------------------------------------------------------------------------------------------

@@ -91,16 +91,12 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
         line += [r["tuned_by"]] if several else []
         body.append(line)
-    ops = {r.get("op", "fp4_mm") for r in rows}
-    _print_table(con, "Per shape" + ("" if ops <= {"fp4_mm"} else " (w4a16_mm: 16-bit activations)"), cols, body,
-                 tty)
+    w4 = any(r.get("op") == "w4a16" for r in rows)
+    _print_table(con, "Per shape" + (" (w4a16_mm: 16-bit activations)" if w4 else ""), cols, body, tty)
     per_backend = [[b["device"], b["name"], b["status"], b["reason"] or "-", str(b["wins"])] for b in backends]
     _print_table(con, "Per backend", ["device", "name", "status", "reason", "wins"], per_backend, tty)
-    for dev in sorted({b["device"] for b in backends}):
-        native = [b["name"] for b in backends
-                  if b["device"] == dev and b.get("fp4_tensor_cores") and b["status"] == "ok"]
-        con.print(f"\nFp4Linear(mode='auto') on {dev}: " + (f"W4A4 ({native[0]} runs on FP4 tensor cores)" if native
-                  else "W4A16 (no backend on FP4 tensor cores is healthy here)"))
+    for note in distributed.auto_mode_notes(backends):
+        con.print("\n" + note)
     cached = sum(r.get("source") == "cache" for r in rows)
     if cached:
         con.print(f"\n{cached} of {len(rows)} shapes came from the cache "

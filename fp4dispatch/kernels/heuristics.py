@@ -18,8 +18,8 @@ from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config
                      MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig,
                      WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
 
-__all__ = ["configs_for", "w4a16_configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES",
-           "DECODE_WARPS"]
+__all__ = ["configs_for", "w4a16_configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES",
+           "TMA_GEMV_TILES", "DECODE_WARPS", "W4A16_MMA_TILES", "W4A16_GEMV_TILES"]
 
 MAX_CONFIGS = 7
 cdiv = runtime.cdiv
