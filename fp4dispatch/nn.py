@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .api import fp4_mm, get_dispatcher, w4a16_mm
+from .backends.base import computes
 from .errors import InvalidInputError
 from .format import BLOCK, as_e4m3, as_packed_uint8, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .problem import OUT_DTYPES
@@ -38,7 +39,8 @@ def native_fp4_backend(device: torch.device) -> str | None:
     (probing it once), or None: what ``mode="auto"`` goes by."""
     d = get_dispatcher()
     ok = {r.name for r in d.report(device) if r.status == "ok"}
-    return next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok), None)
+    return next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok
+                 and computes(b, "fp4_mm")), None)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +151,8 @@ class Fp4Linear(nn.Module):
             bias: optional [N].
             mode: "auto", "w4a4" or "w4a16" (the module docstring).
 
-        W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are quantized with ``1/input_scale``.
+        W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are
+        quantized with ``1/input_scale``.
         """
         if not isinstance(weight, torch.Tensor):
             raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be a packed NVFP4 tensor [N, K/2]; got "

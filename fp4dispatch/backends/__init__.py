@@ -22,6 +22,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("sgl_kernel", "SglKernelBackend", ()),
     ("torch_scaled_mm", "TorchScaledMmBackend", ()),
     ("flashinfer", "FlashInferCakeBackend", ()),
+    ("flashinfer_bf16_fp4", "FlashInferBf16Fp4Backend", ()),
     ("humming", "HummingW4A4Backend", ()),  # FP4 activations on block-scaled MMA (SM100+)
     ("triton_fused", "TritonFusedBackend", ()),
     ("triton_w4a16", "TritonW4A16Backend", ()),  # w4a16_mm only

@@ -113,6 +113,15 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, _version(t))
 
 
+def aligned_alpha(alpha: torch.Tensor, align: int = 16) -> torch.Tensor:
+    """alpha as fp32 ``(1,)`` whose data pointer is ``align``-byte aligned (what native launchers check): itself, or
+    a copy made on the device (no host sync)."""
+    alpha = alpha.reshape(1)
+    if alpha.data_ptr() % align == 0:
+        return alpha
+    return torch.empty(max(1, align // 4), dtype=torch.float32, device=alpha.device)[:1].copy_(alpha)
+
+
 class PreparedWeightCache:
     """LRU of prepared weights, bounded in entries and bytes, keyed so that a changed or freed weight misses."""
 

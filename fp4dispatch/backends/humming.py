@@ -34,7 +34,7 @@ import torch
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
 from ..kernels.dequant import dequantize_to_scratch
 from ..problem import Operands, Problem
-from ._native import NativeBackend, PreparedWeightCache, alignment_reason, import_library
+from ._native import NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library
 from .base import Config
 
 __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT"]
@@ -112,10 +112,7 @@ class HummingBackend(NativeBackend):
     def epilogue_scale(self, ops: Operands) -> torch.Tensor:
         """alpha as Humming's per-call ``weight_scale_2``: fp32 ``(1,)``, contiguous, 16-byte aligned (its launcher
         checks); a misaligned alpha is copied (on the device) into an aligned one."""
-        alpha = ops.alpha.reshape(1)
-        if alpha.data_ptr() % 16 == 0:
-            return alpha
-        return torch.empty(4, dtype=torch.float32, device=alpha.device)[:1].copy_(alpha)
+        return aligned_alpha(ops.alpha)
 
     def _prepare(self, problem: Problem, ops: Operands) -> tuple:
         lib = self._lib or self._load()
