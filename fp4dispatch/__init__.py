@@ -8,6 +8,7 @@ from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_
 from .graphs import warmup
 from . import nn, torch_ops  # noqa: F401  (torch_ops registers torch.ops.fp4dispatch.*)
 from .dispatch.dispatcher import Dispatcher
+from .checkpoint import LoadReport, load_nvfp4
 
 __all__ = [
     "__version__",
@@ -15,6 +16,8 @@ __all__ = [
     "w4a16_mm",
     "Dispatcher",
     "warmup",
+    "load_nvfp4",
+    "LoadReport",
     "nn",
     "get_dispatcher",
     "set_dispatcher",

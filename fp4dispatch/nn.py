@@ -26,7 +26,8 @@ from torch import nn
 from .api import fp4_mm, get_dispatcher, w4a16_mm
 from .backends.base import computes
 from .errors import InvalidInputError
-from .format import BLOCK, as_e4m3, as_packed_uint8, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
+from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
+from .stored import scalar_scale, stored_weight
 from .problem import OUT_DTYPES
 
 __all__ = ["Fp4Linear", "MODES", "native_fp4_backend"]
@@ -49,29 +50,6 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
-
-
-def _scalar_scale(t: object, name: str, *, allow_spread: bool) -> torch.Tensor:
-    """A ModelOpt per-tensor scale (0-d, [1] or one per fused shard) -> fp32 [1] (the max over shards)."""
-    if not isinstance(t, torch.Tensor):
-        if isinstance(t, (float, int)) and not isinstance(t, bool):
-            t = torch.tensor([float(t)], dtype=torch.float32)
-        else:
-            raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be a float32 tensor (one per tensor or "
-                                    f"per fused shard); got {type(t).__name__}")
-    if not t.is_floating_point() or t.numel() == 0:
-        raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be a non-empty float tensor; got "
-                                f"dtype={t.dtype}, shape={tuple(t.shape)}")
-    t = t.detach().float().reshape(-1)
-    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-        raise InvalidInputError(f"Fp4Linear.from_modelopt: {name} must be positive and finite (a decode scale "
-                                f"amax/(448*6)); got {t.tolist()[:8]}")
-    if t.numel() > 1 and not allow_spread and not bool((t == t[0]).all()):
-        raise InvalidInputError(
-            f"Fp4Linear.from_modelopt: {name} has {t.numel()} different per-shard values {t.tolist()[:8]}; "
-            f"fp4_mm applies one per-tensor alpha, and taking their max would silently rescale the other shards. "
-            f"Build one Fp4Linear per shard, or requantize the fused weight with one global scale")
-    return t.max().reshape(1)
 
 
 class Fp4Linear(nn.Module):
@@ -105,6 +83,9 @@ class Fp4Linear(nn.Module):
                                                          device=device))
         self.register_buffer("weight_scale_2", _bits(torch.ones(1)).to(device))
         self.register_buffer("input_scale", None)
+        # a static activation *encode* scale as a checkpoint stores it (compressed-tensors' input_global_scale): used
+        # as it is, never inverted twice
+        self.register_buffer("input_global_scale", None)
         # derived from the scales above (not saved): the static alpha and the activation encode scale
         self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_input_global_scale", None, persistent=False)
@@ -154,38 +135,56 @@ class Fp4Linear(nn.Module):
         W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are
         quantized with ``1/input_scale``.
         """
-        if not isinstance(weight, torch.Tensor):
-            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be a packed NVFP4 tensor [N, K/2]; got "
-                                    f"{type(weight).__name__}")
-        w = as_packed_uint8(weight, "Fp4Linear.from_modelopt: weight")
-        if w.dim() != 2:
-            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight must be 2-D [N, K/2] packed NVFP4; got "
-                                    f"shape={tuple(w.shape)}")
+        who = "Fp4Linear.from_modelopt"
+        w, sc = stored_weight(who, weight, weight_scale, "weight", "weight_scale")
+        mod = cls._from_stored(w, sc, scalar_scale(weight_scale_2, "weight_scale_2", who, allow_spread=False), bias,
+                               mode, who)
+        if input_scale is not None:
+            input_scale = scalar_scale(input_scale, "input_scale", who, allow_spread=True)
+        mod.set_input_scale(input_scale)
+        return mod
+
+    @classmethod
+    def _from_stored(cls, w: torch.Tensor, s: torch.Tensor, decode_scale: torch.Tensor, bias, mode: str,
+                     who: str) -> "Fp4Linear":
+        """A layer of a checked packed weight, its linear e4m3 scales, its fp32 [1] decode global scale and bias."""
         n, k = w.shape[0], w.shape[1] * 2
-        if not isinstance(weight_scale, torch.Tensor):
-            raise InvalidInputError(f"Fp4Linear.from_modelopt: weight_scale must be a float8_e4m3fn tensor "
-                                    f"[N, K/16]; got {type(weight_scale).__name__}")
-        s = as_e4m3(weight_scale, "Fp4Linear.from_modelopt: weight_scale")
-        if tuple(s.shape) != (n, k // BLOCK):
-            raise InvalidInputError(
-                f"Fp4Linear.from_modelopt: weight_scale must be linear [N, K/16]=({n}, {k // BLOCK}) for weight "
-                f"{tuple(w.shape)}; got shape={tuple(s.shape)}. Pass the checkpoint's weight_scale as stored, "
-                f"before any swizzle or padding")
-        if k % BLOCK:
-            raise InvalidInputError(f"Fp4Linear.from_modelopt: K=2*weight.shape[1]={k} must be a multiple of "
-                                    f"{BLOCK}")
-        ws2 = _scalar_scale(weight_scale_2, "weight_scale_2", allow_spread=False)
         mod = cls(k, n, bias is not None, device=w.device,
                   dtype=bias.dtype if isinstance(bias, torch.Tensor) else torch.bfloat16, mode=mode)
-        mod._set_weight(w, swizzle_scales(s.to(w.device).contiguous()), ws2.to(w.device))
+        mod._set_weight(w, swizzle_scales(s.to(w.device).contiguous()), decode_scale.to(w.device))
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
-                raise InvalidInputError(f"Fp4Linear.from_modelopt: bias must be a tensor of shape ({n},); got "
+                raise InvalidInputError(f"{who}: bias must be a tensor of shape ({n},); got "
                                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)}")
             mod.bias.copy_(bias.detach())
-        if input_scale is not None:
-            input_scale = _scalar_scale(input_scale, "input_scale", allow_spread=True)
-        mod.set_input_scale(input_scale)
+        return mod
+
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                                weight_global_scale: torch.Tensor, input_global_scale: torch.Tensor | None = None,
+                                bias: torch.Tensor | None = None, mode: str = "auto") -> "Fp4Linear":
+        """From compressed-tensors' ``nvfp4-pack-quantized`` tensors (what llm-compressor saves), as stored.
+
+        Args:
+            weight_packed: uint8 [N, K/2], low nibble = even k.
+            weight_scale: float8_e4m3fn [N, K/16] (linear); swizzled here, once.
+            weight_global_scale: fp32 [1] *encode* scale ``448*6/amax(W)`` (computed by compressed-tensors in the
+                model's dtype for bf16 models: the stored value is the one to use, never one recomputed).
+            input_global_scale: fp32 [1] static activation encode scale, or None (dynamic per-call scaling).
+            bias: optional [N]. mode: "auto", "w4a4" or "w4a16".
+
+        The weight decodes as ``e2m1 * weight_scale / weight_global_scale``: ``weight_scale_2`` is
+        ``1/weight_global_scale`` (one fp32 rounding). W4A4 quantizes x with ``input_global_scale`` itself and
+        ``alpha = weight_scale_2 / input_global_scale``.
+        """
+        who = "Fp4Linear.from_compressed_tensors"
+        w, sc = stored_weight(who, weight_packed, weight_scale, "weight_packed", "weight_scale")
+        wgs = scalar_scale(weight_global_scale, "weight_global_scale", who, allow_spread=False, encode=True)
+        mod = cls._from_stored(w, sc, 1.0 / wgs, bias, mode, who)
+        if input_global_scale is not None:
+            igs = scalar_scale(input_global_scale, "input_global_scale", who, allow_spread=False, encode=True)
+            mod.input_global_scale = _bits(igs).to(mod.weight.device)
+            mod._refresh()
         return mod
 
     def _set_weight(self, packed: torch.Tensor, scale_swizzled: torch.Tensor, decode_scale: torch.Tensor) -> None:
@@ -196,6 +195,7 @@ class Fp4Linear(nn.Module):
 
     def set_input_scale(self, input_scale: torch.Tensor | float | None) -> None:
         """Set the static activation decode scale ``amax(x)/(448*6)`` (None: dynamic per-call scaling)."""
+        self.input_global_scale = None
         if input_scale is None:
             self.input_scale = None
         else:
@@ -207,6 +207,10 @@ class Fp4Linear(nn.Module):
         self._refresh()
 
     def _refresh(self) -> None:
+        if self.input_global_scale is not None:  # stored as an encode scale: used as it is
+            self._input_global_scale = self.input_global_scale
+            self._alpha = _bits(_f32(self.weight_scale_2) / _f32(self.input_global_scale))
+            return
         if self.input_scale is None:
             self._alpha = self._input_global_scale = None
             return
@@ -249,7 +253,7 @@ class Fp4Linear(nn.Module):
         return got
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is None:
+        if self._input_global_scale is None:
             xq, xs, gs = quantize_nvfp4(x2)
             alpha = _f32(self.weight_scale_2) / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:
@@ -258,7 +262,7 @@ class Fp4Linear(nn.Module):
         return fp4_mm(xq, self.weight, xs, self.weight_scale.view(torch.float8_e4m3fn), alpha, out_dtype=x2.dtype)
 
     def extra_repr(self) -> str:
-        scale = "static" if self.input_scale is not None else "dynamic"
+        scale = "static" if self._input_global_scale is not None else "dynamic"
         mode = self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={mode}, activation_scale={scale}")

@@ -1,0 +1,63 @@
+"""NVFP4 tensors as checkpoints store them (ModelOpt, compressed-tensors): the checks that turn them into what
+``Fp4Linear`` holds, with messages that name the constructor, the tensor, what was expected and what came."""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidInputError
+from .format import BLOCK, as_e4m3, as_packed_uint8
+
+__all__ = ["scalar_scale", "stored_weight"]
+
+
+def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: bool = False) -> torch.Tensor:
+    """A per-tensor scale (0-d, [1] or one per fused shard) -> fp32 [1] (the max over shards where
+    ``allow_spread``). ``encode``: an encode scale ``448*6/amax`` (compressed-tensors), else a decode scale
+    ``amax/(448*6)`` (ModelOpt); only the messages differ."""
+    kind = "an encode scale 448*6/amax" if encode else "a decode scale amax/(448*6)"
+    if not isinstance(t, torch.Tensor):
+        if isinstance(t, (float, int)) and not isinstance(t, bool):
+            t = torch.tensor([float(t)], dtype=torch.float32)
+        else:
+            raise InvalidInputError(f"{who}: {name} must be a float32 tensor (one per tensor or per fused shard); got "
+                                    f"{type(t).__name__}")
+    if not t.is_floating_point() or t.numel() == 0:
+        raise InvalidInputError(f"{who}: {name} must be a non-empty float tensor; got dtype={t.dtype}, "
+                                f"shape={tuple(t.shape)}")
+    t = t.detach().float().reshape(-1)
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise InvalidInputError(f"{who}: {name} must be positive and finite ({kind}); got {t.tolist()[:8]}")
+    if t.numel() > 1 and not allow_spread and not bool((t == t[0]).all()):
+        raise InvalidInputError(
+            f"{who}: {name} has {t.numel()} different per-shard values {t.tolist()[:8]}; fp4_mm applies one "
+            f"per-tensor alpha, and taking their max would silently rescale the other shards. Build one Fp4Linear "
+            f"per shard, or requantize the fused weight with one global scale")
+    return t.max().reshape(1)
+
+
+def stored_weight(who: str, weight: object, weight_scale: object, wname: str, sname: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [N, K/2], float8_e4m3fn [N, K/16]) of a stored packed weight and its linear block scales."""
+    if not isinstance(weight, torch.Tensor):
+        raise InvalidInputError(f"{who}: {wname} must be a packed NVFP4 tensor [N, K/2]; got {type(weight).__name__}")
+    if weight.dtype in (torch.int32, torch.int64):
+        raise InvalidInputError(f"{who}: {wname} must be uint8 [N, K/2] (two e2m1 per byte); got {weight.dtype}: a "
+                                "weight repacked into wider words (compressed-tensors' pack-quantized INT4, or a "
+                                "kernel's own layout) is not NVFP4 as a checkpoint stores it")
+    w = as_packed_uint8(weight, f"{who}: {wname}")
+    if w.dim() != 2:
+        raise InvalidInputError(f"{who}: {wname} must be 2-D [N, K/2] packed NVFP4; got shape={tuple(w.shape)}")
+    n, k = w.shape[0], w.shape[1] * 2
+    if not isinstance(weight_scale, torch.Tensor):
+        raise InvalidInputError(f"{who}: {sname} must be a float8_e4m3fn tensor [N, K/16]; got "
+                                f"{type(weight_scale).__name__}")
+    s = as_e4m3(weight_scale, f"{who}: {sname}")
+    if tuple(s.shape) != (n, k // BLOCK):
+        hint = (f" It is [K/16, N]: {wname} and {sname} look transposed; pass them as stored ([N, K/2], [N, K/16])"
+                if tuple(s.shape) == (k // BLOCK, n) else
+                f" Pass the checkpoint's {sname} as stored, before any swizzle or padding")
+        raise InvalidInputError(f"{who}: {sname} must be linear [N, K/16]=({n}, {k // BLOCK}) for {wname} "
+                                f"{tuple(w.shape)}; got shape={tuple(s.shape)}.{hint}")
+    if k % BLOCK:
+        raise InvalidInputError(f"{who}: K=2*{wname}.shape[1]={k} must be a multiple of {BLOCK}")
+    return w, s

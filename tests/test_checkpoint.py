@@ -1,0 +1,228 @@
+"""``load_nvfp4`` with checkpoints written by the real clients on the CPU: a tiny transformers Llama, its Linear
+weights quantized by NVIDIA ModelOpt (``NVFP4QTensor``, its pure-torch path) and by compressed-tensors (its NVFP4
+preset and ``NVFP4PackedCompressor``), saved as sharded safetensors with the config each writes; loaded by fp4dispatch
+and compared with the library's own decoding of the same tensors. Plus every error a user meets."""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install fp4dispatch[test])")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs safetensors")
+
+from fp4dispatch import InvalidInputError  # noqa: E402
+from fp4dispatch.checkpoint import load_nvfp4, nvfp4_format, read_quantization_config  # noqa: E402
+from fp4dispatch.nn import Fp4Linear  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*transformers.*is not tested with current version of modelopt.*")
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    dtype=torch.float64)
+
+
+def _tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), cfg
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def _save(tmp_path, tensors: dict, cfg, qcfg: dict, shards: int = 2):
+    """safetensors shards with an index, and config.json with the quantization_config, as exporters write them."""
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = {n: tensors[n].contiguous() for n in names[i::shards]}
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        safetensors_torch.save_file(part, str(tmp_path / fname))
+        weight_map.update({n: fname for n in part})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": qcfg}, default=str))
+    return tmp_path
+
+
+def _modelopt_checkpoint(tmp_path, model, cfg, input_scale: float | None = 0.02):
+    """ModelOpt's export names: weight (uint8), weight_scale (e4m3), weight_scale_2 (fp32 0-d), input_scale; the
+    reference weights are ModelOpt's own dequantize in float64 terms."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    tensors = {k: v for k, v in model.state_dict().items()}
+    ref = {}
+    for name, lin in _linears(model).items():
+        q, s, s2 = NVFP4QTensor.quantize(lin.weight.detach().float(), 16)
+        del tensors[f"{name}.weight"]
+        tensors |= {f"{name}.weight": q._quantized_data, f"{name}.weight_scale": s,
+                    f"{name}.weight_scale_2": s2.float().reshape(())}
+        if input_scale is not None:
+            tensors[f"{name}.input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+        ref[name] = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16}).double()
+    qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    return _save(tmp_path, tensors, cfg, qcfg), ref
+
+
+def _compressed_tensors_checkpoint(tmp_path, model, cfg):
+    """compressed-tensors' NVFP4 preset: global scale by generate_gparam in the model's dtype (bf16), block scales by
+    calculate_qparams, packed by NVFP4PackedCompressor; the reference is the stored tensors decoded with the
+    library's own unpack (e2m1 * weight_scale / weight_global_scale)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    tensors = {k: v for k, v in model.state_dict().items()}
+    ref = {}
+    for name, lin in _linears(model).items():
+        w = lin.weight.detach()
+        n, k = w.shape
+        gs = generate_gparam(w.min(), w.max(), dtype=w.dtype)
+        scale, _ = calculate_qparams(w.reshape(n, k // 16, 16).amin(-1), w.reshape(n, k // 16, 16).amax(-1),
+                                     scheme.weights, global_scale=gs)
+        out = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+        del tensors[f"{name}.weight"]
+        # llm-compressor saves the global scales as fp32 tensors holding the bf16-computed value
+        igs = generate_gparam(torch.tensor(-4.0), torch.tensor(4.0))
+        tensors |= {f"{name}.weight_packed": out["weight_packed"], f"{name}.weight_scale": out["weight_scale"],
+                    f"{name}.weight_global_scale": out["weight_global_scale"].float(),
+                    f"{name}.input_global_scale": igs.float()}
+        codes = unpack_fp4_from_uint8(out["weight_packed"], n, k, dtype=torch.float32).double()
+        ref[name] = (codes * out["weight_scale"].double().repeat_interleave(16, dim=1)
+                     / out["weight_global_scale"].double())
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format="nvfp4-pack-quantized", ignore=["lm_head"],
+                              quantization_status="compressed").model_dump(mode="json")
+    return _save(tmp_path, tensors, cfg, qcfg), ref
+
+
+CLIENTS = {"modelopt": _modelopt_checkpoint, "compressed-tensors": _compressed_tensors_checkpoint}
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_a_real_clients_checkpoint_loads_layer_for_layer_exactly(tmp_path, client):
+    pytest.importorskip({"modelopt": "modelopt.torch.quantization", "compressed-tensors": "compressed_tensors"}[client])
+    src, cfg = _tiny_llama()
+    path, ref = CLIENTS[client](tmp_path, src, cfg)
+    model, _ = _tiny_llama(seed=1)  # other random weights: everything must come from the checkpoint
+    report = load_nvfp4(model, path, mode="w4a16")
+    assert report.format == client and set(report.replaced) == set(ref) and len(ref) == 14
+    assert report.skipped == {"lm_head": "excluded by the checkpoint ('lm_head')"}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(report.loaded)
+    assert report.unused == []
+    torch.manual_seed(2)
+    for name, w in ref.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, Fp4Linear) and layer.resolved_mode(torch.device("cpu")) == "w4a16"
+        x = torch.randn(5, layer.in_features).to(torch.bfloat16)
+        exact = x.double() @ w.T
+        # the fp32 sums and one rounding to bf16 at the end: within a bf16 ulp of the library's own decoding
+        got = layer(x).double()
+        assert bool(((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()), name
+    # the whole model against the source model with each Linear replaced by the library's decoded weight (bf16):
+    # the same computation but for the decoded weights' bf16 rounding there
+    want = copy.deepcopy(src)
+    for name, w in ref.items():
+        want.get_submodule(name).weight.data.copy_(w.to(torch.bfloat16))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(ids).logits.double(), want(ids).logits.double()
+    assert float((a - b).norm() / b.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_static_activation_scales_are_the_stored_ones_and_can_be_turned_off(tmp_path, client):
+    pytest.importorskip({"modelopt": "modelopt.torch.quantization", "compressed-tensors": "compressed_tensors"}[client])
+    src, cfg = _tiny_llama()
+    path, _ = CLIENTS[client](tmp_path, src, cfg)
+    model, _ = _tiny_llama(seed=1)
+    report = load_nvfp4(model, path, mode="w4a4")
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert "activation scale static" in report.replaced["model.layers.0.self_attn.q_proj"]
+    if client == "modelopt":
+        assert torch.equal(layer.input_scale.view(torch.float32), torch.tensor([0.02], dtype=torch.float32))
+    else:  # the encode scale itself quantizes x, never 1/(1/x)
+        assert torch.equal(layer.input_global_scale, layer._input_global_scale)
+        stored = safetensors_torch.load_file(str(next(tmp_path.glob("*.safetensors"))))
+        key = next(k for k in stored if k.endswith("input_global_scale"))
+        assert torch.equal(layer.input_global_scale.view(torch.float32), stored[key].float().reshape(1))
+    model2, _ = _tiny_llama(seed=1)
+    report2 = load_nvfp4(model2, path, mode="w4a4", static_activation_scales=False)
+    assert all("activation scale dynamic" in v for v in report2.replaced.values())
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+def _plain_checkpoint(tmp_path, qcfg: dict):
+    model, cfg = _tiny_llama()
+    return _save(tmp_path, dict(model.state_dict()), cfg, qcfg, shards=1)
+
+
+@pytest.mark.parametrize("qcfg, message", [
+    ({"quant_method": "modelopt", "quant_algo": "FP8"},
+     r"^load_nvfp4: the checkpoint is ModelOpt 'FP8', not NVFP4\. fp4dispatch loads NVFP4 checkpoints of NVIDIA "
+     r"ModelOpt"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32},
+     r"^load_nvfp4: group_size must be 16 \(NVFP4: one e4m3 scale per 16 values\); got 32$"),
+    ({"quant_method": "awq", "bits": 4},
+     r"^load_nvfp4: quant_method 'awq' \(quant_algo None\) is not an NVFP4 checkpoint\. .* FP8, MXFP4, AWQ and GPTQ "
+     r"checkpoints are other formats$"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}}},
+     r"^load_nvfp4: compressed-tensors group 'group_0' has format 'mxfp4-pack-quantized', not "
+     r"'nvfp4-pack-quantized'\."),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}}},
+     r"^load_nvfp4: config_groups\.g\.weights\.group_size must be 16 .* got 32$"),
+])
+def test_a_checkpoint_that_is_not_nvfp4_is_refused_with_what_it_is(tmp_path, qcfg, message):
+    path = _plain_checkpoint(tmp_path, qcfg)
+    with pytest.raises(InvalidInputError, match=message):
+        load_nvfp4(_tiny_llama()[0], path)
+
+
+def test_missing_tensor_transposed_weight_and_a_state_dict_without_config(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    src, cfg = _tiny_llama()
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg)
+    files = sorted(path.glob("*.safetensors"))
+    sd = {k: v for f in files for k, v in safetensors_torch.load_file(str(f)).items()}
+    qcfg = read_quantization_config(path)
+    assert nvfp4_format(qcfg).kind == "modelopt"
+    name = "model.layers.1.mlp.down_proj"
+    broken = {k: v for k, v in sd.items() if k != f"{name}.weight_scale_2"}
+    with pytest.raises(InvalidInputError, match=rf"^load_nvfp4: module '{name}' is quantized in the checkpoint "
+                                                rf"\('{name}.weight' is there\) but '{name}.weight_scale_2' is "
+                                                r"missing; found \["):
+        load_nvfp4(_tiny_llama()[0], broken, quantization_config=qcfg)
+    q = "model.layers.0.mlp.gate_proj"  # Linear(64, 128): [N, K/2] = (128, 32); transposed (32, 128)
+    flipped = dict(sd, **{f"{q}.weight": sd[f"{q}.weight"].T.contiguous()})
+    with pytest.raises(InvalidInputError, match=rf"^load_nvfp4: '{q}.weight' has shape \(32, 128\); the model's "
+                                                rf"'{q}' is Linear\(64, 128\), so \[N, K/2\] = \(128, 32\) was "
+                                                r"expected\. It is \[K/2, N\]: the weight is stored transposed"):
+        load_nvfp4(_tiny_llama()[0], flipped, quantization_config=qcfg)
+    repacked = dict(sd, **{f"{q}.weight": sd[f"{q}.weight"].view(torch.int32)})
+    with pytest.raises(InvalidInputError, match=r"weight must be uint8 \[N, K/2\] \(two e2m1 per byte\); got "
+                                                r"torch.int32: a weight repacked into wider words"):
+        load_nvfp4(_tiny_llama()[0], repacked, quantization_config=qcfg)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: checkpoint is a state dict: pass "
+                                                r"quantization_config="):
+        load_nvfp4(_tiny_llama()[0], sd)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False))
+    with pytest.raises(InvalidInputError, match=r"The checkpoint is not of this model$"):
+        load_nvfp4(other, path)
+
+
+def test_a_folder_without_a_quantization_config_says_so(tmp_path):
+    model, cfg = _tiny_llama()
+    safetensors_torch.save_file(dict(model.state_dict()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.raises(InvalidInputError, match=r"has no quantization_config in config.json and no "
+                                                r"hf_quant_config.json: it is not a quantized checkpoint"):
+        load_nvfp4(model, tmp_path)
