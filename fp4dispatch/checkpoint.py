@@ -98,6 +98,8 @@ def nvfp4_format(qcfg: dict) -> Nvfp4Format:
             raise InvalidInputError(f"{_WHO}: the checkpoint is ModelOpt {qcfg.get('quant_algo')!r}, not NVFP4. "
                                     f"{_SUPPORTED}")
         _group_size(qcfg.get("group_size", 16), "group_size")
+        for gname, g in (qcfg.get("config_groups") or {}).items():  # newer exports describe their groups too
+            _group_size((g.get("weights") or {}).get("group_size", 16), f"config_groups.{gname}.weights.group_size")
         return Nvfp4Format("modelopt", tuple(qcfg.get("exclude_modules") or qcfg.get("ignore") or ()))
     if method == "compressed-tensors":
         groups = qcfg.get("config_groups") or {}
