@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -83,22 +84,28 @@ def _launches(entry: dict | None) -> tuple[int, float | None, float | None]:
     return count(entry), entry.get("time_us"), min(single, default=None)
 
 
+def rotated_operands(m: int, n: int, k: int) -> SimpleNamespace:
+    """Random NVFP4 activations (xq, xs) and alpha; the weight as r4 NVFP4 copies (wq, ws) and rb dequantized bf16
+    copies (wd), each set past 3x the L2; xd the dequantized activations."""
+    from fp4dispatch import dequantize_nvfp4, quantize_nvfp4
+
+    xq, xs, xg = quantize_nvfp4(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+    wq0, ws0, wg = quantize_nvfp4(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
+    r4, rb = _copies(wq0.numel() + ws0.numel()), _copies(2 * n * k)
+    wd0 = dequantize_nvfp4(wq0, ws0, dtype=torch.bfloat16)
+    return SimpleNamespace(xq=xq, xs=xs, alpha=(1.0 / (xg * wg)).float().reshape(1), r4=r4, rb=rb,
+                           wq=[wq0] + [wq0.clone() for _ in range(r4 - 1)],
+                           ws=[ws0] + [ws0.clone() for _ in range(r4 - 1)],
+                           wd=[wd0] + [wd0.clone() for _ in range(rb - 1)],
+                           xd=dequantize_nvfp4(xq, xs, dtype=torch.bfloat16))
+
+
 def cell(m: int, n: int, k: int) -> dict:
     import fp4dispatch
-    from fp4dispatch import dequantize_nvfp4, quantize_nvfp4
     from fp4dispatch.problem import Problem
 
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    xq, xs, xg = quantize_nvfp4(x)
-    w0 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-    wq0, ws0, wg = quantize_nvfp4(w0)
-    alpha = (1.0 / (xg * wg)).float()
-    r4, rb = _copies(wq0.numel() + ws0.numel()), _copies(2 * n * k)
-    wq = [wq0] + [wq0.clone() for _ in range(r4 - 1)]
-    ws = [ws0] + [ws0.clone() for _ in range(r4 - 1)]
-    wd0 = dequantize_nvfp4(wq0, ws0, dtype=torch.bfloat16)
-    wd = [wd0] + [wd0.clone() for _ in range(rb - 1)]
-    xd = dequantize_nvfp4(xq, xs, dtype=torch.bfloat16)
+    o = rotated_operands(m, n, k)
+    xq, xs, alpha, wq, ws, wd, xd, r4, rb = o.xq, o.xs, o.alpha, o.wq, o.ws, o.wd, o.xd, o.r4, o.rb
     out4 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     outb = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fp4dispatch.warmup([(m, n, k)])  # tune and prove before any timing

@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_eager import MS, _copies, _eager_us, _graph_us  # noqa: E402  (the same timing method)
+from bench_eager import MS, _eager_us, _graph_us, rotated_operands  # noqa: E402  (the same method)
 from bench_hopper import SHAPES  # noqa: E402
 
 TOL = 0.03
@@ -41,19 +41,10 @@ def _label(backend, config) -> str:
 def cell(d, m: int, n: int, k: int) -> dict:
     import time
 
-    from fp4dispatch import dequantize_nvfp4, quantize_nvfp4
     from fp4dispatch.problem import Operands, Problem
 
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    xq, xs, xg = quantize_nvfp4(x)
-    wq0, ws0, wg = quantize_nvfp4(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"))
-    alpha = (1.0 / (xg * wg)).float().reshape(1)
-    r4, rb = _copies(wq0.numel() + ws0.numel()), _copies(2 * n * k)
-    wq = [wq0] + [wq0.clone() for _ in range(r4 - 1)]
-    ws = [ws0] + [ws0.clone() for _ in range(r4 - 1)]
-    wd0 = dequantize_nvfp4(wq0, ws0, dtype=torch.bfloat16)
-    wd = [wd0] + [wd0.clone() for _ in range(rb - 1)]
-    xd = dequantize_nvfp4(xq, xs, dtype=torch.bfloat16)
+    o = rotated_operands(m, n, k)
+    xq, xs, alpha, wq, ws, wd, xd, r4, rb = o.xq, o.xs, o.alpha, o.wq, o.ws, o.wd, o.xd, o.r4, o.rb
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     outb = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     problem = Problem(m, n, k, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))

@@ -73,6 +73,17 @@ def reduce_store(acc, offs, omask, M, N, part, parts, tile, alpha_ptr, out_ptr, 
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid`` of a 1-D grid over [M, N] tiles -> its (M tile, N tile), M tiles taken GROUP_M at a time
+    down each N column so that a group's CTAs share weight tiles in L2."""
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(tl.cdiv(M, BM) - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def grid_tile(BN: tl.constexpr, BM: tl.constexpr, BKB: tl.constexpr):
     """Program ids of an (N tile, K split, M tile) grid -> (K split, N rows, M rows, block offsets of one K step)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)

@@ -11,7 +11,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import MmaBf16Config
 from ..numerics.e2m1_e4m3 import TWO_18, TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
-from ..tiles import store_out
+from ..tiles import grouped_tile, store_out
 
 @triton.jit
 def _operands(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr, DOT_F32: tl.constexpr):
@@ -33,15 +33,8 @@ def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr
                SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
     """Tiled tensor-core GEMM: decode both operands in registers, bf16 dot, fp32 accumulate; split-K by
     program_id(1) (SPLIT: reduced by the tile's last CTA, see ``store_out``) or a direct alpha+cast epilogue."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     kb_lo = pid_k * blocks_per_split

@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import MmaW4A16Config
 from ..gemv.cuda_core_w4a16 import weight_pairs
-from ..tiles import store_out
+from ..tiles import grouped_tile, store_out
 
 
 @triton.jit
@@ -22,15 +22,8 @@ def mma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, 
                      blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
     """Tiles [BM, BN], M tiles grouped by GROUP_M for L2 reuse; DOT_F32 (the interpreter): fp32 dots."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     kb_lo = pid_k * blocks_per_split
