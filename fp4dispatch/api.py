@@ -99,6 +99,8 @@ def w4a16_mm(
         [M, N] tensor of ``out_dtype`` (``out`` itself when given).
     """
     if torch.compiler.is_compiling():
+        if isinstance(alpha, (float, int)) and not isinstance(alpha, bool):  # the op's alpha is a Tensor?
+            alpha = torch.full((1,), float(alpha), dtype=torch.float32, device=a.device)
         if out is None:
             return torch.ops.fp4dispatch.w4a16_mm(a, b, b_scale, alpha, out_dtype, scale_layout, backend)
         torch.ops.fp4dispatch.w4a16_mm_out(a, b, b_scale, alpha, out, scale_layout, backend)

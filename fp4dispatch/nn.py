@@ -35,13 +35,21 @@ __all__ = ["Fp4Linear", "MODES", "native_fp4_backend"]
 MODES = ("auto", "w4a4", "w4a16")
 
 
+_NATIVE: dict[torch.device, tuple[object, str | None]] = {}  # device -> (the dispatcher asked, its answer)
+
+
 def native_fp4_backend(device: torch.device) -> str | None:
     """The first backend of the default dispatcher that multiplies on FP4 tensor cores and is healthy on ``device``
-    (probing it once), or None: what ``mode="auto"`` goes by."""
+    (probing it once), or None: what ``mode="auto"`` goes by. Asked once per device and dispatcher, not per layer."""
     d = get_dispatcher()
+    hit = _NATIVE.get(device)
+    if hit is not None and hit[0] is d:
+        return hit[1]
     ok = {r.name for r in d.report(device) if r.status == "ok"}
-    return next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok
+    name = next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok
                  and computes(b, "fp4_mm")), None)
+    _NATIVE[device] = (d, name)
+    return name
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

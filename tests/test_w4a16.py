@@ -183,3 +183,15 @@ def test_the_public_call_and_the_custom_op_agree(tmp_path, monkeypatch):
         assert torch.equal(out, buf)
     finally:
         fp4dispatch.set_dispatcher(None)
+
+
+def test_w4a16_mm_compiles_fullgraph_with_a_tensor_or_a_python_float_alpha(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
+    fp4dispatch.set_dispatcher(None)
+    try:
+        a, wq, ws, alpha = _args()
+        for al in (alpha, 0.25):
+            fn = torch.compile(lambda x, al=al: fp4dispatch.w4a16_mm(x, wq, ws, al), fullgraph=True, backend="eager")
+            assert torch.equal(fn(a), fp4dispatch.w4a16_mm(a, wq, ws, al))
+    finally:
+        fp4dispatch.set_dispatcher(None)
