@@ -220,6 +220,9 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
     shards = _Shards(checkpoint, dev or torch.device("cpu"))
     try:
         names, used = shards.names(), set()
+        if isinstance(model, nn.Linear):
+            raise InvalidInputError(f"{_WHO}: model is an nn.Linear itself; it can only replace Linear submodules. "
+                                    "Wrap it (e.g. nn.Sequential(linear)) with names matching the checkpoint's")
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
                 _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode,

@@ -248,6 +248,12 @@ def test_missing_tensor_transposed_weight_and_a_state_dict_without_config(tmp_pa
         load_nvfp4(other, path)
 
 
+def test_a_bare_linear_cannot_be_replaced_in_place():
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: model is an nn.Linear itself; it can only replace "
+                                                r"Linear submodules\. Wrap it"):
+        load_nvfp4(torch.nn.Linear(32, 16), {}, quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4"})
+
+
 def test_a_folder_without_a_quantization_config_says_so(tmp_path):
     model, cfg = _tiny_llama()
     safetensors_torch.save_file(dict(model.state_dict()), str(tmp_path / "model.safetensors"))
