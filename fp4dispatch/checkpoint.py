@@ -171,26 +171,29 @@ class _Shards:
 @dataclass
 class LoadReport:
     """What ``load_nvfp4`` did: ``replaced`` module -> what it became, ``skipped`` module -> why it stayed,
-    ``loaded`` plain tensors copied into the model, ``unused`` checkpoint tensors that nothing took."""
+    ``loaded`` plain tensors copied into the model, ``unused`` checkpoint tensors that nothing took, ``missing``
+    tensors of the model's state dict that the checkpoint did not fill (they keep their initial values)."""
 
     format: str
     replaced: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     loaded: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{self.format} checkpoint: {len(self.replaced)} Linear replaced by Fp4Linear, "
                  f"{len(self.skipped)} left as they are, {len(self.loaded)} plain tensors loaded, "
-                 f"{len(self.unused)} unused"]
+                 f"{len(self.unused)} unused, {len(self.missing)} of the model's not in the checkpoint"]
         lines += [f"  replaced {m}: {what}" for m, what in self.replaced.items()]
         lines += [f"  skipped  {m}: {why}" for m, why in self.skipped.items()]
         lines += [f"  unused   {n}" for n in self.unused]
+        lines += [f"  missing  {n}" for n in self.missing]
         return "\n".join(lines)
 
 
 def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None = None, device=None,
-               mode: str = "auto", static_activation_scales: bool = True) -> LoadReport:
+               mode: str = "auto", static_activation_scales: bool = True, strict: bool = True) -> LoadReport:
     """Replace every quantized ``nn.Linear`` of ``model`` with an ``Fp4Linear`` holding the checkpoint's tensors.
 
     Args:
@@ -203,6 +206,9 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
         mode: ``Fp4Linear``'s mode for every replaced layer ("auto", "w4a4", "w4a16").
         static_activation_scales: use the stored activation scales (``input_scale`` / ``input_global_scale``) for
             W4A4; False: dynamic per-call scaling even where they are stored.
+        strict: raise when quantized tensors have no ``nn.Linear`` to take them (e.g. MoE experts the model keeps
+            as stacked parameters) or a tensor of the model's state dict is not in the checkpoint; False: load
+            what fits and list the rest in the report (``unused``, ``missing``).
 
     Returns:
         A :class:`LoadReport`. Raises InvalidInputError for a checkpoint that is not NVFP4, a missing tensor (named
@@ -241,9 +247,35 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             used.add(n)
             report.loaded.append(n)
         report.unused = sorted(names - used)
+        filled = {t.data_ptr() for n, t in own.items() if n in used and t.numel()}
+        report.missing = sorted(n for n, t in model.state_dict().items()
+                                if n not in used and t.numel() and t.data_ptr() not in filled  # tied weights
+                                and not isinstance(model.get_submodule(n.rpartition(".")[0]) if "." in n else model,
+                                                   Fp4Linear))
     finally:
         shards.close()
+    if strict:
+        _check_complete(report)
     return report
+
+
+_QUANTIZED = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_global_scale", ".input_scale",
+              ".input_global_scale")
+
+
+def _check_complete(report: LoadReport) -> None:
+    orphans = [n for n in report.unused if n.endswith(_QUANTIZED)]
+    if orphans:
+        raise InvalidInputError(
+            f"{_WHO}: {len(orphans)} quantized checkpoint tensors have no nn.Linear in the model to take them (first: "
+            f"{orphans[:3]}): the model keeps those weights another way (MoE experts as stacked parameters need the "
+            "grouped MoE module, not yet in fp4dispatch), or it is not the checkpoint's model. Pass strict=False to "
+            "load the rest and find them in the report's unused list")
+    if report.missing:
+        raise InvalidInputError(
+            f"{_WHO}: {len(report.missing)} tensors of the model are not in the checkpoint and would keep their "
+            f"initial values (first: {report.missing[:3]}); pass strict=False to accept that (the report lists "
+            "them as missing)")
 
 
 def _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode, static) -> None:

@@ -248,6 +248,32 @@ def test_missing_tensor_transposed_weight_and_a_state_dict_without_config(tmp_pa
         load_nvfp4(other, path)
 
 
+def test_strict_loading_refuses_orphan_quantized_tensors_and_model_tensors_left_at_init(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    src, cfg = _tiny_llama()
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg)
+    sd = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in safetensors_torch.load_file(str(f)).items()}
+    qcfg = read_quantization_config(path)
+    # MoE experts kept by the model as stacked parameters: their per-expert quantized tensors have no Linear
+    q = "model.layers.0.mlp.gate_proj"
+    experts = dict(sd, **{f"model.layers.0.mlp.experts.0.gate_proj.{k}": sd[f"{q}.{k}"]
+                          for k in ("weight", "weight_scale", "weight_scale_2")})
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 2 quantized checkpoint tensors have no nn.Linear in "
+                                                r"the model to take them \(first: \['model.layers.0.mlp.experts.0."
+                                                r"gate_proj.weight_scale', .*MoE experts as stacked parameters"):
+        load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg)
+    report = load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg, strict=False)
+    assert report.unused == sorted(f"model.layers.0.mlp.experts.0.gate_proj.{k}"
+                                   for k in ("weight", "weight_scale", "weight_scale_2"))
+    # a tensor of the model that the checkpoint lacks would keep its random initial value
+    partial = {k: v for k, v in sd.items() if k != "model.norm.weight"}
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 1 tensors of the model are not in the checkpoint and "
+                                                r"would keep their initial values \(first: \['model.norm.weight'\]\)"):
+        load_nvfp4(_tiny_llama()[0], partial, quantization_config=qcfg)
+    assert load_nvfp4(_tiny_llama()[0], partial, quantization_config=qcfg, strict=False).missing == [
+        "model.norm.weight"]
+
+
 def test_a_bare_linear_cannot_be_replaced_in_place():
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: model is an nn.Linear itself; it can only replace "
                                                 r"Linear submodules\. Wrap it"):
