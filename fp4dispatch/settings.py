@@ -2,7 +2,7 @@
 
 | variable                 | meaning                                                                  | default |
 |--------------------------|--------------------------------------------------------------------------|---------|
-| FP4DISPATCH_BACKEND      | force one backend by name (error naming why if it is unhealthy)          | unset   |
+| FP4DISPATCH_BACKEND      | force one backend by name for the ops it computes (error if unhealthy)   | unset   |
 | FP4DISPATCH_DISABLE      | comma list of backend names never to use                                 | unset   |
 | FP4DISPATCH_CACHE_DIR    | directory of the decision cache (else platformdirs' user cache dir)      | unset   |
 | FP4DISPATCH_TUNE         | 0: healthy backends in priority order, verified but not timed            | 1       |

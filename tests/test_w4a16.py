@@ -195,3 +195,15 @@ def test_w4a16_mm_compiles_fullgraph_with_a_tensor_or_a_python_float_alpha(tmp_p
             assert torch.equal(fn(a), fp4dispatch.w4a16_mm(a, wq, ws, al))
     finally:
         fp4dispatch.set_dispatcher(None)
+
+
+def test_fp4dispatch_backend_forces_only_the_ops_its_backend_computes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "fp4-only")
+    fp4_only = FakeBackend("fp4-only", cost=1e-3)
+    w4 = FakeBackend("w4", cost=1e-3, ops=("w4a16",))
+    d = _disp([fp4_only, w4], tmp_path)
+    p = Problem(3, 64, 128, torch.bfloat16, CPU, torch.bfloat16)
+    assert d.choose(p).backend is w4  # w4a16 calls are decided as usual
+    assert d.choose(p._replace(a_dtype=torch.uint8)).backend is fp4_only  # fp4_mm calls take the forced one
+    with pytest.raises(InvalidInputError, match=r"^w4a16_mm: backend 'fp4-only' computes fp4_mm only"):
+        d.choose(p, backend="fp4-only")  # an explicit backend= for the wrong op is the caller's mistake

@@ -32,7 +32,7 @@ from .cache import DecisionCache
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
 from .fingerprint import device_fingerprint
-from .health import device_health, wrong_in_bucket
+from .health import device_health, wrong_when_probed
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report
 from .timer import DoBench, for_device
@@ -108,8 +108,10 @@ class Dispatcher(FaultRecovery):
 
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
         """The backend and config for ``problem``: a dict and a set lookup once the key is decided and M proven."""
-        if backend is not None or self._forced is not None:
-            return self._named_choice(backend, problem)
+        if backend is not None or self._forced is not None:  # None: FP4DISPATCH_BACKEND's backend is another op's
+            c = self._named_choice(backend, problem)
+            if c is not None:
+                return c
         m, n, k, dt, dev, adt = problem
         key = (dev, m_bucket(m), n, k, dt, adt)  # Problem.key, written out: this runs on every call
         c = self._choices.get(key)
@@ -164,12 +166,7 @@ class Dispatcher(FaultRecovery):
         v = health.get(name)
         if v is None or v.status != "ok":
             return f"{v.status}: {v.reason}" if v else "unknown backend"
-        return cache.shape_blacklist.get(key_str(key), {}).get(name) or self._wrong_when_probed(key, v)
-
-    @staticmethod
-    def _wrong_when_probed(key: tuple, v: Verdict) -> str | None:
-        m = wrong_in_bucket(v, key[1])
-        return f"incorrect at M={m} when probed (M bucket {key[1]} holds it): {v.reason}" if m else None
+        return cache.shape_blacklist.get(key_str(key), {}).get(name) or wrong_when_probed(v, key[1])
 
     def _cached_choice(self, key: tuple, problem: Problem) -> Choice | None:
         """The cached decision of ``key``, or None when there is none or its winner can no longer serve (unhealthy,
@@ -236,7 +233,7 @@ class Dispatcher(FaultRecovery):
             best.setdefault(t.backend, t)
         bad = {n: t.reason for n, t in best.items() if not t.ok}
         health = self._states[key[0]][1]
-        bad.update((n, r) for n, r in reasons.items() if r == self._wrong_when_probed(key, health[n]))
+        bad.update((n, r) for n, r in reasons.items() if r == wrong_when_probed(health[n], key[1]))
         if bad:
             cache.update("shape_blacklist", {ks: bad}, merge_nested=True, defer=True)  # one write per key, below
             reasons.update(bad)
@@ -313,7 +310,7 @@ class Dispatcher(FaultRecovery):
                    problem.m, c.backend.name)
         return c
 
-    def _named_choice(self, name: str | None, problem: Problem) -> Choice:
+    def _named_choice(self, name: str | None, problem: Problem) -> Choice | None:
         nk = (name or self._forced, *problem.key)
         c = self._named.get(nk)
         if c is not None:
@@ -324,6 +321,8 @@ class Dispatcher(FaultRecovery):
             raise InvalidInputError(f"{problem.call}: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
                                     + ("" if name is not None else ". Fix or unset the variable"))
         if not computes(b, problem.op):
+            if name is None:  # FP4DISPATCH_BACKEND forces the ops its backend computes; others are decided as usual
+                return None
             ok = sorted(x.name for x in self.backends if computes(x, problem.op))
             raise InvalidInputError(f"{problem.call}: backend {b.name!r} computes {' and '.join(backend_ops(b))} "
                                     f"only; pass one of {ok} or none")

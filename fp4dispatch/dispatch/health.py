@@ -13,7 +13,7 @@ from .probe import probe_backend
 from ..problem import m_bucket
 from .records import Verdict
 
-__all__ = ["device_health", "wrong_in_bucket"]
+__all__ = ["device_health", "wrong_in_bucket", "wrong_when_probed"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -55,3 +55,9 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
 def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:
     """A probe M at which the backend was wrong and that falls in M bucket ``bucket``, or None."""
     return next((m for m in v.wrong_ms if m_bucket(m) == bucket), None)
+
+
+def wrong_when_probed(v: Verdict, bucket: int) -> str | None:
+    """Why a backend whose probe was wrong at an M of ``bucket`` may not serve that bucket's key, or None."""
+    m = wrong_in_bucket(v, bucket)
+    return f"incorrect at M={m} when probed (M bucket {bucket} holds it): {v.reason}" if m else None
