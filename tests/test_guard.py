@@ -156,3 +156,19 @@ def test_guard_check_refuses_during_capture(monkeypatch, tmp_path):
 def test_guard_check_is_empty_when_guard_is_off(tmp_path):
     d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
     assert d.guard is None and guard_mod.check(d) == []
+
+
+@pytest.mark.parametrize("out_value, a_value, flagged", [
+    pytest.param(float("nan"), 1.0, True, id="nan-from-finite"),
+    pytest.param(float("inf"), 1.0, False, id="inf-is-overflow-of-16-bit-activations"),
+    pytest.param(float("nan"), float("nan"), False, id="nan-activation"),
+    pytest.param(float("nan"), float("inf"), False, id="inf-activation"),
+])
+def test_nonfinite_from_finite_for_w4a16_reads_the_activations(out_value, a_value, flagged):
+    _, b, _, sb, alpha = make_nvfp4_inputs(4, 32, 64)
+    a = torch.ones(4, 64, dtype=torch.bfloat16)
+    a[1, 5] = a_value
+    out = torch.ones((4, 32), dtype=torch.bfloat16)
+    out[2, 3] = out_value
+    ops = Operands(a, b, torch.empty(0, dtype=torch.float8_e4m3fn), sb, alpha, out)
+    assert bool(nonfinite_from_finite(ops, torch.bfloat16)) is flagged
