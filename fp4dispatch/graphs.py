@@ -42,7 +42,8 @@ def _check_shapes(shapes) -> list[tuple[int, int, int]]:
 
 
 def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = torch.bfloat16, device=None,
-           run: bool = True, dispatcher=None) -> dict[tuple[int, int, int], str]:
+           run: bool = True, dispatcher=None, activations: torch.dtype | None = None
+           ) -> dict[tuple[int, int, int], str]:
     """Decide every ``(M, N, K)`` of ``shapes`` now (probe the device once, tune each new key), before capture.
 
     Args:
@@ -52,6 +53,9 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         run: also run each shape once on random data, so that Triton JIT compilation, library handles and the
             guard-mode flags are created now rather than inside the capture.
         dispatcher: default: the process-wide dispatcher (the one ``fp4dispatch.fp4_mm`` uses).
+        activations: None for ``fp4_mm`` calls (NVFP4 activations); torch.bfloat16 or torch.float16 for
+            ``w4a16_mm`` calls with activations of that dtype (what ``Fp4Linear(mode="auto")`` runs on GPUs without
+            FP4 tensor cores).
 
     Returns:
         ``{(M, N, K): backend name}`` of the decisions.
@@ -68,14 +72,21 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InvalidInputError("warmup: called during CUDA graph capture; call it before torch.cuda.graph(...) "
                                 "(deciding a shape may tune, which synchronizes)")
+    if activations not in (None, torch.bfloat16, torch.float16):
+        raise InvalidInputError(f"warmup: activations must be None (fp4_mm), torch.bfloat16 or torch.float16 "
+                                f"(w4a16_mm); got {activations!r}")
     d = dispatcher if dispatcher is not None else get_dispatcher()
     dev = resolve_device(device)
-    choices = d.warmup(todo, out_dtype=out_dtype, device=dev)
+    choices = d.warmup(todo, out_dtype=out_dtype, device=dev, activations=activations or torch.uint8)
     if run:
         for i, (m, n, k) in enumerate(todo):
             a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed=i)
-            # the first run uses alpha=None so that validate's per-device ones-tensor exists before capture
-            d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
+            # the first run uses alpha=None so that validate's per-device ones-tensors exist before capture
+            if activations is None:
+                d.fp4_mm(a, b, sa, sb, None if i == 0 else alpha, out_dtype=out_dtype)
+            else:
+                x = torch.randn(m, k, device=dev).to(activations)
+                d.w4a16_mm(x, b, sb, None if i == 0 else alpha, out_dtype=out_dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     if dev.type == "cuda":

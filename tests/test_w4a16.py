@@ -207,3 +207,18 @@ def test_fp4dispatch_backend_forces_only_the_ops_its_backend_computes(tmp_path, 
     assert d.choose(p._replace(a_dtype=torch.uint8)).backend is fp4_only  # fp4_mm calls take the forced one
     with pytest.raises(InvalidInputError, match=r"^w4a16_mm: backend 'fp4-only' computes fp4_mm only"):
         d.choose(p, backend="fp4-only")  # an explicit backend= for the wrong op is the caller's mistake
+
+
+def test_warmup_decides_w4a16_keys_before_capture(tmp_path):
+    from fp4dispatch.graphs import warmup
+
+    w4 = FakeBackend("w4", cost=1e-3, ops=("w4a16",))
+    d = _disp([FakeBackend("fp4", cost=1e-3), w4], tmp_path)
+    got = warmup([(3, 64, 128), (16, 64, 128)], activations=torch.bfloat16, dispatcher=d, device="cpu")
+    assert got == {(3, 64, 128): "w4", (16, 64, 128): "w4"}
+    assert set(d.cache_for(CPU).decisions) == {"w4a16-bfloat16-m4-n64-k128-bfloat16",
+                                                "w4a16-bfloat16-m16-n64-k128-bfloat16"}
+    assert w4.calls > 0  # run=True ran each shape once through w4a16_mm
+    with pytest.raises(InvalidInputError, match=r"^warmup: activations must be None \(fp4_mm\), torch.bfloat16 or "
+                                                r"torch.float16 \(w4a16_mm\); got torch.float32$"):
+        warmup([(3, 64, 128)], activations=torch.float32, dispatcher=d, device="cpu")

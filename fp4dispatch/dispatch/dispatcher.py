@@ -360,10 +360,12 @@ class Dispatcher(FaultRecovery):
         return st
 
     # -- public helpers ------------------------------------------------------------------------------------------
-    def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None) -> dict[tuple, Choice]:
-        """Decide every (M, N, K) in ``shapes`` now and prove it at that M (before CUDA-graph capture or serving)."""
+    def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None,
+               activations: torch.dtype = torch.uint8) -> dict[tuple, Choice]:
+        """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys."""
         dev = resolve_device(device)
-        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev)) for m, n, k in shapes}
+        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev, activations))
+                for m, n, k in shapes}
 
     def report(self, device=None) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
