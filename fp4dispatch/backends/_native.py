@@ -59,6 +59,8 @@ class NativeBackend(BaseBackend):
     fp4_tensor_cores = True  # the native NVFP4 GEMMs run on block-scaled FP4 MMA (humming:w4a16 says otherwise)
     # attributes rebuilt after unpickling (modules and device tensors do not cross into a probe worker)
     _transient: tuple[str, ...] = ("_lib",)
+    library = ""  # the module ``run`` needs, imported by ``_load`` with ``install_hint`` in its reason
+    install_hint = ""
 
     def __init__(self) -> None:
         self._lib: ModuleType | None = None
@@ -86,6 +88,18 @@ class NativeBackend(BaseBackend):
 
     def _reset_transient(self) -> None:
         """Rebuild what ``__getstate__`` dropped (subclasses with caches extend this)."""
+
+    def _import(self) -> tuple[ModuleType | None, str | None]:
+        """``(module, None)`` or ``(None, why)`` for ``library`` (a backend that needs more overrides this)."""
+        return import_library(self.library, self.install_hint)
+
+    def _load(self) -> ModuleType:
+        """The library, imported once for ``run``; raises with the reason when it cannot be."""
+        lib, why = self._import()
+        if lib is None:
+            raise RuntimeError(f"{self.name}: {why}")
+        self._lib = lib
+        return lib
 
 
 # -- prepared weights ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import describe_exception
 from ..problem import Operands, Problem
-from ._native import NativeBackend, alignment_reason, import_library
+from ._native import NativeBackend, alignment_reason
 from .base import Config
 
 __all__ = ["FlashInferBackend", "FlashInferCakeBackend", "BACKENDS"]
@@ -44,6 +44,8 @@ def _version(fi: ModuleType) -> str:
 class FlashInferBackend(NativeBackend):
     """``flashinfer.mm_fp4(..., backend=<backend>)`` on the canonical operands (b and its scale transposed)."""
 
+    library, install_hint = "flashinfer", INSTALL_HINT
+
     _transient = ("_lib", "_checked")
 
     def __init__(self, backend: str):
@@ -63,7 +65,7 @@ class FlashInferBackend(NativeBackend):
         cc = self.device_capability(device)
         if cc is None:
             return "needs CUDA (FlashInfer mm_fp4 runs on NVIDIA GPUs only)"
-        fi, why = import_library("flashinfer", INSTALL_HINT)
+        fi, why = self._import()
         if fi is None:
             return why
         mm = getattr(fi, "mm_fp4", None)
@@ -159,13 +161,6 @@ class FlashInferBackend(NativeBackend):
         fi.mm_fp4(a, b, sa, sb, alpha, problem.out_dtype, ops.out, block_size=16, use_8x4_sf_layout=False,
                   backend=self.backend, use_nvfp4=True, **kw)
         self._checked.add(key)
-
-    def _load(self) -> ModuleType:
-        fi, why = import_library("flashinfer", INSTALL_HINT)
-        if fi is None:
-            raise RuntimeError(f"{self.name}: {why}")
-        self._lib = fi
-        return fi
 
 
 class FlashInferCakeBackend(FlashInferBackend):

@@ -34,13 +34,12 @@ contract emulator in tests/_flashinfer_w4a16_fakes.py, never on a GPU.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
 import torch
 
 from ..errors import describe_exception
 from ..problem import Operands, Problem
-from ._native import NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library
+from ._native import NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason
 from .base import Config
 from .flashinfer import INSTALL_HINT
 
@@ -88,6 +87,7 @@ class FlashInferBf16Fp4Backend(NativeBackend):
     per FlashInfer backend usable on the device (``{"backend": "cudnn"}``, ``{"backend": "cute-dsl"}``)."""
 
     name = "flashinfer:bf16_fp4"
+    library, install_hint = "flashinfer", INSTALL_HINT
     ops = ("w4a16",)
     # W4A16 only: it never runs fp4_mm (its cuDNN path even multiplies in bf16), so its health says nothing about
     # whether W4A4 pays here (Fp4Linear's mode="auto")
@@ -110,7 +110,7 @@ class FlashInferBf16Fp4Backend(NativeBackend):
         cc = self.device_capability(device)
         if cc is None:
             return "needs CUDA (FlashInfer mm_bf16_fp4 runs on NVIDIA GPUs only)"
-        fi, why = import_library("flashinfer", INSTALL_HINT)
+        fi, why = self._import()
         if fi is None:
             return why
         version = str(getattr(fi, "__version__", "?"))
@@ -256,10 +256,3 @@ class FlashInferBf16Fp4Backend(NativeBackend):
         self._checked.add(key)
         if out is not ops.out:
             ops.out.copy_(out)
-
-    def _load(self) -> ModuleType:
-        fi, why = import_library("flashinfer", INSTALL_HINT)
-        if fi is None:
-            raise RuntimeError(f"{self.name}: {why}")
-        self._lib = fi
-        return fi

@@ -142,12 +142,8 @@ class HummingBackend(NativeBackend):
                                     outputs=ops.out, locks=locks, tuning_config=tuning,
                                     **self.forward_inputs(problem, ops, extra))
 
-    def _load(self) -> ModuleType:
-        lib, why = _import_humming()
-        if lib is None:
-            raise RuntimeError(f"{self.name}: {why}")
-        self._lib = lib
-        return lib
+    def _import(self) -> tuple[ModuleType | None, str | None]:
+        return _import_humming()
 
 
 class HummingW4A4Backend(HummingBackend):

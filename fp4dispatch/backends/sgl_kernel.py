@@ -11,12 +11,11 @@ missing function, are ``unavailable`` reasons, never a crash. N and K are not pa
 from __future__ import annotations
 
 from importlib import metadata
-from types import ModuleType
 
 import torch
 
 from ..problem import Operands, Problem
-from ._native import NativeBackend, alignment_reason, import_library
+from ._native import NativeBackend, alignment_reason
 from .base import Config
 
 __all__ = ["SglKernelBackend"]
@@ -38,12 +37,13 @@ class SglKernelBackend(NativeBackend):
     """sgl-kernel's CUTLASS NVFP4 GEMM (SM100/SM120, sgl-kernel 0.3.21 only)."""
 
     name = "sgl_kernel:cutlass"
+    library, install_hint = "sgl_kernel", INSTALL_HINT
 
     def unavailable(self, device: torch.device) -> str | None:
         cc = self.device_capability(device)
         if cc is None:
             return "needs CUDA (sgl-kernel's CUTLASS FP4 GEMM runs on SM100/SM120 GPUs only)"
-        sk, why = import_library("sgl_kernel", INSTALL_HINT)
+        sk, why = self._import()
         if sk is None:
             if "import failed" in (why or ""):
                 why += f" (sgl-kernel wheels are built against one torch; this is torch {torch.__version__})"
@@ -69,10 +69,3 @@ class SglKernelBackend(NativeBackend):
         sk = self._lib or self._load()
         # the function allocates its own out; copying costs M*N, which the canonical contract cannot avoid here
         ops.out.copy_(sk.cutlass_scaled_fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, problem.out_dtype))
-
-    def _load(self) -> ModuleType:
-        sk, why = import_library("sgl_kernel", INSTALL_HINT)
-        if sk is None:
-            raise RuntimeError(f"{self.name}: {why}")
-        self._lib = sk
-        return sk
