@@ -248,10 +248,10 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             report.loaded.append(n)
         report.unused = sorted(names - used)
         filled = {t.data_ptr() for n, t in own.items() if n in used and t.numel()}
-        report.missing = sorted(n for n, t in model.state_dict().items()
+        report.missing = sorted(report.missing + [n for n, t in model.state_dict().items()
                                 if n not in used and t.numel() and t.data_ptr() not in filled  # tied weights
                                 and not isinstance(model.get_submodule(n.rpartition(".")[0]) if "." in n else model,
-                                                   Fp4Linear))
+                                                   Fp4Linear)])
     finally:
         shards.close()
     if strict:
@@ -309,8 +309,10 @@ def _load_linear(model, name, module, fmt, shards, names, used, report, dev, mod
     stored_weight(who, w, scale, fmt.weight_name, "weight_scale")  # the scales' shape against the weight's
     t = {k: shards.get(prefix + k) for k in fmt.required[1:]}
     inp = shards.get(prefix + fmt.input_name) if static and prefix + fmt.input_name in names else None
-    bias = shards.get(prefix + "bias") if prefix + "bias" in names else (
-        module.bias.detach().to(w.device) if module.bias is not None else None)
+    bias = shards.get(prefix + "bias") if prefix + "bias" in names else None
+    if bias is None and module.bias is not None:  # the layer keeps the model's initial bias: say so
+        bias = module.bias.detach().to(w.device)
+        report.missing.append(prefix + "bias")
     if fmt.kind == "modelopt":
         layer = Fp4Linear.from_modelopt(w, t["weight_scale"], t["weight_scale_2"], inp, bias=bias, mode=mode)
     else:

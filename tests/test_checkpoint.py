@@ -274,6 +274,29 @@ def test_strict_loading_refuses_orphan_quantized_tensors_and_model_tensors_left_
         "model.norm.weight"]
 
 
+def test_stored_biases_load_and_a_missing_one_is_reported(tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                   tie_word_embeddings=False)
+    src = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg)
+    sd = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in safetensors_torch.load_file(str(f)).items()}
+    qcfg = read_quantization_config(path)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    load_nvfp4(model, sd, quantization_config=qcfg)
+    q = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(model.get_submodule(q).bias, sd[f"{q}.bias"])
+    partial = {k: v for k, v in sd.items() if k != f"{q}.bias"}
+    with pytest.raises(InvalidInputError, match=rf"not in the checkpoint and would keep their initial values "
+                                                rf"\(first: \['{q}.bias'\]\)"):
+        load_nvfp4(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), partial, quantization_config=qcfg)
+    report = load_nvfp4(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), partial, quantization_config=qcfg,
+                        strict=False)
+    assert report.missing == [f"{q}.bias"]
+
+
 def test_a_bare_linear_cannot_be_replaced_in_place():
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: model is an nn.Linear itself; it can only replace "
                                                 r"Linear submodules\. Wrap it"):
