@@ -310,3 +310,27 @@ def test_a_folder_without_a_quantization_config_says_so(tmp_path):
     with pytest.raises(InvalidInputError, match=r"has no quantization_config in config.json and no "
                                                 r"hf_quant_config.json: it is not a quantized checkpoint"):
         load_nvfp4(model, tmp_path)
+
+
+_CW, _CS = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("args, message", [
+    pytest.param((_CW, _CS, torch.tensor([0.0])),
+                 r"^Fp4Linear.from_compressed_tensors: weight_global_scale must be positive and finite \(an encode "
+                 r"scale 448\*6/amax\); got \[0.0\]$", id="zero-global-scale"),
+    pytest.param((_CW, _CS, torch.tensor([2.0, 3.0])),
+                 r"^Fp4Linear.from_compressed_tensors: weight_global_scale has 2 different per-shard values", id="shards"),
+    pytest.param((_CW, _CS.T.contiguous(), torch.tensor([2.0])),
+                 r"^Fp4Linear.from_compressed_tensors: weight_scale must be linear \[N, K/16\]=\(8, 4\) for "
+                 r"weight_packed \(8, 32\); got shape=\(4, 8\)\. It is \[K/16, N\]: weight_packed and weight_scale look "
+                 r"transposed", id="transposed-scale"),
+    pytest.param((_CW.view(torch.int32), _CS, torch.tensor([2.0])),
+                 r"^Fp4Linear.from_compressed_tensors: weight_packed must be uint8 \[N, K/2\] \(two e2m1 per byte\); "
+                 r"got torch.int32: a weight repacked into wider words", id="int32"),
+    pytest.param((_CW, _CS, torch.tensor([2.0]), torch.tensor([float("inf")])),
+                 r"^Fp4Linear.from_compressed_tensors: input_global_scale must be positive and finite", id="igs"),
+])
+def test_from_compressed_tensors_errors(args, message):
+    with pytest.raises(InvalidInputError, match=message):
+        Fp4Linear.from_compressed_tensors(*args)
