@@ -320,11 +320,12 @@ _CW, _CS = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4).to(torch.floa
                  r"^Fp4Linear.from_compressed_tensors: weight_global_scale must be positive and finite \(an encode "
                  r"scale 448\*6/amax\); got \[0.0\]$", id="zero-global-scale"),
     pytest.param((_CW, _CS, torch.tensor([2.0, 3.0])),
-                 r"^Fp4Linear.from_compressed_tensors: weight_global_scale has 2 different per-shard values", id="shards"),
+                 r"^Fp4Linear.from_compressed_tensors: weight_global_scale has 2 different per-shard values",
+                 id="shards"),
     pytest.param((_CW, _CS.T.contiguous(), torch.tensor([2.0])),
                  r"^Fp4Linear.from_compressed_tensors: weight_scale must be linear \[N, K/16\]=\(8, 4\) for "
-                 r"weight_packed \(8, 32\); got shape=\(4, 8\)\. It is \[K/16, N\]: weight_packed and weight_scale look "
-                 r"transposed", id="transposed-scale"),
+                 r"weight_packed \(8, 32\); got shape=\(4, 8\)\. It is \[K/16, N\]: weight_packed and "
+                 r"weight_scale look transposed", id="transposed-scale"),
     pytest.param((_CW.view(torch.int32), _CS, torch.tensor([2.0])),
                  r"^Fp4Linear.from_compressed_tensors: weight_packed must be uint8 \[N, K/2\] \(two e2m1 per byte\); "
                  r"got torch.int32: a weight repacked into wider words", id="int32"),
