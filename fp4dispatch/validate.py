@@ -217,12 +217,36 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
 
 
 _HALF = (torch.bfloat16, torch.float16)
+_BF16, _F16 = torch.bfloat16, torch.float16
 _NO_SCALE: dict[torch.device, torch.Tensor] = {}  # w4a16's a_scale: an empty e4m3 tensor per device
 
 
 def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Problem, Operands]:
     """Validate a ``w4a16_mm`` call (``a`` bf16/fp16 [M, K], ``b``/``b_scale``/``alpha``/``out`` as in ``fp4_mm``,
     ``out_dtype`` None = ``a.dtype``) and return its canonical (Problem, Operands); raise InvalidInputError."""
+    # Fast path for the canonical call (as check_fp4_mm_args'): every attribute read once, nothing built; anything
+    # unusual takes the explaining path below
+    try:
+        m, k = a.shape
+        n, k2 = b.shape
+        dev = a.device
+        adt = a.dtype
+        none = _NO_SCALE.get(dev)
+        if (scale_layout == "swizzled" and (adt is _BF16 or adt is _F16) and b.dtype is _U8 and 2 * k2 == k
+                and k > 0 and not k % 16 and b_scale.dtype is _E4M3 and alpha.dtype is _F32
+                and (out_dtype is None or out_dtype in OUT_DTYPES) and none is not None
+                and b_scale.shape == ((n + 127) // 128 * 128, (k // 16 + 3) // 4 * 4) and alpha.numel() == 1
+                and b.device == dev and b_scale.device == dev and alpha.device == dev
+                and a.is_contiguous() and b.is_contiguous() and b_scale.is_contiguous()):
+            odt = adt if out_dtype is None else out_dtype
+            if out is None:
+                out = torch.empty((m, n), dtype=odt, device=dev)
+            elif not (out.dtype is odt and out.shape == (m, n) and out.device == dev and out.is_contiguous()
+                      and not out.requires_grad):
+                raise ValueError  # explained by the slow path
+            return _new(Problem, (m, n, k, odt, dev, adt)), _new(Operands, (a, b, none, b_scale, alpha, out))
+    except (AttributeError, ValueError, TypeError):
+        pass
     try:
         return _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout)
     except InvalidInputError as e:  # the checks shared with fp4_mm name fp4_mm

@@ -222,3 +222,15 @@ def test_warmup_decides_w4a16_keys_before_capture(tmp_path):
     with pytest.raises(InvalidInputError, match=r"^warmup: activations must be None \(fp4_mm\), torch.bfloat16 or "
                                                 r"torch.float16 \(w4a16_mm\); got torch.float32$"):
         warmup([(3, 64, 128)], activations=torch.float32, dispatcher=d, device="cpu")
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_the_validation_fast_path_returns_what_the_explaining_path_returns(out_dtype):
+    from fp4dispatch.validate import _check_w4a16, check_w4a16_mm_args
+
+    a, wq, ws, alpha = _args()
+    out = torch.empty(3, 64, dtype=out_dtype or a.dtype)
+    slow = _check_w4a16(a, wq, ws, alpha, out_dtype, out, "swizzled")  # also creates the per-device empty a_scale
+    fast = check_w4a16_mm_args(a, wq, ws, alpha, out_dtype, out, "swizzled")
+    assert fast[0] == slow[0] and all(x is y for x, y in zip(fast[1], slow[1]))
+    assert type(fast[0]) is type(slow[0]) and fast[0].op == "w4a16"
