@@ -10,21 +10,8 @@ import triton.language as tl
 
 from .. import runtime, workspace
 from ..config import MmaBf16Config
-from ..numerics.e2m1_e4m3 import TWO_18, TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
+from ..numerics.e2m1_e4m3 import TWO_18, decoded_halves
 from ..tiles import grouped_tile, store_out
-
-@triton.jit
-def _operands(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr, DOT_F32: tl.constexpr):
-    """Even-k and odd-k halves [R, BKB*8] of the dequantized rows (value * 2**-9), bf16 (fp32 when DOT_F32).
-    A and B use the same split, so sum_k = dot(even) + dot(odd) with no interleave."""
-    u, s = load_block_bytes(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB)
-    s2 = per_byte(s * TWO_117, BKB * 8)
-    lo = nib_lo(u) * s2
-    hi = nib_hi(u) * s2
-    if not DOT_F32:
-        lo = lo.to(tl.bfloat16)
-        hi = hi.to(tl.bfloat16)
-    return lo, hi
 
 
 @triton.jit
@@ -41,8 +28,8 @@ def mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr
     kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):
-        a_lo, a_hi = _operands(a_ptr, sa_ptr, rm, M, kb0, kb_hi, K2, CB, BKB, DOT_F32)
-        b_lo, b_hi = _operands(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB, DOT_F32)
+        a_lo, a_hi = decoded_halves(a_ptr, sa_ptr, rm, M, kb0, kb_hi, K2, CB, BKB, DOT_F32)
+        b_lo, b_hi = decoded_halves(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB, DOT_F32)
         acc = tl.dot(a_lo, tl.trans(b_lo), acc)
         acc = tl.dot(a_hi, tl.trans(b_hi), acc)
     store_out(acc * TWO_18, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)

@@ -103,13 +103,23 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
     hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead. PDL: see ``pdl_wait``."""
     pdl_wait(PDL)
     pid_k, rn, rm, t = grid_tile(BN, MB, BKB)
+    kb_lo = pid_k * blocks_per_split
+    gemv2_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, rm, rn, t, kb_lo,
+               tl.minimum(kb_lo + blocks_per_split, KB), MB, BN, BKB, PAIR, SPLIT, H2, ASM, EVEN_K, PREFETCH, CVT)
+
+
+@triton.jit
+def gemv2_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, rm, rn, t, kb_lo,
+               kb_hi, MB: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, PAIR: tl.constexpr, SPLIT: tl.constexpr,
+               H2: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+               CVT: tl.constexpr):
+    """One output tile (rows ``rm`` of A, rows ``rn`` of B) over K blocks [kb_lo, kb_hi): ``gemv2_kernel``'s work,
+    shared with the grouped GEMV (``gemv/cuda_core_grouped``), which hands it one expert's operands."""
     # swizzled column offset of block t (kb0 % 4 == 0); written so that pairs of blocks look contiguous, like the
     # 2-word vectors of the data tile, so both loads get the same register layout
     scol = (t // 4) * 512 + ((t % 4) // 2) * 2 + t % 2
     brow = swz_row(rn, CB)
     arow = swz_row(rm, CB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
     if MB == 1:
         acc = tl.zeros((BN, BKB), dtype=tl.float32)
     else:

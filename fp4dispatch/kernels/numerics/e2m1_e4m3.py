@@ -72,3 +72,16 @@ def per_byte(s, BK2: tl.constexpr):
 def swz_row(r, CB):
     return (r // 128) * (CB * 512) + (r % 32) * 16 + ((r % 128) // 32) * 4
 
+
+@triton.jit
+def decoded_halves(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr, DOT_F32: tl.constexpr):
+    """Even-k and odd-k halves [R, BKB*8] of the dequantized rows (value * 2**-9), bf16 (fp32 when DOT_F32).
+    A and B use the same split, so sum_k = dot(even) + dot(odd) with no interleave."""
+    u, s = load_block_bytes(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB)
+    s2 = per_byte(s * TWO_117, BKB * 8)
+    lo = nib_lo(u) * s2
+    hi = nib_hi(u) * s2
+    if not DOT_F32:
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
+    return lo, hi
