@@ -75,14 +75,15 @@ def measure(shapes, ms, mode: str, budget_s: float, device=None, bench=_bench_ms
     from fp4dispatch.testing import make_operands
     from fp4dispatch.dispatch.tuner import tune
     from fp4dispatch.dispatch.verify import check_output
+    from fp4dispatch.backends.base import computes
     from fp4dispatch.backends.reference import reference_mm
 
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
     d = Dispatcher()
     recs = d.report(dev)
-    healthy = [r.name for r in recs if r.status == "ok"]
     by_name = {b.name: b for b in d.backends}
+    healthy = [r.name for r in recs if r.status == "ok" and computes(by_name[r.name], "fp4_mm")]
     print(f"healthy backends: {healthy}", flush=True)
     for r in recs:
         if r.status != "ok":

@@ -7,8 +7,10 @@ import threading
 import torch
 
 from .validate import check_fp4_mm_args, check_w4a16_mm_args
+from .validate_grouped import check_fp4_grouped_mm_args
 
-__all__ = ["fp4_mm", "w4a16_mm", "get_dispatcher", "set_dispatcher", "run_fp4_mm", "run_w4a16_mm"]
+__all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "get_dispatcher", "set_dispatcher", "run_fp4_mm", "run_w4a16_mm",
+           "run_fp4_grouped_mm"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -28,6 +30,15 @@ def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_
 
 def run_w4a16_mm(dispatcher, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
     problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
+    if problem.m == 0:
+        return ops.out
+    return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
+
+
+def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
+                       check_offs) -> torch.Tensor:
+    problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
+                                             check_offs)
     if problem.m == 0:
         return ops.out
     return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
@@ -107,6 +118,55 @@ def w4a16_mm(
         return out
     d = _default if _default is not None else get_dispatcher()
     return run_w4a16_mm(d, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
+
+
+def fp4_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor | float | None,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    scale_layout: str = "swizzled",
+    backend: str | None = None,
+    check_offs: bool = True,
+) -> torch.Tensor:
+    """The MoE expert GEMM: ``out[rows of e] = alpha[e] * dequant(a[rows of e]) @ dequant(b[e]).T`` for every expert
+    e, on the fastest backend proven correct here.
+
+    Args:
+        a: packed NVFP4 rows [T, K/2] (uint8 or float4_e2m1fn_x2), grouped by expert, contiguous.
+        b: packed expert weights [E, N, K/2] (each expert in the nn.Linear layout), contiguous.
+        a_scale, b_scale: float8_e4m3fn block scales, one per 16 K-elements. ``scale_layout="swizzled"`` (default,
+            what native grouped kernels read; docs/contract.md draws it): ``b_scale`` [E, round_up(N,128),
+            round_up(K/16,4)] (or [E, that product]), each expert 128x4-swizzled; ``a_scale`` [S, round_up(K/16,4)],
+            expert e's rows swizzled as their own matrix from row ``sum_{j<e} round_up(rows_j,128)``
+            (``format_grouped.swizzle_grouped_scales``; S = ``grouped_scale_rows(T, E)`` fits any routing).
+            ``"linear"``: [T, K/16] and [E, N, K/16].
+        alpha: float32 [E] (each expert's ``1/(gs_a*gs_b[e])``), a 1-element tensor, a Python float, or None.
+        offs: int32 [E], each expert's cumulative end row (torch ``_grouped_mm``'s convention; an expert may own
+            none); ``offs[-1]`` must be T.
+        out_dtype, out, backend: as in :func:`fp4_mm` (out is [T, N]).
+        check_offs: read ``offs`` on the host (one sync) to check it; off, and always during CUDA-graph capture, a
+            bad table cannot make the kernels touch memory outside their tensors, but its result is undefined.
+
+    Returns:
+        [T, N] tensor of ``out_dtype`` (``out`` itself when given).
+    """
+    if torch.compiler.is_compiling():
+        if not isinstance(alpha, torch.Tensor):
+            alpha = torch.full((1,), 1.0 if alpha is None else float(alpha), dtype=torch.float32, device=a.device)
+        if out is None:
+            return torch.ops.fp4dispatch.fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype,
+                                                        scale_layout, backend)
+        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend)
+        return out
+    d = _default if _default is not None else get_dispatcher()
+    return run_fp4_grouped_mm(d, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
+                              check_offs)
 
 
 def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:

@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Problem", "Operands", "OUT_DTYPES", "m_bucket", "M_BUCKETS"]
+__all__ = ["Problem", "Operands", "GroupedOperands", "OUT_DTYPES", "m_bucket", "M_BUCKETS"]
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -24,7 +24,8 @@ def m_bucket(m: int) -> int:
 class Problem(NamedTuple):
     """Shape and type of one GEMM: out[M, N] = alpha * A[M, K] @ B[N, K].T (K in elements). ``a_dtype`` says which
     op it is: ``torch.uint8`` (packed NVFP4 activations: ``fp4_mm``) or bf16/fp16 (activations as they are:
-    ``w4a16_mm``)."""
+    ``w4a16_mm``). ``experts`` > 0 makes it ``fp4_grouped_mm``: M is then T, the tokens of all E experts together,
+    and B is [E, N, K] (each expert multiplies the rows ``offs`` gives it)."""
 
     m: int
     n: int
@@ -32,6 +33,7 @@ class Problem(NamedTuple):
     out_dtype: torch.dtype
     device: torch.device
     a_dtype: torch.dtype = torch.uint8
+    experts: int = 0
 
     @property
     def bucket(self) -> int:
@@ -39,22 +41,28 @@ class Problem(NamedTuple):
 
     @property
     def op(self) -> str:
+        if self.experts:
+            return "grouped"
         return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16"
 
     @property
     def call(self) -> str:
         """The public function of this op, as messages name it."""
+        if self.experts:
+            return "fp4_grouped_mm"
         return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16_mm"
 
     @property
     def key(self) -> tuple:
-        """What one decision serves: (device, M bucket, N, K, out dtype, activation dtype)."""
-        return (self.device, m_bucket(self.m), self.n, self.k, self.out_dtype, self.a_dtype)
+        """What one decision serves: (device, M bucket, N, K, out dtype, activation dtype, experts)."""
+        return (self.device, m_bucket(self.m), self.n, self.k, self.out_dtype, self.a_dtype, self.experts)
 
     def with_m(self, m: int) -> "Problem":
         return self._replace(m=m)
 
     def __str__(self) -> str:
+        if self.experts:
+            return f"T={self.m} E={self.experts} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
         text = f"M={self.m} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
         return text if self.op == "fp4_mm" else f"{text} a={str(self.a_dtype).replace('torch.', '')} (w4a16)"
 
@@ -70,3 +78,17 @@ class Operands(NamedTuple):
     b_scale: torch.Tensor
     alpha: torch.Tensor
     out: torch.Tensor
+
+
+class GroupedOperands(NamedTuple):
+    """``fp4_grouped_mm``'s canonical operands: ``a`` uint8 [T, K/2], ``b`` uint8 [E, N, K/2], ``a_scale`` and
+    ``b_scale`` in the grouped swizzled layout (fp4dispatch/format.py, docs/contract.md), ``alpha`` float32 [E],
+    ``out`` [T, N], ``offs`` int32 [E] (cumulative end row of each expert), all contiguous on one device."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_scale: torch.Tensor
+    b_scale: torch.Tensor
+    alpha: torch.Tensor
+    out: torch.Tensor
+    offs: torch.Tensor

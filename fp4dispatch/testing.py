@@ -11,6 +11,7 @@ import torch
 
 from .backends.base import BaseBackend, Config
 from .backends.reference import reference_mm
+from .format_grouped import swizzle_grouped_scales, unswizzle_grouped_scales
 from .problem import Operands, Problem
 from .dispatch.verify import random_operands
 
@@ -50,7 +51,8 @@ def fake_do_bench(fn: Callable[[], object]) -> float:
     return _cost_acc.total * 1e3
 
 
-RESULTS = ("correct", "zeros", "nan", "transposed", "scaled", "abs_alpha", "nan_scale_as_zero")
+RESULTS = ("correct", "zeros", "nan", "transposed", "scaled", "abs_alpha", "nan_scale_as_zero", "one_expert")
+_INPUT_NAMES = (*Operands._fields[:5], "offs")
 OUT_FAULTS = ("resize", "past_end", "transposed_strides")
 
 
@@ -60,7 +62,8 @@ class FakeBackend(BaseBackend):
     Args:
         cost: seconds per run as seen by :func:`fake_do_bench`; a float or ``callable(M, N, K) -> float``.
         result: "correct", "zeros", "nan" (NaN rows), "transposed" (b's layout misread), "scaled" (x2),
-            "abs_alpha" (uses |alpha|), "nan_scale_as_zero" (reads a NaN block scale as 0).
+            "abs_alpha" (uses |alpha|), "nan_scale_as_zero" (reads a NaN block scale as 0), "one_expert" (a grouped
+            call computed as if every row belonged to the first expert: offs ignored).
         unavailable / unsupported: a reason string (the backend says it cannot run on the device / the problem).
         raises: an exception raised by every run.
         wrong_for_m: M values at which it returns zeros.
@@ -68,7 +71,8 @@ class FakeBackend(BaseBackend):
         nan_rows_after: once it has run more than this many times, it writes NaN rows (a backend that goes bad
             while serving; may be set on the object at any time).
         fail_after: runs raise RuntimeError after this many successful runs.
-        mutates: the name of an input ("a", "b", "a_scale", "b_scale", "alpha") it zeroes after computing right.
+        mutates: the name of an input ("a", "b", "a_scale", "b_scale", "alpha"; "offs" of a grouped call) it zeroes
+            after computing right.
         out_fault: "resize" (``out.set_`` to [M, N+1]), "past_end" (also writes the row after out, where the
             storage has one) or "transposed_strides" (right values, out left with strides (1, M)).
         crash: "exit" (os._exit(3)), "segv" (SIGSEGV to itself) or "hang" (sleeps forever) on every run.
@@ -86,8 +90,8 @@ class FakeBackend(BaseBackend):
             raise ValueError(f"FakeBackend: result must be one of {RESULTS}; got {result!r}")
         if out_fault not in (None, *OUT_FAULTS):
             raise ValueError(f"FakeBackend: out_fault must be one of {OUT_FAULTS}; got {out_fault!r}")
-        if mutates not in (None, *Operands._fields[:5]):
-            raise ValueError(f"FakeBackend: mutates must name an input {Operands._fields[:5]}; got {mutates!r}")
+        if mutates not in (None, *_INPUT_NAMES):
+            raise ValueError(f"FakeBackend: mutates must name an input {_INPUT_NAMES}; got {mutates!r}")
         self.name = name
         self.cost = cost
         self.result = result
@@ -149,6 +153,11 @@ class FakeBackend(BaseBackend):
             k2 = problem.k // 2
             bt = ops.b.reshape(-1)[: problem.n * k2].view(k2, problem.n).t().contiguous()
             return reference_mm(problem, ops._replace(b=bt))
+        if self.result == "one_expert":
+            offs = torch.full_like(ops.offs, problem.m)
+            sa = swizzle_grouped_scales(unswizzle_grouped_scales(ops.a_scale, ops.offs, problem.m, problem.k // 16),
+                                        offs, ops.a_scale.shape[0])
+            return reference_mm(problem, ops._replace(offs=offs, a_scale=sa))
         if self.result == "abs_alpha":
             return reference_mm(problem, ops._replace(alpha=ops.alpha.abs()))
         if self.result == "nan_scale_as_zero":

@@ -1,5 +1,6 @@
-"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm`` / ``w4a16_mm_out``): the calls as torch
-custom ops, so that ``torch.compile`` (``fullgraph=True``) traces models that call them without a graph break.
+"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm``, ``fp4_grouped_mm``, each with ``_out``): the
+calls as torch custom ops, so that ``torch.compile`` (``fullgraph=True``) traces models that call them without a
+graph break.
 
 Two ops rather than one with an optional mutated ``out``: a functional op may not return one of its inputs, and
 an optional mutated argument is poorly supported by functionalization. ``fp4dispatch.fp4_mm`` routes here (through
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp4_mm_op", "fp4_mm_out_op", "w4a16_mm_op", "w4a16_mm_out_op"]
+__all__ = ["fp4_mm_op", "fp4_mm_out_op", "w4a16_mm_op", "w4a16_mm_out_op", "fp4_grouped_mm_op",
+           "fp4_grouped_mm_out_op"]
 
 _LIB = "fp4dispatch"
 
@@ -98,3 +100,40 @@ def _w4a16_mm_out_fake(a, b, b_scale, alpha, out, scale_layout, backend):
     from .validate import check_w4a16_mm_args
 
     check_w4a16_mm_args(a, b, b_scale, alpha if alpha is not None else 1.0, out.dtype, out, scale_layout)
+
+
+@torch.library.custom_op(f"{_LIB}::fp4_grouped_mm", mutates_args=())
+def fp4_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                      alpha: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: str,
+                      backend: str | None) -> torch.Tensor:
+    """Functional fp4_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
+    from . import api
+
+    return api.run_fp4_grouped_mm(api.get_dispatcher(), a, b, a_scale, b_scale, alpha, offs, out_dtype, None,
+                                  scale_layout, backend, False)
+
+
+@fp4_grouped_mm_op.register_fake
+def _fp4_grouped_mm_fake(a, b, a_scale, b_scale, alpha, offs, out_dtype, scale_layout, backend):
+    from .validate_grouped import check_fp4_grouped_mm_args
+
+    problem, _ = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, None, scale_layout, False)
+    return a.new_empty((problem.m, problem.n), dtype=out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::fp4_grouped_mm_out", mutates_args=("out",))
+def fp4_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                          alpha: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, scale_layout: str,
+                          backend: str | None) -> None:
+    """fp4_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
+    from . import api
+
+    api.run_fp4_grouped_mm(api.get_dispatcher(), a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout,
+                           backend, False)
+
+
+@fp4_grouped_mm_out_op.register_fake
+def _fp4_grouped_mm_out_fake(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend):
+    from .validate_grouped import check_fp4_grouped_mm_args
+
+    check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout, False)

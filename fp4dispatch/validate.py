@@ -161,7 +161,7 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
                       and not out.requires_grad):
                 raise ValueError  # explained by the slow path
             # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
-            return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8)),
+            return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8, 0)),
                     _new(Operands, (a, b, a_scale, b_scale, alpha, out)))
     except (AttributeError, ValueError, TypeError):
         pass
@@ -244,7 +244,7 @@ def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> t
             elif not (out.dtype is odt and out.shape == (m, n) and out.device == dev and out.is_contiguous()
                       and not out.requires_grad):
                 raise ValueError  # explained by the slow path
-            return _new(Problem, (m, n, k, odt, dev, adt)), _new(Operands, (a, b, none, b_scale, alpha, out))
+            return _new(Problem, (m, n, k, odt, dev, adt, 0)), _new(Operands, (a, b, none, b_scale, alpha, out))
     except (AttributeError, ValueError, TypeError):
         pass
     try:

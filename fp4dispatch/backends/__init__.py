@@ -27,6 +27,8 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("triton_fused", "TritonFusedBackend", ()),
     ("triton_w4a16", "TritonW4A16Backend", ()),  # w4a16_mm only
     ("triton_dequant", "TritonDequantBackend", ()),
+    ("triton_grouped", "TritonGroupedBackend", ()),  # fp4_grouped_mm only
+    ("expert_loop", "ExpertLoopBackend", ()),  # fp4_grouped_mm only: one fp4_mm per expert
     # W4A16 with activations decoded per call; after fp4dispatch's own kernels, which it equals bit for bit where
     # both run (the tuner picks the faster per key)
     ("humming", "HummingBackend", ()),

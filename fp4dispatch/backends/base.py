@@ -9,7 +9,8 @@ A backend is a small object with a ``name`` that
   * computes ``ops.out = alpha * dequant(ops.a) @ dequant(ops.b).T`` from canonical operands
     (``run(problem, ops, config)``); adapting to a library's own layout is the backend's job;
   * names the ops it computes (``ops``, default ``("fp4_mm",)``): ``"w4a16"`` is ``alpha * a @ dequant(b).T`` with
-    ``a`` bf16/fp16 as given (``w4a16_mm``; ``problem.op`` says which op a problem is).
+    ``a`` bf16/fp16 as given (``w4a16_mm``; ``problem.op`` says which op a problem is); ``"grouped"`` is
+    ``fp4_grouped_mm``, run on ``GroupedOperands`` (each expert's rows of ``a`` against its own weight).
 
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside
@@ -24,9 +25,9 @@ import torch
 from ..problem import Operands, Problem
 
 __all__ = ["Backend", "BaseBackend", "Config", "config_id", "config_json", "OPS", "backend_ops", "computes",
-           "probe_dtype"]
+           "probe_op"]
 
-OPS = ("fp4_mm", "w4a16")
+OPS = ("fp4_mm", "w4a16", "grouped")
 
 Config = Any  # a JSON-able dict, or a frozen dataclass with to_json() -> dict
 
@@ -46,9 +47,10 @@ def computes(backend, op: str) -> bool:
     return op in backend_ops(backend)
 
 
-def probe_dtype(backend) -> torch.dtype:
-    """The activation dtype of ``backend``'s probe problems: packed NVFP4 where it computes ``fp4_mm``, else bf16."""
-    return torch.uint8 if computes(backend, "fp4_mm") else torch.bfloat16
+def probe_op(backend) -> str:
+    """The op a backend's device probe computes: ``fp4_mm`` where it computes that, else its first op."""
+    ops = backend_ops(backend)
+    return "fp4_mm" if "fp4_mm" in ops else ops[0]
 
 
 def config_id(config: Config) -> str:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from ..format import dequantize_nvfp4
-from ..problem import Operands, Problem
+from ..format import BLOCK, dequantize_nvfp4
+from ..format_grouped import dequantize_grouped, unswizzle_expert_scales
+from ..problem import GroupedOperands, Operands, Problem
 from .base import BaseBackend, Config
 
 __all__ = ["ReferenceBackend", "reference_mm"]
 
 
 def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
-    """The exact result as float32 [M, N] (alpha applied); for ``w4a16`` ``a`` is used as it is."""
+    """The exact result as float32 [M, N] (alpha applied); for ``w4a16`` ``a`` is used as it is; for ``grouped``
+    each expert's rows against its own weight."""
+    if problem.experts:
+        return _grouped(problem, ops)
     w4a16 = problem.op == "w4a16"
     if ops.a.is_cuda:
         # 16-bit operands are exact (every e2m1 x e4m3 value fits bf16 and fp16; a w4a16 ``a`` is 16-bit already);
@@ -35,11 +39,37 @@ def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
     return acc * ops.alpha.float()
 
 
+def _grouped(problem: Problem, ops: GroupedOperands) -> torch.Tensor:
+    """Per expert, on its rows (``offs`` is read on the host: the reference is not a CUDA-graph path)."""
+    n, k = problem.n, problem.k
+    a = dequantize_grouped(ops.a, ops.a_scale, ops.offs, torch.float32)
+    b_scales = unswizzle_expert_scales(ops.b_scale, n, k // BLOCK)
+    alpha = ops.alpha.float().reshape(-1)
+    out = torch.zeros((problem.m, n), dtype=torch.float32, device=ops.a.device)
+    start = 0
+    for e, end in enumerate(ops.offs.tolist()):
+        if end > start:
+            b = dequantize_nvfp4(ops.b[e], b_scales[e], scale_layout="linear")
+            out[start:end] = _mm_f32(a[start:end], b) * alpha[e if alpha.numel() > 1 else 0]
+        start = end
+    return out
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b.T of exact fp32 operands with fp32 sums (bf16 operands and an fp32 output on the GPU: exact inputs)."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            return torch.mm(a.double(), b.double().t()).float()
+    return torch.mm(a, b.t())
+
+
 class ReferenceBackend(BaseBackend):
     """Exact dequantize+matmul (``torch`` only): always available, slow; the oracle and the fallback."""
 
     name = "reference"
-    ops = ("fp4_mm", "w4a16")
+    ops = ("fp4_mm", "w4a16", "grouped")
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         ops.out.copy_(reference_mm(problem, ops))

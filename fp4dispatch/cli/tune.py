@@ -255,7 +255,7 @@ def _cmd_clear(args, opts: TuneOptions) -> int:
         removed = cache.clear()
         if args.all and cache.dir.is_dir():  # every fingerprint's file, writers' leftovers and lock files
             removed += remove_leftovers(cache.dir)
-            for p in sorted(cache.dir.glob("decisions-*.json")) + sorted(cache.dir.glob("decisions-*.json.lock")):
+            for p in sorted(cache.dir.glob("**/decisions-*.json")) + sorted(cache.dir.glob("**/decisions-*.json.lock")):
                 p.unlink(missing_ok=True)
                 removed.append(p)
     except OSError as e:

@@ -1,9 +1,9 @@
 """The self-selecting dispatcher: probe once per device, tune once per key, prove the pick at every M it serves,
 remember on disk, fall back on faults.
 
-Key = (device, M bucket, N, K, out_dtype); the device fingerprint (GPU, driver, CUDA, library versions, env) names
-the cache file. Once a key is decided and the call's M proven, a call costs one dict lookup, one set lookup and the
-chosen backend's run. The rules (docs/tuning.md):
+Key = (device, M bucket, N, K, out_dtype, activation dtype, experts) (``Problem.key``); the device fingerprint (GPU,
+driver, CUDA, library versions, env) names the cache file. Once a key is decided and the call's M proven, a call
+costs one dict lookup, one set lookup and the chosen backend's run. The rules (docs/tuning.md):
   * a decision serves an M bucket, and is proven at each M before its first result there: one run on the
     dispatcher's own hostile inputs against the exact reference (fp4dispatch/dispatch/verify.py), remembered on disk;
     a backend wrong at some M (probing or proving) is banned from the key of that M's bucket;
@@ -22,15 +22,17 @@ from pathlib import Path
 import torch
 
 from ..backends import default_backends
-from ..backends.base import Backend, Config, backend_ops, computes, config_json
+from ..backends.base import Backend, Config, computes, config_json
 from ..backends.reference import reference_mm
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args, check_w4a16_mm_args
+from ..validate_grouped import check_fp4_grouped_mm_args
 from .cache import DecisionCache
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
+from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .records import Verdict, key_str
@@ -45,7 +47,7 @@ log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-class Dispatcher(FaultRecovery):
+class Dispatcher(FaultRecovery, UntunedChoices):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
@@ -106,14 +108,21 @@ class Dispatcher(FaultRecovery):
         problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
         return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
 
+    def fp4_grouped_mm(self, a, b, a_scale, b_scale, alpha, offs, *, out_dtype=torch.bfloat16, out=None,
+                       scale_layout="swizzled", backend=None, check_offs=True) -> torch.Tensor:
+        """Same contract as :func:`fp4dispatch.fp4_grouped_mm`, through this dispatcher."""
+        problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
+                                                 check_offs)
+        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
         """The backend and config for ``problem``: a dict and a set lookup once the key is decided and M proven."""
         if backend is not None or self._forced is not None:  # None: FP4DISPATCH_BACKEND's backend is another op's
             c = self._named_choice(backend, problem)
             if c is not None:
                 return c
-        m, n, k, dt, dev, adt = problem
-        key = (dev, m_bucket(m), n, k, dt, adt)  # Problem.key, written out: this runs on every call
+        m, n, k, dt, dev, adt, e = problem
+        key = (dev, m_bucket(m), n, k, dt, adt, e)  # Problem.key, written out: this runs on every call
         c = self._choices.get(key)
         return c if c is not None and m in c.verified else self._decide(key, problem)
 
@@ -288,56 +297,6 @@ class Dispatcher(FaultRecovery):
         cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
         self._warn(f"ban:{ks}:{name}", "fp4dispatch: backend %s is banned from %s: %s", name, ks, reason)
 
-    def _capture_choice(self, key: tuple, problem: Problem, c: Choice | None) -> Choice:
-        """During CUDA-graph capture nothing may probe, tune or prove: use the key's pick unproven at this M, else the
-        nearest decided bucket, else the first healthy backend in priority order; warn once."""
-        if c is None:
-            near = [(abs(k[1].bit_length() - key[1].bit_length()), c) for k, c in self._choices.items()
-                    if k[0] == key[0] and k[2:] == key[2:]]
-            if near:
-                c = min(near, key=lambda x: x[0])[1]
-            else:
-                health = self._states[key[0]][1] if key[0] in self._states else {}
-                pick = next((b for b in self.backends if computes(b, problem.op) and health.get(b.name) is not None
-                             and health[b.name].status == "ok" and b.unsupported(problem) is None), None)
-                if pick is None:
-                    raise NoUsableBackendError(f"{problem.call}: {problem} has no decision and none can be made "
-                                               "during CUDA graph capture; warm the shape up before capture "
-                                               "(fp4dispatch.warmup)")
-                c = Choice(pick, pick.configs(problem)[0], (), key)
-        self._warn(f"capture:{key_str(key)}:{problem.m}", "fp4dispatch: %s at M=%d was not warmed up before CUDA "
-                   "graph capture; using %s unproven at this M (fp4dispatch.warmup proves it)", key_str(key),
-                   problem.m, c.backend.name)
-        return c
-
-    def _named_choice(self, name: str | None, problem: Problem) -> Choice | None:
-        nk = (name or self._forced, *problem.key)
-        c = self._named.get(nk)
-        if c is not None:
-            return c
-        b = self._by_name.get(nk[0])
-        if b is None:
-            what = "backend" if name is not None else "FP4DISPATCH_BACKEND"
-            raise InvalidInputError(f"{problem.call}: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
-                                    + ("" if name is not None else ". Fix or unset the variable"))
-        if not computes(b, problem.op):
-            if name is None:  # FP4DISPATCH_BACKEND forces the ops its backend computes; others are decided as usual
-                return None
-            ok = sorted(x.name for x in self.backends if computes(x, problem.op))
-            raise InvalidInputError(f"{problem.call}: backend {b.name!r} computes {' and '.join(backend_ops(b))} "
-                                    f"only; pass one of {ok} or none")
-        with self._lock:
-            v = self._state(problem.device)[1][b.name]
-        if v.status != "ok":
-            raise BackendError(f"{problem.call}: backend {b.name!r} was requested but is {v.status} on "
-                               f"{problem.device}: {v.reason}")
-        why = b.unsupported(problem)
-        if why is not None:
-            raise BackendError(f"{problem.call}: backend {b.name!r} was requested but does not support {problem}: "
-                               + why)
-        c = self._named[nk] = Choice(b, b.configs(problem)[0], (), None)
-        return c
-
     def _no_backend(self, problem: Problem, reasons: dict[str, str]) -> NoUsableBackendError:
         lines = "\n".join(f"  {n}: {r}" for n, r in reasons.items())
         return NoUsableBackendError(
@@ -361,10 +320,11 @@ class Dispatcher(FaultRecovery):
 
     # -- public helpers ------------------------------------------------------------------------------------------
     def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None,
-               activations: torch.dtype = torch.uint8) -> dict[tuple, Choice]:
-        """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys."""
+               activations: torch.dtype = torch.uint8, experts: int = 0) -> dict[tuple, Choice]:
+        """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys;
+        ``experts`` E > 0: fp4_grouped_mm's keys (M is then T, the routed rows of all E experts)."""
         dev = resolve_device(device)
-        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev, activations))
+        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts)))
                 for m, n, k in shapes}
 
     def report(self, device=None) -> Report:

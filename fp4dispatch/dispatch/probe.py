@@ -12,16 +12,24 @@ import time
 
 import torch
 
-from ..backends.base import Backend, probe_dtype
+from ..backends.base import Backend, probe_op
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
 from .records import STATUSES, Verdict
-from .verify import PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
+from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
-__all__ = ["Verdict", "STATUSES", "probe_backend", "describe_exception", "reset_cuda_error"]
+__all__ = ["Verdict", "STATUSES", "probe_backend", "probe_problem", "describe_exception", "reset_cuda_error"]
 
 log = logging.getLogger("fp4dispatch")
+
+
+def probe_problem(backend: Backend, m: int, device: torch.device) -> Problem:
+    """A probe problem of ``m`` rows in the op the backend is probed on (``probe_op``): packed NVFP4 activations,
+    bf16 ones for a W4A16-only backend, ``PROBE_E`` experts for a grouped-only one."""
+    op = probe_op(backend)
+    return Problem(m, PROBE_N, PROBE_K, torch.bfloat16, device, torch.bfloat16 if op == "w4a16" else torch.uint8,
+                   PROBE_E if op == "grouped" else 0)
 
 
 def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> Verdict:
@@ -41,7 +49,7 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
     refused: list[str] = []
     ran = 0
     for i, m in enumerate(PROBE_MS):
-        problem = Problem(m, PROBE_N, PROBE_K, torch.bfloat16, device, probe_dtype(backend))
+        problem = probe_problem(backend, m, device)
         try:
             why = backend.unsupported(problem)
             configs = backend.configs(problem) if not why else []

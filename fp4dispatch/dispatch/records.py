@@ -25,15 +25,20 @@ __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_ent
 STATUSES = ("ok", "unavailable", "unsupported", "failed", "incorrect")
 SECTIONS = ("health", "decisions", "shape_blacklist", "verified", "faults")
 MODES = ("tuned", "priority")
-# an fp4_mm key; a w4a16_mm key adds its activation dtype in front ("w4a16-bfloat16-m16-...")
-_KEY = re.compile(r"(?:w4a16-(?:bfloat16|float16)-)?m(\d+)-n(\d+)-k(\d+)-(bfloat16|float16|float32)")
+# an fp4_mm key; a w4a16_mm key adds its activation dtype in front ("w4a16-bfloat16-m16-..."), an fp4_grouped_mm key
+# its expert count ("grouped-e256-m16-...": the bucket is then one of T, the routed rows of all experts)
+_KEY = re.compile(r"(?:w4a16-(?:bfloat16|float16)-|grouped-e[1-9]\d*-)?m(\d+)-n(\d+)-k(\d+)-"
+                  r"(bfloat16|float16|float32)")
 
 
 def key_str(key: tuple) -> str:
-    """``(device, bucket, n, k, out dtype[, activation dtype])`` (``Problem.key``) -> ``m<bucket>-n<n>-k<k>-<dtype>``,
-    prefixed by ``w4a16-<activation dtype>-`` for a ``w4a16_mm`` key."""
+    """``(device, bucket, n, k, out dtype[, activation dtype[, experts]])`` (``Problem.key``) ->
+    ``m<bucket>-n<n>-k<k>-<dtype>``, prefixed by ``w4a16-<activation dtype>-`` for a ``w4a16_mm`` key and by
+    ``grouped-e<E>-`` for an ``fp4_grouped_mm`` key."""
     _, bucket, n, k, dt, *a = key
     text = f"m{bucket}-n{n}-k{k}-{str(dt).replace('torch.', '')}"
+    if len(a) > 1 and a[1]:
+        return f"grouped-e{a[1]}-{text}"
     return text if not a or a[0] is torch.uint8 else f"w4a16-{str(a[0]).replace('torch.', '')}-{text}"
 
 
@@ -84,7 +89,8 @@ def _text(x: object) -> bool:
 
 def check_key(ks: object) -> None:
     _need(isinstance(ks, str) and _KEY.fullmatch(ks) is not None,
-          "a key must look like m16-n4096-k4096-bfloat16 (w4a16_mm: w4a16-bfloat16-m16-...)", ks)
+          "a key must look like m16-n4096-k4096-bfloat16 (w4a16_mm: w4a16-bfloat16-m16-..., "
+          "fp4_grouped_mm: grouped-e256-m16-...)", ks)
     bucket, n, k = (int(x) for x in _KEY.fullmatch(ks).groups()[:3])
     _need(bucket in M_BUCKETS and n > 0 and k > 0 and k % 16 == 0, "a key needs an M bucket, N > 0, K % 16 == 0", ks)
 

@@ -17,10 +17,12 @@ import torch
 
 from ..errors import describe_exception
 from ..format import BLOCK, swizzle_scales
-from ..problem import Operands, Problem
+from ..format_grouped import swizzle_expert_scales, swizzle_grouped_scales
+from ..problem import GroupedOperands, Operands, Problem
+from ..routing import check_routing
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
-           "random_activations", "CheckCase",
+           "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E",
            "make_case", "check_run", "reset_cuda_error"]
 
 REL_TOL = 1e-2
@@ -29,6 +31,7 @@ REL_TOL = 1e-2
 PROBE_MS = (1, 3, 128, 300)
 PROBE_N = 256
 PROBE_K = 512
+PROBE_E = 4  # experts of a grouped probe: with a check routing, one of them has no rows
 # Guard rows around a checked out: exact in bf16, fp16 and fp32, and no result of the check inputs is exactly it
 # by chance often enough to matter (a backend that writes there writes products, not this constant).
 SENTINEL = -1021.0
@@ -51,12 +54,7 @@ def random_operands(m: int, n: int, k: int, device: torch.device, seed: int, *, 
     a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g, device=dev)
     b = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g, device=dev)
 
-    def scales(rows: int) -> torch.Tensor:
-        exps = torch.randint(-3, 4, (rows, k // BLOCK), generator=g, device=dev).float()
-        mant = 1 + torch.randint(0, 8, (rows, k // BLOCK), generator=g, device=dev).float() / 8
-        return (mant * torch.exp2(exps)).to(torch.float8_e4m3fn)
-
-    sa, sb = scales(m), scales(n)
+    sa, sb = _random_scales(g, m, k), _random_scales(g, n, k)
     alpha = 0.5 + torch.rand(1, generator=g, device=dev, dtype=torch.float32)
     if hostile:
         alpha.neg_()
@@ -67,6 +65,33 @@ def random_operands(m: int, n: int, k: int, device: torch.device, seed: int, *, 
         elif m > 1:
             sa.view(torch.uint8)[m - 1, 0] = _E4M3_NAN
     return a, b, swizzle_scales(sa), swizzle_scales(sb), alpha
+
+
+def _random_scales(g: torch.Generator, rows: int, k: int) -> torch.Tensor:
+    """e4m3 block scales [rows, K/16] in [2^-3, 2^3] with every mantissa value."""
+    exps = torch.randint(-3, 4, (rows, k // BLOCK), generator=g, device=g.device).float()
+    mant = 1 + torch.randint(0, 8, (rows, k // BLOCK), generator=g, device=g.device).float() / 8
+    return (mant * torch.exp2(exps)).to(torch.float8_e4m3fn)
+
+
+def random_grouped_operands(t: int, e: int, n: int, k: int, device: torch.device, seed: int):
+    """Hostile random ``(a, b, a_scale, b_scale, alpha, offs)`` of ``fp4_grouped_mm`` in its canonical layout: a
+    check routing (``routing.check_routing``: an expert without rows, or all rows on one expert), a negative alpha
+    per expert, a zero block scale (a's row 0), a subnormal one (every expert's row 0) and a NaN one (every expert's
+    last row, unless N = 1)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    offs = check_routing(t, e, seed, dev)
+    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, generator=g, device=dev)
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g, device=dev)
+    sa, sb = _random_scales(g, t, k), _random_scales(g, e * n, k).view(e, n, k // BLOCK)
+    alpha = -(0.5 + torch.rand(e, generator=g, device=dev, dtype=torch.float32))
+    if t:
+        sa.view(torch.uint8)[0, 0] = 0
+    sb.view(torch.uint8)[:, 0, -1] = _E4M3_SUBNORMAL
+    if n > 1:
+        sb.view(torch.uint8)[:, n - 1, 0] = _E4M3_NAN
+    return a, b, swizzle_grouped_scales(sa, offs), swizzle_expert_scales(sb), alpha, offs
 
 
 def random_activations(m: int, k: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
@@ -145,14 +170,24 @@ _INPUTS = ("a", "b", "a_scale", "b_scale", "alpha")
 
 def make_case(problem: Problem, seed: int, reference) -> CheckCase:
     """Hostile random inputs for ``problem`` and their exact result (``reference(problem, ops) -> float32``)."""
-    m, n, k, dt, dev, adt = problem
-    a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed, hostile=True)
-    if problem.op == "w4a16":
-        a, sa = random_activations(m, k, adt, dev, seed), sa[:0]
+    m, n, k, dt, dev, adt, e = problem
     frame = torch.full((m + 2, n), SENTINEL, dtype=dt, device=dev)
-    ops = Operands(a, b, sa, sb, alpha, frame[1:m + 1])
-    pristine = tuple(t.clone() for t in (a, b, sa, sb, alpha))
+    if e:
+        a, b, sa, sb, alpha, offs = random_grouped_operands(m, e, n, k, dev, seed)
+        ops = GroupedOperands(a, b, sa, sb, alpha, frame[1:m + 1], offs)
+    else:
+        a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed, hostile=True)
+        if problem.op == "w4a16":
+            a, sa = random_activations(m, k, adt, dev, seed), sa[:0]
+        ops = Operands(a, b, sa, sb, alpha, frame[1:m + 1])
+    pristine = tuple(t.clone() for _, t in _inputs(ops))
     return CheckCase(problem, ops, pristine, frame, reference(problem, ops))
+
+
+def _inputs(ops) -> list[tuple[str, torch.Tensor]]:
+    """What a backend reads and must leave as it was: the operands but out (and ``offs`` for a grouped call)."""
+    named = list(zip(_INPUTS, ops[:5]))
+    return named + [("offs", ops.offs)] if isinstance(ops, GroupedOperands) else named
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -168,8 +203,9 @@ def _tampering(case: CheckCase, out_before: tuple) -> str | None:
     guard = case.frame[[0, -1]]
     if not bool((guard == SENTINEL).all()):
         return "wrote outside out (into the rows just before or after it in the same buffer)"
-    changed = [name for name, t, p in zip(_INPUTS, case.ops[:5], case.pristine) if not _same_bytes(t, p)]
-    for name, t, p in zip(_INPUTS, case.ops[:5], case.pristine):
+    named = _inputs(case.ops)
+    changed = [name for (name, t), p in zip(named, case.pristine) if not _same_bytes(t, p)]
+    for (name, t), p in zip(named, case.pristine):
         if name in changed:
             t.copy_(p)
     if changed:

@@ -17,7 +17,7 @@ from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
            "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
-           "MmaW4A16Config", "FAMILIES", "from_json",
+           "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig", "FAMILIES", "from_json",
            "register_a_resident", "decode_warps_work"]
 
 
@@ -58,6 +58,22 @@ class KernelConfig:
     def _require_pow2(self, *names: str) -> None:
         for name in names:
             self._require(name, _pow2(getattr(self, name)), "a power of two (a tl.arange extent)")
+
+
+def _check_dot_tile(cfg: KernelConfig) -> None:
+    """A ``tl.dot`` tile's fields: powers of two, M and N >= 16."""
+    cfg._require_pow2("block_m", "block_n", "k_blocks", "warps")
+    cfg._require("block_m", cfg.block_m >= 16, ">= 16 (tl.dot's smallest M)")
+    cfg._require("block_n", cfg.block_n >= 16, ">= 16 (tl.dot's smallest N)")
+
+
+def _check_word_gemv(cfg: KernelConfig) -> None:
+    """The int64-word GEMV's fields (``gemv/cuda_core`` and its grouped form)."""
+    cfg._require_pow2("rows", "block_n", "k_blocks", "warps")
+    cfg._require("k_blocks", cfg.k_blocks % 4 == 0, "a multiple of 4 (whole 128x4-swizzled scale groups)")
+    cfg._require("e4m3x2_convert", not cfg.e4m3x2_convert or cfg.fp16x2,
+                 "False without fp16x2 (the conversion feeds the fp16x2 products)")
+    _check_regs(cfg)
 
 
 def _check_regs(cfg: KernelConfig) -> None:
@@ -105,11 +121,7 @@ class CudaCoreGemvConfig(KernelConfig):
     pdl: bool = True
 
     def check(self) -> None:
-        self._require_pow2("rows", "block_n", "k_blocks", "warps")
-        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (whole 128x4-swizzled scale groups)")
-        self._require("e4m3x2_convert", not self.e4m3x2_convert or self.fp16x2,
-                      "False without fp16x2 (the conversion feeds the fp16x2 products)")
-        _check_regs(self)
+        _check_word_gemv(self)
 
 
 @dataclass(frozen=True)
@@ -152,9 +164,7 @@ class MmaBf16Config(KernelConfig):
     group_m: int = 8
 
     def check(self) -> None:
-        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
-        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest M)")
-        self._require("block_n", self.block_n >= 16, ">= 16 (tl.dot's smallest N)")
+        _check_dot_tile(self)
 
 
 @dataclass(frozen=True)
@@ -289,9 +299,45 @@ class MmaW4A16Config(KernelConfig):
     group_m: int = 8
 
     def check(self) -> None:
-        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
-        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest M)")
-        self._require("block_n", self.block_n >= 16, ">= 16 (tl.dot's smallest N)")
+        _check_dot_tile(self)
+
+
+@dataclass(frozen=True)
+class MmaGroupedConfig(KernelConfig):
+    """``gemm/mma_grouped``: ``fp4_grouped_mm`` in one launch; each CTA owns one ``block_m``-row tile of one expert's
+    rows (found from ``offs`` on the GPU) by ``block_n`` columns, so an expert with no rows costs nothing and one
+    with r rows costs ceil(r / block_m) tiles."""
+
+    family: ClassVar[str] = "gemm_mma_grouped"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    warps: int
+    stages: int
+
+    def check(self) -> None:
+        _check_dot_tile(self)
+
+
+@dataclass(frozen=True)
+class GemvGroupedConfig(KernelConfig):
+    """``gemv/cuda_core_grouped``: ``fp4_grouped_mm`` for decode batches, the ``gemv/cuda_core`` GEMV per expert;
+    each CTA owns ``rows`` rows of one expert by ``block_n`` columns over the whole K. Switches as in
+    :class:`CudaCoreGemvConfig`."""
+
+    family: ClassVar[str] = "gemv_cuda_core_grouped"
+    rows: int
+    block_n: int
+    k_blocks: int
+    warps: int
+    stages: int = 3
+    fp16x2: bool = True
+    prefetch: bool = False
+    e4m3x2_convert: bool = False
+    max_registers: int | None = None
+
+    def check(self) -> None:
+        _check_word_gemv(self)
 
 
 def register_a_resident(block_m: int, warps: int) -> int:
@@ -309,7 +355,8 @@ def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> t
 
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
-    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, MmaW4A16Config)}
+    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, MmaW4A16Config, MmaGroupedConfig,
+    GemvGroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

@@ -15,11 +15,12 @@ import torch
 
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
-                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig,
-                     WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
+                     GemvGroupedConfig, MmaGroupedConfig, MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig,
+                     WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
 
-__all__ = ["configs_for", "w4a16_configs_for", "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES",
-           "TMA_GEMV_TILES", "DECODE_WARPS", "W4A16_MMA_TILES", "W4A16_GEMV_TILES"]
+__all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",
+           "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES", "DECODE_WARPS",
+           "W4A16_MMA_TILES", "W4A16_GEMV_TILES"]
 
 MAX_CONFIGS = 7
 cdiv = runtime.cdiv
@@ -230,4 +231,28 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     for bm, bn, bkb, warps, stages in tiles:
         split = _fill_split(cdiv(m, bm) * cdiv(n, bn), cdiv(kb, bkb), sms)
         out.append(MmaW4A16Config(bm, bn, bkb, split, warps, stages))
+    return out[:MAX_CONFIGS]
+
+
+# The grouped kernels' tiles, by the rows an expert with rows gets on average. A decode batch gives each touched expert
+# one row or a few: the per-expert GEMV (rows, block_n, k_blocks, warps; fp16x2 products, the dense GEMV's tiles for
+# M <= 4), whose time is the touched weights' bytes. A prefill batch gives hundreds: tensor-core tiles (block_m,
+# block_n, k_blocks, warps, stages) that reuse each decoded weight tile across more rows.
+GROUPED_GEMV_TILES = {2: ((2, 4, 128, 2), (4, 16, 32, 4), (1, 4, 256, 4)), 8: ((4, 16, 32, 4), (8, 16, 32, 4))}
+GROUPED_MMA_TILES = {
+    8: ((16, 64, 8, 4, 3),),
+    64: ((16, 64, 8, 4, 3), (32, 64, 8, 4, 3), (64, 64, 8, 4, 3)),
+    1 << 62: ((64, 128, 8, 8, 3), (128, 128, 8, 8, 2), (64, 64, 8, 4, 3)),
+}
+
+
+def grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
+    """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first."""
+    per_expert = -(-t // max(1, min(e, t)))
+    out: list[KernelConfig] = []
+    gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if per_expert <= top), ())
+    for rows, bn, bkb, warps in gemv:
+        out.append(GemvGroupedConfig(rows, bn, bkb, warps, prefetch=bn > 4, max_registers=64 if bkb > 128 else None))
+    tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
+    out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
     return out[:MAX_CONFIGS]

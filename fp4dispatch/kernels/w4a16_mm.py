@@ -2,13 +2,10 @@
 (``heuristics.w4a16_configs_for``)."""
 from __future__ import annotations
 
-import importlib
-from typing import Callable
-
 import torch
 
-from ..errors import InvalidInputError
 from .config import CudaCoreW4A16Config, KernelConfig, MmaW4A16Config
+from .launchers import LauncherTable
 
 __all__ = ["w4a16_mm", "LAUNCHERS"]
 
@@ -17,18 +14,13 @@ LAUNCHERS: dict[type[KernelConfig], str] = {
     CudaCoreW4A16Config: "gemv.cuda_core_w4a16",
     MmaW4A16Config: "gemm.mma_w4a16",
 }
-_RUN: dict[type, Callable] = {}
+_TABLE = LauncherTable("w4a16_mm", "heuristics.w4a16_configs_for", LAUNCHERS)
 
 
 def w4a16_mm(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
              config: KernelConfig) -> torch.Tensor:
     """``out = alpha * a @ dequant(b).T``: a bf16/fp16 [M, K] contiguous, b uint8 [N, K/2], b_scale 128x4-swizzled
     e4m3, alpha float32 with one element, out contiguous [M, N]."""
-    run = _RUN.get(type(config))
-    if run is None:
-        if type(config) not in LAUNCHERS:
-            raise InvalidInputError(f"w4a16_mm: config must be one of {', '.join(c.__name__ for c in LAUNCHERS)} "
-                                    f"(from heuristics.w4a16_configs_for); got {type(config).__name__}")
-        run = _RUN[type(config)] = importlib.import_module(f"{__package__}.{LAUNCHERS[type(config)]}").run
+    run = _TABLE[config]
     run(a, b, b_scale.view(torch.uint8), alpha, out, config)
     return out

@@ -1,0 +1,65 @@
+"""``loop:fp4_mm``: ``fp4_grouped_mm`` as one dense ``fp4_mm`` per expert with rows, each decided by a dispatcher of
+the dense backends like any other call: correct wherever ``fp4_mm`` is, and the baseline the grouped kernels must
+beat. That dispatcher is the loop's own (made on first use, its cache in ``expert-loop/`` under the cache directory):
+the dispatcher that runs the loop may be the default one, still probing its backends, the loop among them, so
+calling back into it would recurse.
+
+It reads ``offs`` on the host (a sync per call), so it cannot run inside CUDA graph capture: there it raises, and
+the dispatcher times it eagerly instead. Each expert's activation scales are a 128-row-aligned block of the
+swizzled grouped layout, i.e. a dense swizzled scale tensor of their own, so no data moves.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import BackendError
+from ..format_grouped import scale_starts
+from ..problem import GroupedOperands, Problem
+from .base import BaseBackend, Config
+
+__all__ = ["ExpertLoopBackend"]
+
+
+class ExpertLoopBackend(BaseBackend):
+    """A Python loop over the experts with rows, one ``fp4_mm`` each."""
+
+    name = "loop:fp4_mm"
+    risky = False
+    ops = ("grouped",)
+
+    def __init__(self, dispatcher=None):
+        self._dense = dispatcher  # what decides each expert's fp4_mm (default: made on first use)
+
+    def dense(self):
+        if self._dense is None:
+            from ..dispatch.dispatcher import Dispatcher
+            from . import default_backends
+            from .base import computes
+
+            from ..settings import default_cache_dir, read_settings
+
+            # a cache directory of its own: its decisions (the probe's shapes among them) stay out of the user's
+            # cache, where ``tune`` would report them as decided by nobody
+            root = read_settings().cache_dir or default_cache_dir()
+            self._dense = Dispatcher([b for b in default_backends() if computes(b, "fp4_mm")],
+                                     cache_dir=Path(root) / "expert-loop")
+        return self._dense
+
+    def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
+        if ops.a.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise BackendError("loop:fp4_mm reads offs on the host, which CUDA graph capture forbids")
+        d = self.dense()
+        ends = ops.offs.tolist()
+        starts = scale_starts(ops.offs).tolist()
+        single = ops.alpha.numel() == 1
+        start = 0
+        for e, end in enumerate(ends):
+            if end > start:
+                rows = -(-(end - start) // 128) * 128
+                sa = ops.a_scale[starts[e]:starts[e] + rows]
+                alpha = ops.alpha if single else ops.alpha[e:e + 1]
+                d.fp4_mm(ops.a[start:end], ops.b[e], sa, ops.b_scale[e], alpha, out_dtype=problem.out_dtype,
+                         out=ops.out[start:end])
+            start = end

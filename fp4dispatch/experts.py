@@ -1,0 +1,139 @@
+"""``Fp4Experts``: the routed experts of one MoE projection (gate_up or down) in NVFP4, on ``fp4_grouped_mm``.
+
+The E experts' weights are held once in the canonical grouped form (packed uint8 [E, N, K/2], each expert's e4m3
+block scales 128x4-swizzled [E, round_up(N,128), round_up(K/16,4)], fp32 decode scales [E]), so no call transforms
+a weight. A call quantizes the routed rows to NVFP4 with one global scale for all of them (static: ``1/input_scale``,
+the largest of the experts' calibrated scales, so that no expert's rows clip, as vLLM and SGLang take it; dynamic:
+``448*6/amax(x)`` per call, on the device), lays their block scales out for the grouped kernels
+(``format_grouped.swizzle_grouped_scales``, on the device: no host sync) and runs ``fp4_grouped_mm`` with
+``alpha[e] = weight_scale_2[e] / gs_a``. Storage follows ``Fp4Linear``: scales as uint8 bytes and fp32 values as
+int32 bits, so ``model.to(torch.bfloat16)`` cannot corrupt them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .api import fp4_grouped_mm
+from .errors import InvalidInputError
+from .format import BLOCK, quantize_nvfp4
+from .format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
+from .problem import OUT_DTYPES
+from .stored import stored_weight
+
+__all__ = ["Fp4Experts"]
+
+
+def _per_expert(t: object, name: str, e: int, who: str) -> torch.Tensor:
+    """fp32 [E] of positive finite scales from a tensor of E values, a sequence of E scalars, or (``input_scale``)
+    one value."""
+    if isinstance(t, Sequence) and not isinstance(t, torch.Tensor):
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in t]) if len(t) else None
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise InvalidInputError(f"{who}: {name} must be float32 decode scales, one per expert; got "
+                                f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
+    t = t.detach().float().reshape(-1)
+    if t.numel() not in (1, e) or (name == "weight_scale_2" and t.numel() != e):
+        raise InvalidInputError(f"{who}: {name} must hold one value per expert (E={e}); got {t.numel()} values")
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise InvalidInputError(f"{who}: {name} must be positive and finite (a decode scale amax/(448*6)); got "
+                                f"{t.tolist()[:8]}")
+    return t
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float32).reshape(-1).contiguous().view(torch.int32)
+
+
+class Fp4Experts(nn.Module):
+    """``y[rows of e] = x[rows of e] @ W[e].T`` for the E experts of one MoE projection, W and x in NVFP4.
+
+    Build it with :meth:`from_modelopt` (checkpoint tensors). ``forward(x, offs)``: ``x`` float32/bf16/fp16
+    [T, in_features], the routed rows grouped by expert; ``offs`` int32 [E], each expert's cumulative end row
+    (``fp4_grouped_mm``'s convention). Returns [T, out_features] of x's dtype.
+
+    Buffers: ``weight`` uint8 [E, N, K/2]; ``weight_scale`` uint8 bytes of the swizzled e4m3 block scales
+    [E, round_up(N,128), round_up(K/16,4)]; ``weight_scale_2`` fp32 [E] and ``input_scale`` fp32 [1] (None: dynamic
+    activation scaling) stored as int32 bits.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, device=None):
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InvalidInputError(f"Fp4Experts: {name} must be a positive int; got {v!r}")
+        if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
+            raise InvalidInputError(f"Fp4Experts: in_features must be a positive multiple of {BLOCK} (one e4m3 "
+                                    f"scale per 16 values); got {in_features!r}. Pad K with zeros")
+        e, n, k = num_experts, out_features, in_features
+        self.num_experts, self.in_features, self.out_features = e, k, n
+        rn, cp = -(-n // 128) * 128, -(-(k // BLOCK) // 4) * 4
+        self.register_buffer("weight", torch.zeros((e, n, k // 2), dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros((e, rn, cp), dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale_2", _bits(torch.ones(e)).to(device))
+        self.register_buffer("input_scale", None)
+
+    @classmethod
+    def from_modelopt(cls, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4Experts":
+        """From ModelOpt NVFP4 checkpoint tensors of E experts (``experts.{e}.<proj>.*``), as stored.
+
+        Args:
+            weight: uint8 (or float4_e2m1fn_x2) [E, N, K/2], or a sequence of E [N, K/2] tensors.
+            weight_scale: float8_e4m3fn (or uint8) linear block scales [E, N, K/16], or a sequence of E [N, K/16].
+            weight_scale_2: each expert's fp32 weight decode scale: [E] or a sequence of E scalars.
+            input_scale: the experts' static activation decode scales ([E], a sequence, or one value); their max is
+                used for all rows. None: dynamic activation scaling.
+        """
+        who = "Fp4Experts.from_modelopt"
+        ws = list(weight) if isinstance(weight, (Sequence, torch.Tensor)) else weight
+        ss = list(weight_scale) if isinstance(weight_scale, (Sequence, torch.Tensor)) else weight_scale
+        if not isinstance(ws, list) or not isinstance(ss, list) or not ws or len(ws) != len(ss):
+            raise InvalidInputError(f"{who}: weight and weight_scale must hold the same number (E >= 1) of experts "
+                                    f"([E, N, K/2] and [E, N, K/16], or sequences); got {_count(weight)} and "
+                                    f"{_count(weight_scale)}")
+        pairs = [stored_weight(f"{who} (expert {i})", w, s, "weight", "weight_scale") for i, (w, s) in
+                 enumerate(zip(ws, ss))]
+        if len({tuple(w.shape) for w, _ in pairs}) != 1:
+            raise InvalidInputError(f"{who}: every expert's weight must have one shape; got "
+                                    f"{sorted({tuple(w.shape) for w, _ in pairs})}")
+        e, (n, k2) = len(pairs), pairs[0][0].shape
+        dev = pairs[0][0].device
+        mod = cls(e, 2 * k2, n, device=dev)
+        mod.weight.copy_(torch.stack([w for w, _ in pairs]))
+        lin = torch.stack([s.to(dev).contiguous() for _, s in pairs])
+        mod.weight_scale.copy_(swizzle_expert_scales(lin).view(torch.uint8))
+        mod.weight_scale_2 = _bits(_per_expert(weight_scale_2, "weight_scale_2", e, who)).to(dev)
+        if input_scale is not None:
+            mod.input_scale = _bits(_per_expert(input_scale, "input_scale", e, who).max()).to(dev)
+        return mod
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, *, check_offs: bool = True) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InvalidInputError(f"Fp4Experts: x must be [T, in_features={self.in_features}] (the routed rows, "
+                                    f"grouped by expert); got {got}")
+        if x.dtype not in OUT_DTYPES:
+            raise InvalidInputError(f"Fp4Experts: x must be float32, bfloat16 or float16; got dtype={x.dtype}")
+        if self.input_scale is None:
+            xq, xs, gs = quantize_nvfp4(x, scale_layout="linear")
+        else:
+            gs = 1.0 / self.input_scale.view(torch.float32)
+            xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
+        sa = swizzle_grouped_scales(xs, offs, grouped_scale_rows(x.shape[0], self.num_experts)) if isinstance(
+            offs, torch.Tensor) and offs.dim() == 1 else xs  # a malformed offs is explained by fp4_grouped_mm
+        alpha = self.weight_scale_2.view(torch.float32) / gs
+        return fp4_grouped_mm(xq, self.weight, sa, self.weight_scale.view(torch.float8_e4m3fn), alpha, offs,
+                              out_dtype=x.dtype, check_offs=check_offs)
+
+    def extra_repr(self) -> str:
+        scale = "static" if self.input_scale is not None else "dynamic"
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, activation_scale={scale}")
+
+
+def _count(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)}"
+    return f"{len(t)} items" if isinstance(t, Sequence) else type(t).__name__

@@ -1,0 +1,99 @@
+"""``mma_grouped``: ``fp4_grouped_mm`` (the MoE expert GEMM) in one launch, for GPUs without FP4 tensor cores.
+
+Grid (N tiles, M tiles): M tile ``t`` belongs to the expert whose tiles cover it, found by every CTA from ``offs``
+on the GPU (a prefix sum over the E experts' tile counts in registers: no host sync, so a CUDA graph captured once
+serves any routing). The grid has room for the most tiles any routing of T rows can make, ``cdiv(T, BM) +
+min(E, T)``; CTAs past the last tile return at once, so an expert with no rows costs nothing. Inside a tile the work
+is ``mma_bf16``'s: both operands decoded in registers to bf16 (exact), even-k and odd-k halves, two ``tl.dot`` per
+K step, fp32 accumulation in a fixed order (deterministic), alpha (per expert or one) in fp32 at the end.
+
+Scales are read in the grouped swizzled layout (``format.grouped_scale_rows``): expert e's activation scales start
+at padded row ``sum_{j<e} round_up(rows_j, 128)``, and each expert's weight scales are their own 128x4-swizzled
+matrix, so a tile's scale addresses are the dense kernel's plus one offset per expert. ``offs`` is clamped to
+[0, T] and made non-decreasing in the kernel, so a wrong routing table cannot make it read or write out of bounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..config import MmaGroupedConfig
+from ..numerics.e2m1_e4m3 import TWO_18, decoded_halves
+from ..tiles import store_out
+
+
+@triton.jit
+def _max(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def _running_max(x):
+    return tl.associative_scan(x, 0, _max)
+
+
+@triton.jit
+def expert_tile(offs_ptr, tile, T, E, BM: tl.constexpr, EP: tl.constexpr):
+    """M tile ``tile`` of the grouped grid -> (expert, its first row, its row count, its first padded scale row,
+    the tile's first row inside the expert); row count 0 when the tile is past the last one."""
+    e = tl.arange(0, EP)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0)
+    ends = tl.minimum(tl.maximum(ends, 0), T)
+    ends = tl.where(e < E, _running_max(ends), 0)  # non-decreasing: a bad table cannot make a negative count
+    starts = tl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    starts = tl.minimum(tl.maximum(starts, 0), T)
+    starts = tl.where((e > 0) & (e < E), _running_max(starts), 0)
+    rows = tl.maximum(ends - starts, 0)
+    tiles = (rows + BM - 1) // BM
+    last = tl.cumsum(tiles, 0)  # inclusive: expert j's tiles are [last_j - tiles_j, last_j)
+    owner = tl.sum((last <= tile).to(tl.int32), 0)
+    mine = e == owner
+    n = tl.sum(tl.where(mine, rows, 0), 0)
+    first_tile = tl.sum(tl.where(mine, last - tiles, 0), 0)
+    row0 = tl.sum(tl.where(mine, starts, 0), 0)
+    pad0 = tl.sum(tl.where(e < owner, (rows + 127) // 128 * 128, 0), 0)
+    return owner, row0, n, pad0, (tile - first_tile) * BM
+
+
+@triton.jit
+def grouped_mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, N, K2, KB, CB, RN, E,
+                       ALPHA_E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BKB: tl.constexpr, DOT_F32: tl.constexpr):
+    """One (expert's M tile, N tile) of out = alpha[e] * A[rows of e] @ B[e].T."""
+    expert, row0, rows, pad0, local0 = expert_tile(offs_ptr, tl.program_id(1), T, E, BM, EP)
+    if local0 < rows:
+        ex = expert.to(tl.int64)
+        # the expert's rows and scales as a dense operand: its first row, and its scale matrix (a multiple of 128
+        # rows into the padded layout, so the dense kernel's swizzled offsets apply from there)
+        a_e = a_ptr + row0.to(tl.int64) * K2
+        sa_e = sa_ptr + (pad0 // 128).to(tl.int64) * CB * 512
+        b_e = b_ptr + ex * N * K2
+        sb_e = sb_ptr + ex * RN * CB * 4
+        rm = local0 + tl.arange(0, BM)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb0 in range(0, KB, BKB):
+            a_lo, a_hi = decoded_halves(a_e, sa_e, rm, rows, kb0, KB, K2, CB, BKB, DOT_F32)
+            b_lo, b_hi = decoded_halves(b_e, sb_e, rn, N, kb0, KB, K2, CB, BKB, DOT_F32)
+            acc = tl.dot(a_lo, tl.trans(b_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(b_hi), acc)
+        al = alpha_ptr
+        if ALPHA_E:
+            al = alpha_ptr + expert
+        out_e = out_ptr + row0.to(tl.int64) * N
+        store_out(acc * TWO_18, rm, rn, rows, N, al, out_e, out_e, out_e, False)
+
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        offs: torch.Tensor, cfg: MmaGroupedConfig) -> None:
+    """Launch ``grouped_mma_kernel`` on canonical grouped operands (scales as uint8)."""
+    t, k2 = a.shape
+    e, n, _ = b.shape
+    kb = k2 // 8
+    grid = (runtime.cdiv(n, cfg.block_n), runtime.cdiv(t, cfg.block_m) + min(e, t))
+    runtime.launch(grouped_mma_kernel, grid, a, b, sa, sb, alpha, out, offs, t, n, k2, kb, runtime.cdiv(kb, 4),
+                   runtime.cdiv(n, 128) * 128, e, ALPHA_E=alpha.numel() > 1, EP=max(16, triton.next_power_of_2(e)),
+                   BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, DOT_F32=runtime.jit_interpreted(),
+                   num_warps=cfg.warps, num_stages=cfg.stages)

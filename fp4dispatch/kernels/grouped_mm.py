@@ -1,0 +1,26 @@
+"""``grouped_mm``: ``fp4_grouped_mm`` (the MoE expert GEMM) by the kernel family a config names
+(``heuristics.grouped_configs_for``): the per-expert GEMV for decode batches, tensor-core tiles for larger ones."""
+from __future__ import annotations
+
+import torch
+
+from .config import GemvGroupedConfig, KernelConfig, MmaGroupedConfig
+from .launchers import LauncherTable
+
+__all__ = ["grouped_mm", "LAUNCHERS"]
+
+# config class -> the module (under fp4dispatch.kernels) whose run(a, b, sa, sb, alpha, out, offs, config) launches it
+LAUNCHERS: dict[type[KernelConfig], str] = {
+    GemvGroupedConfig: "gemv.cuda_core_grouped",
+    MmaGroupedConfig: "gemm.mma_grouped",
+}
+_TABLE = LauncherTable("grouped_mm", "heuristics.grouped_configs_for", LAUNCHERS)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
+               out: torch.Tensor, offs: torch.Tensor, config: KernelConfig) -> torch.Tensor:
+    """``out[rows of e] = alpha[e] * dequant(a[rows of e]) @ dequant(b[e]).T`` on canonical grouped operands
+    (``problem.GroupedOperands``)."""
+    run = _TABLE[config]
+    run(a, b, a_scale.view(torch.uint8), b_scale.view(torch.uint8), alpha, out, offs, config)
+    return out

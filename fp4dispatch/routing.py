@@ -1,0 +1,55 @@
+"""Routings for ``fp4_grouped_mm``'s checks, tuning and benchmarks: which expert each routed row belongs to, as
+``offs`` (int32 [E], each expert's cumulative end row).
+
+A MoE layer routes each token to its ``top_k`` highest-scoring experts; real routers are uneven (some experts get
+many tokens, many get none at small batch), which random router logits reproduce well enough to time kernels on.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["topk_counts", "offs_from_counts", "check_routing", "DEFAULT_TOP_K"]
+
+DEFAULT_TOP_K = 8  # DeepSeek-V3/R1, Kimi-K2, GLM-5 and Qwen3-30B-A3B route each token to 8 experts
+
+
+def topk_counts(tokens: int, experts: int, top_k: int, *, seed: int = 0, device="cpu",
+                skip_first: bool = False) -> torch.Tensor:
+    """Rows per expert (int64 [E]) when ``tokens`` tokens each pick the ``top_k`` largest of random router logits
+    (``skip_first``: expert 0 is never picked, so that a check always holds an expert without rows)."""
+    top_k = min(top_k, experts - int(skip_first))
+    if tokens == 0 or top_k <= 0:
+        return torch.zeros(experts, dtype=torch.int64, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g, device=device)
+    # a per-expert bias makes the load uneven, as trained routers are
+    logits += torch.randn(1, experts, generator=g, device=device)
+    if skip_first:
+        logits[:, 0] = -float("inf")
+    picked = logits.topk(top_k, dim=1).indices.flatten()
+    return torch.bincount(picked, minlength=experts)
+
+
+def offs_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """Rows per expert -> ``offs`` (int32 [E], cumulative end rows)."""
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def check_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
+    """``offs`` of exactly ``rows`` rows for a correctness check: mostly a top-8 routing of random logits with expert
+    0 left empty (trimmed to ``rows``); every fourth seed, all rows on the last expert (one expert's tile loop runs
+    across the whole batch)."""
+    if seed % 4 == 3 or experts == 1:
+        counts = torch.zeros(experts, dtype=torch.int64, device=device)
+        counts[-1] = rows
+        return offs_from_counts(counts)
+    top_k = min(DEFAULT_TOP_K, max(1, experts - 1))
+    counts = topk_counts(-(-rows // top_k), experts, top_k, seed=seed, device=device, skip_first=experts > 1)
+    excess = int(counts.sum()) - rows
+    # drop the excess rows from the fullest experts (the last token's picks): the counts still sum to rows
+    while excess > 0:
+        i = int(counts.argmax())
+        take = min(excess, int(counts[i]) - 1) or 1
+        counts[i] -= take
+        excess -= take
+    return offs_from_counts(counts)

@@ -1,0 +1,91 @@
+"""``Fp4Experts`` on the CPU: built from ModelOpt's per-expert tensors, it computes what ``fp4_grouped_mm`` computes on
+the quantized rows, close to the float product; its messages name the tensor and the expert."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4dispatch
+from fp4dispatch import InvalidInputError, quantize_nvfp4
+from fp4dispatch.backends.reference import ReferenceBackend
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_grouped_scales
+from fp4dispatch.nn import Fp4Experts
+from fp4dispatch.routing import offs_from_counts
+from fp4dispatch.testing import fake_do_bench
+
+
+@pytest.fixture(autouse=True)
+def _reference_only(tmp_path):
+    fp4dispatch.set_dispatcher(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c", do_bench=fake_do_bench))
+    yield
+    fp4dispatch.set_dispatcher(None)
+
+
+def _modelopt(e=3, n=48, k=128, seed=0):
+    """ModelOpt's tensors of e experts as it exports them: packed weight, linear e4m3 scales, 1/gs per expert, and
+    a calibrated input scale per expert; and the float weights they came from."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g) * torch.linspace(0.5, 2, e).reshape(e, 1, 1)
+    qs = [quantize_nvfp4(w[i], scale_layout="linear") for i in range(e)]
+    return ([q[0] for q in qs], [q[1] for q in qs], torch.stack([1 / q[2] for q in qs]).reshape(e),
+            torch.tensor([0.002, 0.003, 0.0025][:e]), w)
+
+
+def test_the_experts_compute_fp4_grouped_mm_of_the_quantized_rows():
+    wq, ws, ws2, ins, w = _modelopt()
+    mod = Fp4Experts.from_modelopt(wq, ws, ws2, ins)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    offs = offs_from_counts(torch.tensor([6, 0, 14]))
+    y = mod(x, offs)
+    assert y.dtype == torch.bfloat16 and y.shape == (20, 48)
+    # by hand: one static encode scale for all rows (the largest input scale), alpha[e] = weight_scale_2[e] / gs
+    gs = (1 / ins.max()).reshape(1)
+    xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
+    from fp4dispatch.format_grouped import swizzle_expert_scales
+    want = fp4dispatch.fp4_grouped_mm(xq, torch.stack(wq), swizzle_grouped_scales(xs, offs, grouped_scale_rows(20, 3)),
+                                      swizzle_expert_scales(torch.stack(ws)), (ws2 / gs).float(), offs)
+    assert torch.equal(y, want)
+    ref = torch.cat([x[:6].float() @ w[0].T, x[6:].float() @ w[2].T])
+    assert float((y.float() - ref).norm() / ref.norm()) < 0.2  # NVFP4's rounding of both operands
+
+
+def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
+    wq, ws, ws2, _, w = _modelopt(e=2)
+    mod = Fp4Experts.from_modelopt(torch.stack(wq), torch.stack(ws), ws2).to(torch.bfloat16)  # cast: scales kept
+    assert mod.input_scale is None and "activation_scale=dynamic" in repr(mod)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
+    offs = offs_from_counts(torch.tensor([0, 9]))
+    y = mod(x, offs)
+    assert y.dtype == torch.float32
+    assert float((y - x @ w[1].T).norm() / (x @ w[1].T).norm()) < 0.2
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws[:2], s2),
+     r"^Fp4Experts.from_modelopt: weight and weight_scale must hold the same number \(E >= 1\) of experts .*got 3 "
+     r"items and 2 items$"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, s2[:2]),
+     r"^Fp4Experts.from_modelopt: weight_scale_2 must hold one value per expert \(E=3\); got 2 values$"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, [ws[0], ws[1].T.contiguous(), ws[2]], s2),
+     r"^Fp4Experts.from_modelopt \(expert 1\): weight_scale must be linear \[N, K/16\]=\(48, 8\) for weight "
+     r"\(48, 64\); got shape=\(8, 48\)\. It is \[K/16, N\]"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, -s2),
+     r"^Fp4Experts.from_modelopt: weight_scale_2 must be positive and finite"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt([wq[0], wq[1][:40], wq[2]], [ws[0], ws[1][:40], ws[2]], s2),
+     r"^Fp4Experts.from_modelopt: every expert's weight must have one shape; got \[\(40, 64\), \(48, 64\)\]$"),
+])
+def test_bad_checkpoint_tensors_are_refused_naming_tensor_and_expert(build, message):
+    wq, ws, ws2, _, _ = _modelopt()
+    with pytest.raises(InvalidInputError, match=message):
+        build(wq, ws, ws2)
+
+
+def test_bad_calls_are_explained():
+    wq, ws, ws2, _, _ = _modelopt()
+    mod = Fp4Experts.from_modelopt(wq, ws, ws2)
+    with pytest.raises(InvalidInputError, match=r"^Fp4Experts: x must be \[T, in_features=128\] \(the routed rows, "
+                                                r"grouped by expert\); got \(2, 5, 128\)$"):
+        mod(torch.randn(2, 5, 128), torch.tensor([1, 2, 10], dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: offs\[-1\] must equal T = a.shape\[0\] = 4"):
+        mod(torch.randn(4, 128), torch.tensor([1, 2, 3], dtype=torch.int32))

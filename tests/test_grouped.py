@@ -1,0 +1,382 @@
+"""``fp4_grouped_mm`` on the CPU: the grouped scale layouts, exactness against float64 per expert, the contract and
+its messages, and the dispatcher's machinery (per-key checks, the key, the probe) with fake backends and a fake
+timer. The Triton kernel runs in Triton's interpreter in a child process (as tests/test_triton_kernels.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4dispatch
+from fp4dispatch import InvalidInputError, quantize_nvfp4, swizzle_scales
+from fp4dispatch.backends.expert_loop import ExpertLoopBackend
+from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.records import check_key, key_str
+from fp4dispatch.dispatch.verify import PROBE_E, check_run, make_case
+from fp4dispatch.format import E2M1_VALUES
+from fp4dispatch.format_grouped import (grouped_scale_rows, scale_starts, swizzle_expert_scales,
+                                        swizzle_grouped_scales, unswizzle_expert_scales, unswizzle_grouped_scales)
+from fp4dispatch.problem import Problem
+from fp4dispatch.routing import check_routing, offs_from_counts, topk_counts
+from fp4dispatch.testing import FakeBackend, fake_do_bench
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _disp(backends, tmp_path):
+    return Dispatcher(backends, cache_dir=tmp_path / "c", do_bench=fake_do_bench)
+
+
+def _offs(counts):
+    return offs_from_counts(torch.tensor(counts))
+
+
+def _inputs(counts, n=64, k=128, seed=0, exact=False):
+    """(a, b, a_scale, b_scale, alpha, offs), swizzled; ``exact``: power-of-two scales and alphas, so that every
+    fp32 partial sum of K=128 products is exact."""
+    g = torch.Generator().manual_seed(seed)
+    offs = _offs(counts)
+    t, e = int(offs[-1]), len(counts)
+    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    lo, hi = (-1, 2) if exact else (-3, 4)
+    sa = torch.exp2(torch.randint(lo, hi, (t, k // 16), generator=g).float()).to(torch.float8_e4m3fn)
+    sb = torch.exp2(torch.randint(lo, hi, (e, n, k // 16), generator=g).float()).to(torch.float8_e4m3fn)
+    alpha = torch.exp2(torch.randint(-2, 3, (e,), generator=g).float()) * (1 if exact else 0.75)
+    return a, b, swizzle_grouped_scales(sa, offs), swizzle_expert_scales(sb), alpha, offs
+
+
+def _f64(a, b, sa, sb, alpha, offs):
+    """Independent float64 oracle: the e2m1 table, the linear scales, one matmul per expert."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    t, k = a.shape[0], a.shape[1] * 2
+    e, n = b.shape[:2]
+
+    def dec(p, s):
+        v = torch.stack((lut[(p & 15).long()], lut[(p >> 4).long()]), -1).reshape(*p.shape[:-1], k)
+        return (v.reshape(*p.shape[:-1], k // 16, 16) * s.double().unsqueeze(-1)).reshape(*p.shape[:-1], k)
+
+    av = dec(a, unswizzle_grouped_scales(sa, offs, t, k // 16).float())
+    bv = dec(b, unswizzle_expert_scales(sb, n, k // 16).float())
+    out = torch.zeros(t, n, dtype=torch.float64)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = av[start:end] @ bv[i].T * float(alpha.reshape(-1)[i if alpha.numel() > 1 else 0])
+        start = end
+    return out
+
+
+# -- the layouts ----------------------------------------------------------------------------------------------------
+def test_each_experts_activation_scales_are_a_dense_swizzled_matrix_at_its_padded_start():
+    counts = [0, 3, 0, 197, 1, 128]
+    offs = _offs(counts)
+    lin = torch.randint(0, 127, (sum(counts), 5), dtype=torch.uint8)
+    sw = swizzle_grouped_scales(lin, offs)
+    starts = scale_starts(offs).tolist()
+    assert starts == [0, 0, 128, 128, 384, 512, 640] and sw.shape == (grouped_scale_rows(329, 6), 8)
+    row = 0
+    for e, c in enumerate(counts):
+        blk = sw[starts[e]:starts[e + 1]]
+        assert torch.equal(blk, swizzle_scales(lin[row:row + c])[:blk.shape[0]]) if c else blk.numel() == 0
+        row += c
+    assert torch.equal(unswizzle_grouped_scales(sw, offs, 329, 5), lin)
+    w = torch.randint(0, 127, (3, 130, 5), dtype=torch.uint8)
+    ws = swizzle_expert_scales(w)
+    assert ws.shape == (3, 256, 8) and torch.equal(ws[1], swizzle_scales(w[1]))
+    assert torch.equal(unswizzle_expert_scales(ws, 130, 5), w)
+
+
+def test_grouped_scale_rows_hold_every_routing():
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        e = int(torch.randint(1, 40, (1,), generator=g))
+        counts = torch.randint(0, 300, (e,), generator=g) * (torch.rand(e, generator=g) < 0.5)
+        offs = offs_from_counts(counts)
+        assert int(scale_starts(offs)[-1]) <= grouped_scale_rows(int(counts.sum()), e)
+    assert grouped_scale_rows(1, 256) == 128 and grouped_scale_rows(8, 256) == 8 * 128
+
+
+def test_check_routings_sum_to_t_leave_an_expert_empty_or_put_every_row_on_one():
+    for seed in range(12):
+        for t, e in ((1, 4), (3, 4), (300, 4), (77, 256), (5, 1)):
+            offs = check_routing(t, e, seed, CPU)
+            counts = torch.diff(offs.long(), prepend=torch.zeros(1, dtype=torch.long))
+            assert offs.dtype == torch.int32 and int(offs[-1]) == t and bool((counts >= 0).all())
+            if seed % 4 == 3 or e == 1:
+                assert int(counts[-1]) == t
+            else:
+                assert int(counts[0]) == 0
+    counts = topk_counts(64, 256, 8, seed=1)
+    assert int(counts.sum()) == 512 and int((counts == 0).sum()) > 0
+
+
+# -- exactness ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("counts", [[0, 5, 0, 2], [7], [0, 0, 130, 1, 0], [1, 1, 1, 1, 1, 1]])
+def test_fp32_out_equals_float64_per_expert_where_every_sum_is_exact(tmp_path, counts):
+    ops = _inputs(counts, exact=True)
+    out = _disp([ReferenceBackend()], tmp_path).fp4_grouped_mm(*ops, out_dtype=torch.float32)
+    assert torch.equal(out.double(), _f64(*ops))
+
+
+def test_one_expert_equals_fp4_mm_and_linear_scales_equal_swizzled_ones(tmp_path):
+    d = _disp([ReferenceBackend()], tmp_path)
+    a, b, sa, sb, alpha, offs = _inputs([37], exact=False)
+    dense = d.fp4_mm(a, b[0], sa[:128], sb[0], alpha, out_dtype=torch.float32)
+    assert torch.equal(d.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=torch.float32), dense)
+    a, b, sa, sb, alpha, offs = _inputs([0, 9, 0, 300], seed=3)
+    lin_a = unswizzle_grouped_scales(sa, offs, 309, 8)
+    lin_b = unswizzle_expert_scales(sb, 64, 8)
+    ref = d.fp4_grouped_mm(a, b, sa, sb, alpha, offs)
+    assert torch.equal(d.fp4_grouped_mm(a, b, lin_a, lin_b, alpha, offs, scale_layout="linear"), ref)
+    # torch scaled_grouped_mm's flattened [E, round_up(N,128) * round_up(K/16,4)] weight scales are accepted too
+    assert torch.equal(d.fp4_grouped_mm(a, b, sa, sb.reshape(4, -1), alpha, offs), ref)
+    assert d.fp4_grouped_mm(a[:0], b, sa, sb, alpha, torch.zeros(4, dtype=torch.int32)).shape == (0, 64)
+
+
+def test_quantized_tokens_through_the_grouped_call_match_the_dense_product(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(20, 256, generator=g), torch.randn(3, 48, 256, generator=g)
+    offs = _offs([6, 0, 14])
+    xq, xs, xg = quantize_nvfp4(x, scale_layout="linear")
+    qs = [quantize_nvfp4(w[e], scale_layout="linear") for e in range(3)]
+    alpha = torch.stack([1 / (xg * q[2]) for q in qs]).reshape(3).float()
+    out = _disp([ReferenceBackend()], tmp_path).fp4_grouped_mm(
+        xq, torch.stack([q[0] for q in qs]), swizzle_grouped_scales(xs, offs),
+        swizzle_expert_scales(torch.stack([q[1] for q in qs])), alpha, offs, out_dtype=torch.float32)
+    ref = torch.cat([x[:6] @ w[0].T, x[6:] @ w[2].T])
+    assert float((out - ref).norm() / ref.norm()) < 0.2  # NVFP4's own rounding of both operands
+
+
+# -- the dispatcher's machinery -------------------------------------------------------------------------------------
+GROUPED_FAILURES = [dict(result="zeros"), dict(result="nan"), dict(result="scaled"), dict(result="abs_alpha"),
+                    dict(result="nan_scale_as_zero"), dict(result="one_expert"), dict(mutates="offs"),
+                    dict(mutates="a"), dict(out_fault="past_end"), dict(raises=RuntimeError("launch failed"))]
+
+
+@pytest.mark.parametrize("kw", GROUPED_FAILURES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_every_failure_mode_of_a_grouped_backend_is_caught_per_key(tmp_path, kw):
+    bad = FakeBackend("bad", cost=1e-6, ops=("grouped",), **kw)  # the fastest: only the checks keep it out
+    good = FakeBackend("good", cost=1e-3, ops=("grouped",))
+    d = _disp([bad, good], tmp_path)
+    for counts in ([0, 1, 0, 0], [2, 0, 3, 0], [0, 100, 150, 50]):
+        ops = _inputs(counts, seed=len(counts))
+        out = d.fp4_grouped_mm(*ops, out_dtype=torch.float32)
+        ref = _f64(*ops)
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+        p = Problem(sum(counts), 64, 128, torch.float32, CPU, torch.uint8, 4)
+        assert d.choose(p).backend is good
+
+
+def test_a_grouped_key_holds_e_and_only_grouped_backends_compete(tmp_path):
+    dense = FakeBackend("dense", cost=1e-9)
+    grouped = FakeBackend("grouped", cost=1e-3, ops=("grouped",))
+    slow = FakeBackend("slow", cost=1e-2, ops=("grouped",))
+    d = _disp([dense, slow, grouped], tmp_path)
+    d.fp4_grouped_mm(*_inputs([0, 9, 7, 0]))
+    p = Problem(16, 64, 128, torch.bfloat16, CPU, torch.uint8, 4)
+    c = d.choose(p)
+    assert c.backend is grouped and [b.name for b, _ in c.fallbacks] == ["slow"]  # dense never ran on it
+    ks = key_str(p.key)
+    assert ks == "grouped-e4-m16-n64-k128-bfloat16" and key_str(p._replace(experts=8).key) != ks
+    check_key(ks)
+    assert ks in d.cache_for(CPU).decisions and d.choose(p._replace(experts=0)).backend is dense
+    with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: backend 'dense' computes fp4_mm only; pass one "
+                                                r"of \['grouped', 'slow'\] or none"):
+        d.choose(p, backend="dense")
+
+
+def test_a_probe_of_a_grouped_only_backend_uses_grouped_problems(tmp_path):
+    seen = []
+
+    class Recording(FakeBackend):
+        def run(self, problem, ops, config):
+            seen.append((problem.op, problem.experts, tuple(ops.offs.shape)))
+            super().run(problem, ops, config)
+
+    d = _disp([Recording("g", ops=("grouped",))], tmp_path)
+    assert d.report("cpu")[0].status == "ok"
+    assert seen and set(seen) == {("grouped", PROBE_E, (PROBE_E,))}
+
+
+def test_the_expert_loop_computes_each_expert_with_a_dense_dispatcher(tmp_path):
+    loop = ExpertLoopBackend(_disp([ReferenceBackend()], tmp_path))
+    for seed in (0, 3):  # a routing with an empty expert, and one with every row on the last expert
+        case = make_case(Problem(40, 64, 128, torch.float32, CPU, torch.uint8, 5), 4 + seed, reference_mm)
+        assert check_run(loop, case, {}) is None
+    decided = set(loop.dense().cache_for(CPU).decisions)
+    assert decided and all(ks.startswith("m") and ks.endswith("-n64-k128-float32") for ks in decided)  # dense keys
+
+
+def test_the_default_dispatcher_probes_the_expert_loop_without_calling_back_into_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
+    d = Dispatcher([ReferenceBackend(), ExpertLoopBackend()], cache_dir=tmp_path / "c")
+    fp4dispatch.set_dispatcher(d)
+    try:
+        assert {r.name: r.status for r in d.report("cpu")} == {"reference": "ok", "loop:fp4_mm": "ok"}
+    finally:
+        fp4dispatch.set_dispatcher(None)
+
+
+# -- the contract ---------------------------------------------------------------------------------------------------
+def _bad(**change):
+    a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
+    args = dict(a=a, b=b, a_scale=sa, b_scale=sb, alpha=alpha, offs=offs)
+    return {**args, **change}
+
+
+ERRORS = [
+    (dict(offs=torch.tensor([0, 3, 2, 5], dtype=torch.int32)),
+     r"^fp4_grouped_mm: offs must be non-decreasing cumulative end rows starting at >= 0; got offs\[2\]=2 < "
+     r"offs\[1\]=3\. Build it as torch.cumsum\(rows_per_expert, 0\).to\(torch.int32\)$"),
+    (dict(offs=torch.tensor([0, 3, 4, 4], dtype=torch.int32)),
+     r"^fp4_grouped_mm: offs\[-1\] must equal T = a.shape\[0\] = 5 \(every row belongs to an expert\); got "
+     r"offs\[-1\]=4\."),
+    (dict(offs=torch.tensor([0, 3, 5], dtype=torch.int32)),
+     r"^fp4_grouped_mm: offs must be 1-D \[E\] with E = b.shape\[0\] = 4 .*; got offs.shape=\(3,\)"),
+    (dict(offs=torch.tensor([0, 0, 3, 5, 5])),
+     r"^fp4_grouped_mm: offs must be int32; got dtype=torch.int64\. Convert it with offs.to\(torch.int32\)$"),
+    (dict(offs=torch.tensor([0, 0, 3, 5, 5], dtype=torch.int32)),
+     r"offs.shape=\(5,\)\. If it has E\+1 entries starting with 0 \(a start-offset table\), pass offs\[1:\]$"),
+    (dict(alpha=torch.ones(3)),
+     r"^fp4_grouped_mm: alpha must have E=4 elements \(one 1/\(gs_a\*gs_b\[e\]\) per expert\) or one; got "
+     r"alpha.shape=\(3,\)$"),
+    (dict(alpha=torch.ones(4, dtype=torch.float64)),
+     r"^fp4_grouped_mm: alpha must be float32; got dtype=torch.float64"),
+    (dict(b=torch.zeros(64, 64, dtype=torch.uint8)),
+     r"^fp4_grouped_mm: b must be 3-D \[E, N, K/2\] .*; got b.shape=\(64, 64\)\. A 2-D weight is one expert: fp4_mm "
+     r"takes it, or pass b.unsqueeze\(0\) for E=1$"),
+    (dict(a=torch.zeros(5, 32, dtype=torch.uint8)),
+     r"^fp4_grouped_mm: b.shape\[2\] \(K/2\) must equal a.shape\[1\]=32"),
+    (dict(a_scale=torch.zeros(5, 8, dtype=torch.float8_e4m3fn)),
+     r"^fp4_grouped_mm: a_scale with scale_layout='swizzled' must be \[S, round_up\(K/16,4\)=8\] with S a multiple of "
+     r"128 .*grouped_scale_rows\(T, E\) = 512 hold any routing.*; got a_scale.shape=\(5, 8\)\. It has the linear "
+     r"layout's shape: pass scale_layout='linear'\.$"),
+    (dict(b_scale=torch.zeros(4, 64, 8, dtype=torch.float8_e4m3fn)),
+     r"^fp4_grouped_mm: b_scale with scale_layout='swizzled' must have shape \(4, 128, 8\) = \(E, round_up\(N=64,"
+     r"128\), round_up\(K/16=8,4\)\), each expert 128x4-swizzled .*It has the linear layout's shape: pass "
+     r"scale_layout='linear'\.$"),
+    (dict(out=torch.empty(5, 64)),
+     r"^fp4_grouped_mm: out must be a contiguous \[T, N\]=\(5, 64\) tensor of dtype torch.bfloat16 on cpu that does "
+     r"not require grad; got shape=\(5, 64\), dtype=torch.float32.* or pass out_dtype$"),
+]
+
+
+@pytest.mark.parametrize("change, message", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
+def test_every_contract_error_names_argument_expected_got_and_fix(tmp_path, change, message):
+    d = _disp([ReferenceBackend()], tmp_path)
+    args = _bad(**change)
+    out = args.pop("out", None)
+    with pytest.raises(InvalidInputError, match=message):
+        d.fp4_grouped_mm(*args.values(), out=out)
+
+
+def test_a_swizzled_a_scale_must_fit_the_routing_and_any_routing_when_offs_is_not_read(tmp_path):
+    d = _disp([ReferenceBackend()], tmp_path)
+    a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])  # needs 256 rows; grouped_scale_rows(5, 4) = 512
+    assert d.fp4_grouped_mm(a, b, sa[:256], sb, alpha, offs).shape == (5, 64)
+    with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: a_scale \(swizzled\) has 128 rows; this routing "
+                                                r"needs 256 .*Allocate grouped_scale_rows\(T, E\) = 512 rows"):
+        d.fp4_grouped_mm(a, b, sa[:128], sb, alpha, offs)
+    with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: a_scale \(swizzled\) must have "
+                                                r"grouped_scale_rows\(T, E\) = 512 rows when offs is not read on the "
+                                                r"host \(CUDA graph capture or check_offs=False\).*; got 256$"):
+        d.fp4_grouped_mm(a, b, sa[:256], sb, alpha, offs, check_offs=False)
+
+
+def test_the_public_call_the_custom_ops_and_torch_compile_agree(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
+    fp4dispatch.set_dispatcher(_disp([ReferenceBackend()], tmp_path))
+    try:
+        a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
+        out = fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs)
+        assert torch.equal(out, torch.ops.fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, torch.bfloat16,
+                                                                     "swizzled", None))
+        buf = torch.empty_like(out)
+        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, sa, sb, alpha, offs, buf, "swizzled", None)
+        assert torch.equal(out, buf)
+        fn = torch.compile(lambda x, o: fp4dispatch.fp4_grouped_mm(x, b, sa, sb, alpha, o), fullgraph=True,
+                           backend="eager")
+        assert torch.equal(fn(a, offs), out)
+    finally:
+        fp4dispatch.set_dispatcher(None)
+
+
+# -- the Triton kernel, interpreted ---------------------------------------------------------------------------------
+_CHILD = r'''
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_grouped import _inputs, _f64
+from fp4dispatch.backends.triton_grouped import TritonGroupedBackend
+from fp4dispatch.backends.reference import reference_mm
+from fp4dispatch.dispatch.verify import SENTINEL, check_run, make_case
+from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig
+from fp4dispatch.kernels.grouped_mm import grouped_mm
+from fp4dispatch.problem import Problem
+
+res = {"exact": [], "hostile": [], "bad_offs": []}
+cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
+        GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4)]
+for counts in ([0, 5, 0, 2], [0, 0, 20, 1, 0], [1, 1, 1, 1, 1, 1], [17]):
+    a, b, sa, sb, alpha, offs = _inputs(counts, exact=True)
+    ref = _f64(a, b, sa, sb, alpha, offs)
+    for cfg in cfgs:
+        out = torch.full((a.shape[0], 64), float("nan"))
+        grouped_mm(a, b, sa, sb, alpha, out, offs, cfg)
+        res["exact"].append([counts, torch.equal(out.double(), ref)])
+backend = TritonGroupedBackend()
+for t, e, seed in ((3, 4, 3), (21, 6, 1)):
+    p = Problem(t, 64, 128, torch.bfloat16, torch.device("cpu"), torch.uint8, e)
+    case = make_case(p, seed, reference_mm)
+    res["hostile"].append([t, e, seed, [check_run(backend, case, c) for c in cfgs]])
+a, b, sa, sb, alpha, offs = _inputs([0, 5, 0, 2], exact=True)
+for bad in ([0, 9, 3, 7], [-4, 5, 0, 100], [7, 7, 7, 7]):
+    frame = torch.full((9, 64), SENTINEL)
+    for cfg in (cfgs[0], cfgs[2]):
+        grouped_mm(a, b, sa, sb, alpha, frame[1:8], torch.tensor(bad, dtype=torch.int32), cfg)
+        res["bad_offs"].append([bad, bool((frame[[0, 8]] == SENTINEL).all())])
+print("RESULT " + json.dumps(res))
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton", reason="triton is not installed: the grouped kernel is a Triton kernel")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT / "tests")], env=env, capture_output=True, text=True,
+                       timeout=900)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise AssertionError(f"interpreter child failed (rc={p.returncode}):\n{p.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def test_the_grouped_kernel_is_bit_exact_where_every_sum_is_exact(interpreted):
+    assert interpreted["exact"] and all(ok for _, ok in interpreted["exact"]), interpreted["exact"]
+
+
+def test_the_grouped_kernel_passes_the_hostile_check_with_every_config(interpreted):
+    for t, e, seed, outcomes in interpreted["hostile"]:
+        assert outcomes == [None] * len(outcomes), (t, e, seed, outcomes)
+
+
+def test_a_wrong_routing_table_cannot_make_the_kernel_write_outside_out(interpreted):
+    assert [ok for _, ok in interpreted["bad_offs"]] == [True] * 6
+
+
+def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():
+    from fp4dispatch.kernels.config import MmaBf16Config
+    from fp4dispatch.kernels.grouped_mm import grouped_mm
+
+    a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
+    with pytest.raises(InvalidInputError, match=r"^grouped_mm: config must be one of GemvGroupedConfig, "
+                                                r"MmaGroupedConfig \(from heuristics.grouped_configs_for\); got "
+                                                r"MmaBf16Config$"):
+        grouped_mm(a, b, sa, sb, alpha, torch.empty(5, 64), offs, MmaBf16Config(16, 64, 8, 1, 4, 3))
