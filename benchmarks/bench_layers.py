@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_eager import MS, _copies, _graph_us  # noqa: E402  (the same timing method)
 from bench_hopper import SHAPES  # noqa: E402
 
+QUANT_CALLS = 32
 COLUMNS = ("auto", "w4a16", "w4a4 static", "w4a4 dynamic", "quant static", "quant dynamic", "humming", "humming-nosk",
            "bf16")
 
@@ -52,7 +53,7 @@ def _humming_layer(wq, ws_lin, ws2, n, k):
 
 
 def cell(m: int, n: int, k: int) -> dict:
-    from fp4dispatch import dequantize_nvfp4, quantize_nvfp4, unswizzle_scales, warmup
+    from fp4dispatch import dequantize_nvfp4, unswizzle_scales, warmup
     from fp4dispatch.backends.humming import HummingBackend
     from fp4dispatch.nn import Fp4Linear
     from fp4dispatch.problem import Operands, Problem
@@ -84,9 +85,7 @@ def cell(m: int, n: int, k: int) -> dict:
         row["err"][name] = _rel(y, ref)
         row["us"][name] = _graph_us(lambda i, ls=ls: ls[i](x), r)
     row["auto_mode"] = layers["auto"][0].resolved_mode(x.device)
-    gs = torch.tensor([2688 / amax], dtype=torch.float32, device="cuda")
-    row["us"]["quant static"] = _graph_us(lambda i: quantize_nvfp4(x, gs), 1)
-    row["us"]["quant dynamic"] = _graph_us(lambda i: quantize_nvfp4(x), 1)
+    row["us"]["quant static"], row["us"]["quant dynamic"] = quant_us(x)
     row["us"]["bf16"] = _graph_us(lambda i: dense[i](x), rb)
     row["err"]["bf16"] = _rel(dense[0](x), ref)
     if importlib.util.find_spec("humming") is not None:
@@ -105,6 +104,16 @@ def cell(m: int, n: int, k: int) -> dict:
         row["us"]["humming-nosk"] = _graph_us(lambda i: hb.run(p, ops[i], {}), r)
     torch.cuda.empty_cache()
     return row
+
+
+def quant_us(x: torch.Tensor) -> tuple[float, float]:
+    """µs per activation quantize (static, dynamic) of ``x``: QUANT_CALLS calls in one graph, so that the replay's
+    own launch cost (several µs) is spread as it is over a model's layers (a one-call graph would time mostly that)."""
+    from fp4dispatch import quantize_nvfp4
+
+    gs = torch.tensor([2688 / float(x.float().abs().amax())], dtype=torch.float32, device=x.device)
+    return (_graph_us(lambda i: quantize_nvfp4(x, gs), QUANT_CALLS),
+            _graph_us(lambda i: quantize_nvfp4(x), QUANT_CALLS))
 
 
 def _linear(w: torch.Tensor):
@@ -137,7 +146,15 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quant-only", action="store_true", help="only the two activation-quantize columns")
     args = ap.parse_args()
+    if args.quant_only:
+        print("| K | M | quant static µs | quant dynamic µs |\n|---|---|---|---|")
+        for k in sorted({int(s.split("x")[1]) for s in args.shapes.split(",")}):
+            for m in (int(v) for v in args.ms.split(",")):
+                st, dy = quant_us(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+                print(f"| {k} | {m} | {st:.2f} | {dy:.2f} |", flush=True)
+        return 0
     os.environ.setdefault("FP4DISPATCH_CACHE_DIR", tempfile.mkdtemp(prefix="fp4c-layers-"))
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}; µs per call (relative error)", flush=True)
     rows = []
