@@ -268,6 +268,59 @@ def fake_f_scaled_mm(calls: list):
 
 
 
+def fake_f_scaled_grouped_mm(calls: list):
+    """``torch.nn.functional.scaled_grouped_mm`` for NVFP4 2d-3d (MoE), as PyTorch's
+    ``test_mxfp8_scaled_grouped_mm_2d_3d`` (format="nvfp4") calls it and FBGEMM's ``set_grouped_gemm_args_kernel``
+    (``_2D3D``) reads the scales: group g's activation scales start at row ``sum_{j<g} round_up(m_j, 128)``, its
+    weight scales at ``g * round_up(N,128) * round_up(K/16,4)``; alpha per group = global_a[g] * global_b[g]."""
+    F = torch.nn.functional
+
+    def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a=None,
+                          swizzle_b=None, bias=None, offs=None, output_dtype=torch.bfloat16, contraction_dim=(),
+                          use_fast_accum=False):
+        calls.append("scaled_grouped_mm")
+        fp4 = torch.float4_e2m1fn_x2
+        recipe = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+        swz = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+        _need(list(scale_recipe_a) == recipe and list(scale_recipe_b) == recipe, "NVFP4 two-level recipe expected")
+        _need(list(swizzle_a) == swz and list(swizzle_b) == swz, "SWIZZLE_32_4_4 block scales expected")
+        _need(bias is None and output_dtype == torch.bfloat16, "NVFP4 grouped: no bias, bfloat16 output only")
+        _need(mat_a.dtype == fp4 and mat_b.dtype == fp4, "operands must be float4_e2m1fn_x2")
+        _need(mat_a.dim() == 2 and mat_a.is_contiguous(), "mat_a must be row-major [T, K/2]")
+        t, k2 = mat_a.shape
+        _need(mat_b.dim() == 3 and mat_b.shape[1] == k2 and mat_b.stride(1) == 1,
+              f"mat_b must be the transposed [G, K/2, N] view of [G, N, K/2]; got {tuple(mat_b.shape)} strides "
+              f"{mat_b.stride()}")
+        g, n, k = mat_b.shape[0], mat_b.shape[2], 2 * k2
+        _need(isinstance(offs, torch.Tensor) and offs.dtype == torch.int32 and tuple(offs.shape) == (g,),
+              "offs must be int32 [G] group ends")
+        cp = rup(k // 16, 4)
+        sa, ga = scale_a
+        sb, gb = scale_b
+        for gl in (ga, gb):
+            _need(gl.dtype == torch.float32 and tuple(gl.shape) == (g,), "global scales must be fp32 [G]")
+        _need(sb.dtype == torch.float8_e4m3fn and tuple(sb.shape) == (g, rup(n, 128) * cp),
+              f"scale_b must be [G, round_up(N,128)*round_up(K/16,4)] e4m3; got {tuple(sb.shape)}")
+        ends = offs.tolist()
+        _need(ends == sorted(ends) and ends[-1] == t, "offs must be sorted group ends ending at T")
+        out = torch.zeros(t, n)
+        start, row = 0, 0
+        for i, end in enumerate(ends):
+            m = end - start
+            blk = rup(m, 128)
+            _need(sa.dtype == torch.float8_e4m3fn and sa.dim() == 2 and sa.shape[1] == cp
+                  and sa.shape[0] >= row + blk, f"scale_a must be [S, {cp}] e4m3 holding group {i} at row {row}")
+            if m:
+                A = dequant(mat_a.view(torch.uint8)[start:end], unswizzle_flat(sa[row:row + blk].reshape(-1), m,
+                                                                                 k // 16))
+                B = dequant(mat_b.view(torch.uint8)[i].T, unswizzle_flat(sb[i], n, k // 16))
+                out[start:end] = A @ B.T * (ga[i] * gb[i])
+            start, row = end, row + blk
+        return out.to(torch.bfloat16)
+
+    return scaled_grouped_mm
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Humming (humming-kernels 0.1.20: layer.py, schema/modelopt.py, forward.py, config/config.py, tune/; its tests'
 # reference, utils/weight.py + testing/runner.py: W = e2m1(w) * weight_scale (per 16 along K) * weight_scale_2,

@@ -13,6 +13,7 @@ from fp4dispatch.backends import names
 from fp4dispatch.backends.flashinfer import BACKENDS
 from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.backends.sgl_kernel import SglKernelBackend
+from fp4dispatch.backends.torch_scaled_grouped_mm import TorchScaledGroupedMmBackend
 from fp4dispatch.backends.torch_scaled_mm import TorchScaledMmBackend
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.problem import Problem
@@ -20,7 +21,7 @@ from fp4dispatch.testing import make_operands
 
 CPU = torch.device("cpu")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-NATIVE = [f"flashinfer:{b}" for b in BACKENDS] + ["sgl_kernel:cutlass", "torch:scaled_mm"]
+NATIVE = [f"flashinfer:{b}" for b in BACKENDS] + ["sgl_kernel:cutlass", "torch:scaled_mm", "torch:scaled_grouped_mm"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -135,6 +136,62 @@ def test_torch_scaled_mm_reasons(cc):
     assert b.unavailable(torch.device("cuda", 0)) == \
         "torch._scaled_mm fp4 needs SM100/SM120 (cuBLASLt block-scaled FP4); this is SM90"
     assert "N=48 is not a multiple of 32" in b.unsupported(Problem(4, 48, 512, BF16, CPU))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# F.scaled_grouped_mm (fp4_grouped_mm)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 3], ids=["empty-expert", "one-expert"])
+@pytest.mark.parametrize("t", [1, 37, 300])
+def test_torch_scaled_grouped_mm_adapter_matches_reference(cc, monkeypatch, t, seed):
+    from fp4dispatch.dispatch.verify import check_output, make_case
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", fakes.fake_f_scaled_grouped_mm(calls))
+    cc(100)
+    b = TorchScaledGroupedMmBackend()
+    assert b.unavailable(torch.device("cuda", 0)) is None
+    problem = Problem(t, 96, 160, BF16, CPU, torch.uint8, 5)
+    assert b.unsupported(problem) is None
+    case = make_case(problem, seed, reference_mm)  # hostile: negative alpha per expert, NaN/zero/subnormal scales
+    b.run(problem, case.ops, {})
+    assert check_output(case.ops.out, case.ref, problem) is None  # the dispatcher's own check: NaN where it belongs
+    finite = torch.isfinite(case.ref)
+    assert torch.equal(finite, torch.isfinite(case.ops.out))
+    want = case.ref.to(BF16).float()[finite]
+    torch.testing.assert_close(case.ops.out.float()[finite], want, rtol=2 ** -7, atol=1e-3 * float(want.abs().max()))
+    assert calls == ["scaled_grouped_mm"]
+
+
+def test_torch_scaled_grouped_mm_wrong_layout_is_rejected(cc, monkeypatch):
+    from fp4dispatch.dispatch.verify import make_case
+
+    class Untransposed(TorchScaledGroupedMmBackend):
+        def run(self, problem, ops, config):
+            F, fp4 = torch.nn.functional, torch.float4_e2m1fn_x2
+            st, sw = F.ScalingType, F.SwizzleType
+            F.scaled_grouped_mm(ops.a.view(fp4), ops.b.view(fp4), scale_a=[ops.a_scale, ops.alpha],
+                                scale_recipe_a=[st.BlockWise1x16, st.TensorWise], scale_b=[ops.b_scale, ops.alpha],
+                                scale_recipe_b=[st.BlockWise1x16, st.TensorWise],
+                                swizzle_a=[sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE],
+                                swizzle_b=[sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE], offs=ops.offs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", fakes.fake_f_scaled_grouped_mm([]))
+    cc(100)
+    problem = Problem(9, 96, 160, BF16, CPU, torch.uint8, 4)
+    with pytest.raises(fakes.ContractError, match=r"mat_b must be the transposed \[G, K/2, N\] view"):
+        Untransposed().run(problem, make_case(problem, 1, reference_mm).ops, {})
+
+
+def test_torch_scaled_grouped_mm_reasons(cc):
+    b = TorchScaledGroupedMmBackend()
+    assert b.unavailable(CPU) == "needs CUDA (torch's NVFP4 grouped GEMM has no CPU kernel)"
+    cc(120)
+    assert b.unavailable(torch.device("cuda", 0)) == ("torch's NVFP4 grouped GEMM (FBGEMM/MSLK f4f4bf16_grouped_mm) "
+                                                      "runs on SM100 only; this is SM120")
+    assert b.unsupported(Problem(4, 48, 512, FP16, CPU, torch.uint8, 2)) == \
+        "torch's NVFP4 grouped GEMM writes bfloat16 only; got out_dtype=torch.float16"
+    assert "N=40 is not a multiple of 16" in b.unsupported(Problem(4, 40, 512, BF16, CPU, torch.uint8, 2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
