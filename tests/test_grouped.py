@@ -380,3 +380,14 @@ def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():
                                                 r"MmaGroupedConfig \(from heuristics.grouped_configs_for\); got "
                                                 r"MmaBf16Config$"):
         grouped_mm(a, b, sa, sb, alpha, torch.empty(5, 64), offs, MmaBf16Config(16, 64, 8, 1, 4, 3))
+
+
+def test_warmup_decides_grouped_keys_before_capture_and_explains_a_grouped_w4a16_request(tmp_path):
+    d = _disp([ReferenceBackend()], tmp_path)
+    got = fp4dispatch.warmup([(8, 64, 128), (300, 64, 128)], experts=6, dispatcher=d, device="cpu")
+    assert got == {(8, 64, 128): "reference", (300, 64, 128): "reference"}
+    assert {"grouped-e6-m8-n64-k128-bfloat16", "grouped-e6-m512-n64-k128-bfloat16"} <= set(d.cache_for(CPU).decisions)
+    with pytest.raises(InvalidInputError, match=r"^warmup: experts must be 0 \(dense calls\) or the E > 0 of "
+                                                r"fp4_grouped_mm calls, whose activations are NVFP4 \(activations=None\)"
+                                                r"; got experts=6, activations=torch.bfloat16$"):
+        fp4dispatch.warmup([(8, 64, 128)], experts=6, activations=torch.bfloat16, dispatcher=d, device="cpu")
