@@ -14,27 +14,19 @@ from __future__ import annotations
 import torch
 
 from ..problem import GroupedOperands, Problem
-from ._native import NativeBackend, alignment_reason
+from ._native import alignment_reason
 from .base import Config
+from .torch_scaled_mm import TorchScaledMmBackend
 
 __all__ = ["TorchScaledGroupedMmBackend"]
 
 
-class TorchScaledGroupedMmBackend(NativeBackend):
-    """``torch.nn.functional.scaled_grouped_mm`` with ``float4_e2m1fn_x2`` operands (SM100)."""
+class TorchScaledGroupedMmBackend(TorchScaledMmBackend):
+    """``torch.nn.functional.scaled_grouped_mm`` with ``float4_e2m1fn_x2`` operands (SM100); the per-device ones of
+    the weight side's global scales are kept as ``torch:scaled_mm`` keeps its own."""
 
     name = "torch:scaled_grouped_mm"
     ops = ("grouped",)
-    fp4_tensor_cores = True
-    _transient = ("_lib", "_ones")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._ones: dict[tuple, torch.Tensor] = {}
-
-    def _reset_transient(self) -> None:
-        self._lib = None
-        self._ones = {}
 
     def unavailable(self, device: torch.device) -> str | None:
         cc = self.device_capability(device)
@@ -53,6 +45,9 @@ class TorchScaledGroupedMmBackend(NativeBackend):
         if problem.out_dtype != torch.bfloat16:
             return f"torch's NVFP4 grouped GEMM writes bfloat16 only; got out_dtype={problem.out_dtype}"
         return alignment_reason(problem, 16, 32, "torch's NVFP4 grouped GEMM (16-element aligned dims)")
+
+    def configs(self, problem: Problem) -> list[Config]:
+        return [{}]
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
         F = torch.nn.functional
