@@ -31,13 +31,19 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU 
 # it) and NVIDIA NeMo AutoModel's GlmMoeDsaConfig (docs.nvidia.com/nemo/automodel, glm_moe_dsa/config).
 GLM_5 = {"hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_attention_heads": 64,
          "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
-         "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3}
+         "v_head_dim": 256, "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
+         "num_experts_per_tok": 8}
 # Qwen3.5-397B-A17B text_config: NVIDIA Megatron-LM's MIMO config for it ("All values match the HuggingFace
 # text_config").
 QWEN35_397B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
                "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024, "num_experts": 512,
                "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
-               "linear_value_head_dim": 128, "attn_output_gate": True}
+               "linear_value_head_dim": 128, "attn_output_gate": True, "num_experts_per_tok": 10}
+# deepseek-ai/DeepSeek-V3 config.json (huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json).
+DEEPSEEK_V3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+               "first_k_dense_replace": 3}
 # meta-llama/Llama-3.1-70B config.json (huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json).
 LLAMA_31_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8}
 
@@ -160,6 +166,35 @@ def test_preset_shapes_at_tp8_follow_the_layer_formulas():
         "expert.down": (q["hidden_size"], q["moe_intermediate_size"]),
         "shared_expert.gate_up": (2 * q["shared_expert_intermediate_size"] // tp, q["hidden_size"]),
         "shared_expert.down": (q["hidden_size"], q["shared_expert_intermediate_size"] // tp)}
+
+
+def test_routed_experts_are_grouped_keys_of_e_over_ep_experts_and_t_rows(capsys):
+    d = DEEPSEEK_V3
+    experts = {g.layer: (g.n, g.k, g.experts, g.top_k) for g in presets.preset_gemms("deepseek-v3-nvfp4", 8, 8)
+               if g.experts}
+    assert experts == {"expert.gate_up": (2 * d["moe_intermediate_size"], d["hidden_size"], 256 // 8, 8),
+                       "expert.down": (d["hidden_size"], d["moe_intermediate_size"], 256 // 8, 8)}
+    code, data, _ = _json(capsys, ["--preset", "deepseek-v3-nvfp4", "--tp", "8", "--ep", "8", "--m", "1,16", "--list",
+                                   "--json"])
+    grouped = {(s["m"], s["n"], s["k"], s["experts"]) for s in data["shapes"] if s["experts"]}
+    assert code == 0 and grouped == {(m * 8, n, k, 32) for m in (1, 16) for n, k in ((4096, 7168), (7168, 2048))}
+    code, _, err = _run(capsys, ["--preset", "kimi-k2-nvfp4", "--ep", "5", "--list"])
+    assert code == 2 and "--ep 5 does not divide n_routed_experts=384; choose an EP size that divides it" in err
+    code, data, _ = _json(capsys, ["--preset", "deepseek-v3-nvfp4", "--op", "w4a16", "--m", "1", "--list", "--json"])
+    assert code == 0 and not any(s["experts"] for s in data["shapes"])
+    assert {s["layer"] for s in data["skipped"]} == {"expert.gate_up", "expert.down"}
+    assert data["skipped"][0]["reason"].startswith("fp4_grouped_mm has no W4A16 form")
+
+
+@cpu_only
+def test_tuning_a_moe_config_decides_grouped_keys(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+                               "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}))
+    code, data, _ = _json(capsys, ["--hf-config", str(cfg), "--m", "3", "--json", "--cache-dir", str(tmp_path / "c")])
+    rows = {r["key"]: r for r in data["shapes"]}
+    assert code == 0 and {"grouped-e4-m8-n256-k256-bfloat16", "grouped-e4-m8-n256-k128-bfloat16"} <= set(rows)
+    assert all(r["status"] == "ok" and r["op"] == "fp4_grouped_mm" for k, r in rows.items() if k.startswith("grouped"))
 
 
 def test_preset_cli_crosses_layers_with_the_default_m_list(capsys):

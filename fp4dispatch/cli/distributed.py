@@ -102,9 +102,10 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
     for s in bar:
-        problem = Problem(s.m, s.n, s.k, dt, device, adt)
+        problem = Problem(s.m, s.n, s.k, dt, device, adt, s.experts)
         ks = key_str(problem.key)
-        row = {"key": ks, "op": opts.op, "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
+        row = {"key": ks, "op": opts.op if not s.experts else "fp4_grouped_mm", "experts": s.experts, "m": s.m,
+               "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
                "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
                "source": "cache" if ks in cache.decisions else "tuned"}
         try:
@@ -291,7 +292,8 @@ def merge_device_results(results: list[dict]) -> tuple[list[dict], list[dict], l
         backends += res["backends"]
         if res["error"]:
             notes.append(f"{res['device']}: its tuning process died ({res['error']})")
-            rows += [{"key": f"m{m_bucket(s.m)}-n{s.n}-k{s.k}", "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n,
+            rows += [{"key": ("" if not s.experts else f"grouped-e{s.experts}-") + f"m{m_bucket(s.m)}-n{s.n}-k{s.k}",
+                      "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n,
                       "k": s.k, "layers": list(s.layers), "tuned_by": res["device"], "status": "error",
                       "error": res["error"]} for s in res["unfinished"]]
     return sorted(rows, key=_row_order), backends, notes

@@ -15,7 +15,9 @@ with a list of M (tokens). Layer rules, with TP = ``--tp``:
 * dense MLP: gate_up ``N = 2*intermediate/TP``, ``K = hidden``; down ``N = hidden``, ``K = intermediate/TP``.
 * MoE routed experts: gate_up ``N = 2*moe_intermediate``, ``K = hidden``; down ``N = hidden``,
   ``K = moe_intermediate`` -- NOT split by TP: serving stacks run experts expert-parallel, each expert whole on one
-  GPU. M of an expert GEMM is the number of tokens routed to that expert, not the batch.
+  GPU, E/EP experts per rank (``--ep``). With ``--op fp4_mm`` they are ``fp4_grouped_mm`` keys of E/EP experts whose
+  T is M x ``num_experts_per_tok`` (M tokens per rank after the dispatch, each routed to top-k experts: the rows of
+  one grouped call); ``--op w4a16`` skips them (there is no grouped W4A16 op).
 * MoE shared expert: like the dense MLP with ``shared_expert_intermediate_size`` (or ``n_shared_experts *
   moe_intermediate_size``), split by TP.
 
@@ -25,13 +27,13 @@ NVFP4 checkpoint really quantizes is in its ``quantization_config``; the presets
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..problem import M_BUCKETS, m_bucket
 
 __all__ = ["Gemm", "ConfigError", "PRESETS", "DEFAULT_MS", "gemms_from_config", "preset_gemms", "read_hf_config",
-           "parse_m_spec", "parse_shape_spec", "default_shapes", "expand_shapes", "ShapeSpec"]
+           "parse_m_spec", "parse_shape_spec", "parse_positive", "default_shapes", "expand_shapes", "ShapeSpec"]
 
 BLOCK = 16  # NVFP4: one e4m3 scale per 16 K-elements, so K must be a multiple of 16
 DEFAULT_MS = (1, 16, 128, 1024, 4096)
@@ -49,6 +51,8 @@ class Gemm:
     n: int
     k: int
     skip: str | None = None
+    experts: int = 0  # routed experts on this rank: an fp4_grouped_mm of that many experts (0: a dense layer)
+    top_k: int = 0  # experts per token (num_experts_per_tok)
 
 
 @dataclass
@@ -59,13 +63,14 @@ class ShapeSpec:
     n: int
     k: int
     layers: list[str] = field(default_factory=list)
+    experts: int = 0  # E of an fp4_grouped_mm key (m is then T, the routed rows); 0: a dense key
 
 
 # Published config.json values of each preset (an NVFP4 checkpoint keeps the base model's shapes).
 PRESETS: dict[str, dict] = {
     # zai-org/GLM-5 (architecture GlmMoeDsaForCausalLM). Values: GLM-5 technical report table (hidden 6144, dense
     # intermediate 12288, MoE intermediate 2048, 64 heads, q/kv LoRA 2048/512, V head dim 256, 3 dense layers,
-    # 256 experts + 1 shared), as quoted at https://glennklockwood.com/garden/GLM-5, and NVIDIA NeMo AutoModel's
+    # 256 experts + 1 shared, top-8), as quoted at https://glennklockwood.com/garden/GLM-5, and NVIDIA NeMo AutoModel's
     # GlmMoeDsaConfig defaults (https://docs.nvidia.com/nemo/automodel/nemo-automodel/nemo_automodel/components/
     # models/glm_moe_dsa/config): qk_nope_head_dim 192, qk_rope_head_dim 64, num_key_value_heads 64.
     "glm-5-nvfp4": {
@@ -73,7 +78,7 @@ PRESETS: dict[str, dict] = {
         "config": {"hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
                    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
                    "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 256,
-                   "n_shared_experts": 1, "first_k_dense_replace": 3},
+                   "n_shared_experts": 1, "first_k_dense_replace": 3, "num_experts_per_tok": 8},
     },
     # Qwen/Qwen3.5-397B-A17B text_config. Values: NVIDIA Megatron-LM MIMO example config for Qwen3.5-397B-A17B
     # ("All values match the HuggingFace text_config"): hidden 4096, 32 heads, 2 KV heads, head_dim 256, attention
@@ -83,8 +88,27 @@ PRESETS: dict[str, dict] = {
         "source": "Qwen/Qwen3.5-397B-A17B text_config via NVIDIA Megatron-LM's Qwen3.5-397B-A17B config",
         "config": {"hidden_size": 4096, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
                    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256, "attn_output_gate": True,
-                   "num_experts": 512, "linear_num_key_heads": 16, "linear_num_value_heads": 64,
+                   "num_experts": 512, "num_experts_per_tok": 10, "linear_num_key_heads": 16,
+                   "linear_num_value_heads": 64,
                    "linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    },
+    # deepseek-ai/DeepSeek-V3 config.json (huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json; the NVFP4
+    # release nvidia/DeepSeek-V3-0324-FP4 keeps it): 128 heads, MLA ranks 1536/512, 256 experts top-8.
+    "deepseek-v3-nvfp4": {
+        "source": "deepseek-ai/DeepSeek-V3 config.json",
+        "config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                   "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                   "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3},
+    },
+    # moonshotai/Kimi-K2-Instruct config.json (DeepSeek-V3's architecture): 64 heads, 384 experts top-8, one dense
+    # layer.
+    "kimi-k2-nvfp4": {
+        "source": "moonshotai/Kimi-K2-Instruct config.json",
+        "config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                   "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
+                   "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1},
     },
     # meta-llama/Llama-3.1-70B config.json (https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json):
     # hidden 8192, intermediate 28672, 64 heads, 8 KV heads, 80 layers; head_dim = 8192/64 = 128.
@@ -114,10 +138,10 @@ def _split(value: int, tp: int, what: str) -> int:
     return value // tp
 
 
-def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config") -> list[Gemm]:
+def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1) -> list[Gemm]:
     """The per-rank linear layers of a model described by Hugging Face config keys (see the module docstring)."""
-    if tp < 1:
-        raise ConfigError(f"--tp must be a positive integer; got {tp}")
+    if tp < 1 or ep < 1:
+        raise ConfigError(f"--tp and --ep must be positive integers; got {tp}, {ep}")
     hidden = _need(cfg, "hidden_size", where)
     heads = _need(cfg, "num_attention_heads", where)
     h_tp = _split(heads, tp, "num_attention_heads")
@@ -163,20 +187,26 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config") -> list[Gem
     if has_experts or moe_inter is not None:
         # experts whole on one GPU (expert parallel); Mixtral-style configs size experts with intermediate_size
         e = _need(cfg, "moe_intermediate_size" if moe_inter is not None else "intermediate_size", where)
-        out += [Gemm("expert.gate_up", 2 * e, hidden), Gemm("expert.down", hidden, e)]
+        key = next((k for k in _EXPERT_KEYS if cfg.get(k)), _EXPERT_KEYS[0])
+        n_exp = _need(cfg, key, where)
+        if n_exp % ep:
+            raise ConfigError(f"--ep {ep} does not divide {key}={n_exp}; choose an EP size that divides it")
+        top_k = _need(cfg, "num_experts_per_tok", where)
+        out += [Gemm("expert.gate_up", 2 * e, hidden, experts=n_exp // ep, top_k=top_k),
+                Gemm("expert.down", hidden, e, experts=n_exp // ep, top_k=top_k)]
         shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * e
         if shared:
             s_tp = _split(shared, tp, "shared expert intermediate size")
             out += [Gemm("shared_expert.gate_up", 2 * s_tp, hidden), Gemm("shared_expert.down", hidden, s_tp)]
-    return [g if g.k % BLOCK == 0 else Gemm(g.layer, g.n, g.k, f"K={g.k} (at --tp {tp}) is not a multiple of "
-                                            f"{BLOCK}, so this layer cannot be NVFP4; it is skipped") for g in out]
+    return [g if g.k % BLOCK == 0 else replace(g, skip=f"K={g.k} (at --tp {tp}) is not a multiple of {BLOCK}, so "
+                                                    "this layer cannot be NVFP4; it is skipped") for g in out]
 
 
-def preset_gemms(name: str, tp: int = 1) -> list[Gemm]:
-    """The per-rank GEMMs of preset ``name`` at tensor parallelism ``tp``."""
+def preset_gemms(name: str, tp: int = 1, ep: int = 1) -> list[Gemm]:
+    """The per-rank GEMMs of preset ``name`` at tensor parallelism ``tp`` and expert parallelism ``ep``."""
     if name not in PRESETS:
         raise ConfigError(f"--preset must be one of {sorted(PRESETS)}; got {name!r}")
-    return gemms_from_config(PRESETS[name]["config"], tp, where=f"preset {name}")
+    return gemms_from_config(PRESETS[name]["config"], tp, where=f"preset {name}", ep=ep)
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -196,6 +226,13 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 # -- M and shape specs --------------------------------------------------------------------------------------------
+def parse_positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"must be a positive integer; got {text!r}")
+    return int(text)
+
+
+
 _M_FORM = "an integer, a list 1,16,128, or a range 1-8192 (expanded to the M buckets)"
 
 
@@ -246,16 +283,17 @@ def parse_shape_spec(spec: str) -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in _m_items(items[:-2], spec)]
 
 
-def expand_shapes(shapes: list[tuple[int, int, int, str]]) -> list[ShapeSpec]:
-    """Merge (m, n, k, layer) rows that share a tuning key (M bucket, N, K): one entry per key, sorted, keeping the
-    largest M of the bucket and every layer name."""
-    keyed: dict[tuple[int, int, int], ShapeSpec] = {}
-    for m, n, k, layer in shapes:
-        s = keyed.setdefault((m_bucket(m), n, k), ShapeSpec(m, n, k))
+def expand_shapes(shapes: list[tuple]) -> list[ShapeSpec]:
+    """Merge (m, n, k, layer[, experts]) rows that share a tuning key (M bucket, N, K, experts): one entry per key,
+    sorted, keeping the largest M of the bucket and every layer name."""
+    keyed: dict[tuple[int, int, int, int], ShapeSpec] = {}
+    for m, n, k, layer, *e in shapes:
+        experts = e[0] if e else 0
+        s = keyed.setdefault((m_bucket(m), n, k, experts), ShapeSpec(m, n, k, experts=experts))
         s.m = max(s.m, m)
         if layer and layer not in s.layers:
             s.layers.append(layer)
-    return [keyed[key] for key in sorted(keyed, key=lambda t: (t[1], t[2], t[0]))]
+    return [keyed[key] for key in sorted(keyed, key=lambda t: (t[3], t[1], t[2], t[0]))]
 
 
 def default_shapes(on_gpu: bool) -> list[tuple[int, int, int, str]]:

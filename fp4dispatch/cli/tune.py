@@ -150,14 +150,17 @@ def _collect_shapes(args, parser, on_gpu: bool) -> tuple[list, list[dict]]:
     gemms: list[presets.Gemm] = []
     try:
         if args.preset:
-            gemms += presets.preset_gemms(args.preset, args.tp or 1)
+            gemms += presets.preset_gemms(args.preset, args.tp or 1, args.ep or 1)
         if args.hf_config:
             cfg = presets.read_hf_config(args.hf_config)
-            gemms += presets.gemms_from_config(cfg, args.tp or 1, where=f"--hf-config {args.hf_config}")
+            gemms += presets.gemms_from_config(cfg, args.tp or 1, f"--hf-config {args.hf_config}", args.ep or 1)
     except presets.ConfigError as e:
         parser.error(str(e))
     ms = args.m or list(presets.DEFAULT_MS)
-    raw += [(m, g.n, g.k, g.layer) for g in gemms if g.skip is None for m in ms]
+    if args.op == "w4a16":  # routed experts are fp4_grouped_mm keys, and that op has no W4A16 form
+        gemms = [dataclasses.replace(g, skip="fp4_grouped_mm has no W4A16 form: tune the routed experts with --op "
+                                     "fp4_mm") if g.experts else g for g in gemms]
+    raw += [(m * (g.top_k or 1), g.n, g.k, g.layer, g.experts) for g in gemms if g.skip is None for m in ms]
     skipped = [{"layer": g.layer, "n": g.n, "k": g.k, "reason": g.skip} for g in gemms if g.skip]
     if not raw and not skipped:
         raw = presets.default_shapes(on_gpu)
@@ -174,7 +177,8 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
             print(json.dumps({"command": "list", "shapes": listing, "skipped": skipped}, indent=1))
         else:
             for s in listing:
-                print(f"M={s['m']} (bucket {s['m_bucket']}) N={s['n']} K={s['k']}  {', '.join(s['layers'])}")
+                rows = f"E={s['experts']} T" if s["experts"] else "M"  # a grouped key's M is T, the routed rows
+                print(f"{rows}={s['m']} (bucket {s['m_bucket']}) N={s['n']} K={s['k']}  {', '.join(s['layers'])}")
             print("\n".join(skip_notes) if skip_notes else f"{len(listing)} shapes")
         return 0
     notes = ([] if dev.type == "cuda" else [_CPU_NOTE]) + skip_notes
@@ -310,12 +314,6 @@ def _argtype(fn):
     return convert
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"must be a positive integer; got {text!r}")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fp4dispatch.tune",
                                 description="Warm the decision cache for your shapes; see which backends work, why.",
@@ -328,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeatable; M may be a list 1,16,128 or a range 1-8192 (one M per bucket)")
     g.add_argument("--preset", choices=sorted(presets.PRESETS), help="a model's linear layers")
     g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json; its linear layers")
-    g.add_argument("--tp", type=_argtype(_positive), help="tensor-parallel size of --preset / --hf-config (default 1)")
+    pos = _argtype(presets.parse_positive)
+    g.add_argument("--tp", type=pos, help="tensor-parallel size of --preset / --hf-config (default 1)")
+    g.add_argument("--ep", type=pos, help="expert-parallel size of --preset / --hf-config: E/EP experts per rank")
     g.add_argument("--m", type=_argtype(presets.parse_m_spec), metavar="M_LIST",
                    help="M values of --preset / --hf-config (default 1,16,128,1024,4096)")
     g.add_argument("--out-dtype", choices=tuple(distributed.OUT_DTYPES), default="bfloat16")
