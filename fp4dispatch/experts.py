@@ -121,8 +121,9 @@ class Fp4Experts(nn.Module):
         else:
             gs = 1.0 / self.input_scale.view(torch.float32)
             xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
-        sa = swizzle_grouped_scales(xs, offs, grouped_scale_rows(x.shape[0], self.num_experts)) if isinstance(
-            offs, torch.Tensor) and offs.dim() == 1 else xs  # a malformed offs is explained by fp4_grouped_mm
+        # an offs that is not a 1-D tensor on x's device goes on as it is, for fp4_grouped_mm's message about it
+        ok = isinstance(offs, torch.Tensor) and offs.dim() == 1 and offs.device == x.device
+        sa = swizzle_grouped_scales(xs, offs, grouped_scale_rows(x.shape[0], self.num_experts)) if ok else xs
         alpha = self.weight_scale_2.view(torch.float32) / gs
         return fp4_grouped_mm(xq, self.weight, sa, self.weight_scale.view(torch.float8_e4m3fn), alpha, offs,
                               out_dtype=x.dtype, check_offs=check_offs)

@@ -89,3 +89,6 @@ def test_bad_calls_are_explained():
         mod(torch.randn(2, 5, 128), torch.tensor([1, 2, 10], dtype=torch.int32))
     with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: offs\[-1\] must equal T = a.shape\[0\] = 4"):
         mod(torch.randn(4, 128), torch.tensor([1, 2, 3], dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: offs must be on cpu like a; got offs.device=meta\. "
+                                                r"Move it with \.to\('cpu'\)$"):
+        mod(torch.randn(4, 128), torch.zeros(3, dtype=torch.int32, device="meta"))

@@ -22,47 +22,38 @@ def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
     if problem.experts:
         return _grouped(problem, ops)
     w4a16 = problem.op == "w4a16"
-    if ops.a.is_cuda:
-        # 16-bit operands are exact (every e2m1 x e4m3 value fits bf16 and fp16; a w4a16 ``a`` is 16-bit already);
-        # a 16-bit GEMM with an fp32 output accumulates and returns in fp32.
-        dt = ops.a.dtype if w4a16 else torch.bfloat16
-        a = ops.a if w4a16 else dequantize_nvfp4(ops.a, ops.a_scale, dtype=dt)
-        b = dequantize_nvfp4(ops.b, ops.b_scale, dtype=dt)
-        try:
-            acc = torch.mm(a, b.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            acc = torch.mm(a.double(), b.double().t()).float()
-    else:
-        a = ops.a.float() if w4a16 else dequantize_nvfp4(ops.a, ops.a_scale)
-        b = dequantize_nvfp4(ops.b, ops.b_scale)
-        acc = torch.mm(a, b.t())
-    return acc * ops.alpha.float()
+    # 16-bit operands on CUDA are exact (every e2m1 x e4m3 value fits bf16 and fp16; a w4a16 ``a`` is 16-bit)
+    dt = (ops.a.dtype if w4a16 else torch.bfloat16) if ops.a.is_cuda else torch.float32
+    a = ops.a if w4a16 else dequantize_nvfp4(ops.a, ops.a_scale, dtype=dt)
+    return _mm_f32(a, dequantize_nvfp4(ops.b, ops.b_scale, dtype=dt)) * ops.alpha.float()
 
 
 def _grouped(problem: Problem, ops: GroupedOperands) -> torch.Tensor:
     """Per expert, on its rows (``offs`` is read on the host: the reference is not a CUDA-graph path)."""
     n, k = problem.n, problem.k
-    a = dequantize_grouped(ops.a, ops.a_scale, ops.offs, torch.float32)
+    dt = torch.bfloat16 if ops.a.is_cuda else torch.float32  # exact either way (see reference_mm)
+    a = dequantize_grouped(ops.a, ops.a_scale, ops.offs, dt)
     b_scales = unswizzle_expert_scales(ops.b_scale, n, k // BLOCK)
     alpha = ops.alpha.float().reshape(-1)
     out = torch.zeros((problem.m, n), dtype=torch.float32, device=ops.a.device)
     start = 0
     for e, end in enumerate(ops.offs.tolist()):
         if end > start:
-            b = dequantize_nvfp4(ops.b[e], b_scales[e], scale_layout="linear")
+            b = dequantize_nvfp4(ops.b[e], b_scales[e], scale_layout="linear", dtype=dt)
             out[start:end] = _mm_f32(a[start:end], b) * alpha[e if alpha.numel() > 1 else 0]
         start = end
     return out
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b.T of exact fp32 operands with fp32 sums (bf16 operands and an fp32 output on the GPU: exact inputs)."""
+    """``a @ b.T`` of exact operands with fp32 sums: on CUDA 16-bit operands into an fp32 output (a 16-bit GEMM
+    accumulates and returns in fp32; float64 where this torch lacks ``out_dtype``), on the CPU fp32."""
     if a.is_cuda:
         try:
-            return torch.mm(a.bfloat16(), b.bfloat16().t(), out_dtype=torch.float32)
+            return torch.mm(a, b.t(), out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
             return torch.mm(a.double(), b.double().t()).float()
-    return torch.mm(a, b.t())
+    return torch.mm(a.float(), b.float().t())
 
 
 class ReferenceBackend(BaseBackend):

@@ -66,6 +66,11 @@ class ShapeSpec:
     experts: int = 0  # E of an fp4_grouped_mm key (m is then T, the routed rows); 0: a dense key
 
 
+_DEEPSEEK_V3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3}
+
 # Published config.json values of each preset (an NVFP4 checkpoint keeps the base model's shapes).
 PRESETS: dict[str, dict] = {
     # zai-org/GLM-5 (architecture GlmMoeDsaForCausalLM). Values: GLM-5 technical report table (hidden 6144, dense
@@ -96,19 +101,13 @@ PRESETS: dict[str, dict] = {
     # release nvidia/DeepSeek-V3-0324-FP4 keeps it): 128 heads, MLA ranks 1536/512, 256 experts top-8.
     "deepseek-v3-nvfp4": {
         "source": "deepseek-ai/DeepSeek-V3 config.json",
-        "config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-                   "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-                   "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3},
+        "config": _DEEPSEEK_V3,
     },
-    # moonshotai/Kimi-K2-Instruct config.json (DeepSeek-V3's architecture): 64 heads, 384 experts top-8, one dense
-    # layer.
+    # moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's architecture with 64 heads, 384 experts, one dense layer.
     "kimi-k2-nvfp4": {
         "source": "moonshotai/Kimi-K2-Instruct config.json",
-        "config": {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-                   "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
-                   "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1},
+        "config": {**_DEEPSEEK_V3, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+                   "first_k_dense_replace": 1},
     },
     # meta-llama/Llama-3.1-70B config.json (https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json):
     # hidden 8192, intermediate 28672, 64 heads, 8 KV heads, 80 layers; head_dim = 8192/64 = 128.
