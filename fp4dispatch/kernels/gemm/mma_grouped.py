@@ -7,8 +7,8 @@ min(E, T)``; CTAs past the last tile return at once, so an expert with no rows c
 is ``mma_bf16``'s: both operands decoded in registers to bf16 (exact), even-k and odd-k halves, two ``tl.dot`` per
 K step, fp32 accumulation in a fixed order (deterministic), alpha (per expert or one) in fp32 at the end.
 
-Scales are read in the grouped swizzled layout (``format.grouped_scale_rows``): expert e's activation scales start
-at padded row ``sum_{j<e} round_up(rows_j, 128)``, and each expert's weight scales are their own 128x4-swizzled
+Scales are read in the grouped swizzled layout (``format_grouped``, docs/contract.md): expert e's activation scales
+start at padded row ``sum_{j<e} round_up(rows_j, 128)``, and each expert's weight scales are their own 128x4-swizzled
 matrix, so a tile's scale addresses are the dense kernel's plus one offset per expert. ``offs`` is clamped to
 [0, T] and made non-decreasing in the kernel, so a wrong routing table cannot make it read or write out of bounds.
 """
@@ -58,19 +58,29 @@ def expert_tile(offs_ptr, tile, T, E, BM: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
+def expert_operands(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, expert, row0, pad0, N, ROW, CB, RN,
+                    ALPHA_E: tl.constexpr):
+    """One expert's operands as a dense kernel's: its first row of A, its weight, its activation scales (a multiple
+    of 128 rows into the padded layout, so the dense swizzled offsets apply from there), its weight scales (their
+    own swizzled matrix), its alpha and its first row of out. ``ROW``: a row of A or B in elements of their
+    pointers (bytes, or int64 words for the GEMV)."""
+    ex = expert.to(tl.int64)
+    al = alpha_ptr
+    if ALPHA_E:
+        al = alpha_ptr + expert
+    return (a_ptr + row0.to(tl.int64) * ROW, b_ptr + ex * N * ROW, sa_ptr + (pad0 // 128).to(tl.int64) * CB * 512,
+            sb_ptr + ex * RN * CB * 4, al, out_ptr + row0.to(tl.int64) * N)
+
+
+@triton.jit
 def grouped_mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, N, K2, KB, CB, RN, E,
                        ALPHA_E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BKB: tl.constexpr, DOT_F32: tl.constexpr):
     """One (expert's M tile, N tile) of out = alpha[e] * A[rows of e] @ B[e].T."""
     expert, row0, rows, pad0, local0 = expert_tile(offs_ptr, tl.program_id(1), T, E, BM, EP)
     if local0 < rows:
-        ex = expert.to(tl.int64)
-        # the expert's rows and scales as a dense operand: its first row, and its scale matrix (a multiple of 128
-        # rows into the padded layout, so the dense kernel's swizzled offsets apply from there)
-        a_e = a_ptr + row0.to(tl.int64) * K2
-        sa_e = sa_ptr + (pad0 // 128).to(tl.int64) * CB * 512
-        b_e = b_ptr + ex * N * K2
-        sb_e = sb_ptr + ex * RN * CB * 4
+        a_e, b_e, sa_e, sb_e, al, out_e = expert_operands(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, expert,
+                                                          row0, pad0, N, K2, CB, RN, ALPHA_E)
         rm = local0 + tl.arange(0, BM)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -79,10 +89,6 @@ def grouped_mma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, offs_pt
             b_lo, b_hi = decoded_halves(b_e, sb_e, rn, N, kb0, KB, K2, CB, BKB, DOT_F32)
             acc = tl.dot(a_lo, tl.trans(b_lo), acc)
             acc = tl.dot(a_hi, tl.trans(b_hi), acc)
-        al = alpha_ptr
-        if ALPHA_E:
-            al = alpha_ptr + expert
-        out_e = out_ptr + row0.to(tl.int64) * N
         store_out(acc * TWO_18, rm, rn, rows, N, al, out_e, out_e, out_e, False)
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..config import GemvGroupedConfig
-from ..gemm.mma_grouped import expert_tile
+from ..gemm.mma_grouped import expert_operands, expert_tile
 from .cuda_core import gemv2_tile
 
 
@@ -27,15 +27,11 @@ def grouped_gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, offs_p
     """a, b as int64 words (one word = one 16-block); one (expert's M tile, N tile) of the grouped product."""
     expert, row0, rows, pad0, local0 = expert_tile(offs_ptr, tl.program_id(2), T, E, MB, EP)
     if local0 < rows:
-        ex = expert.to(tl.int64)
-        al = alpha_ptr
-        if ALPHA_E:
-            al = alpha_ptr + expert
-        out_e = out_ptr + row0.to(tl.int64) * N
-        gemv2_tile(a_ptr + row0.to(tl.int64) * KB, b_ptr + ex * N * KB,
-                   sa_ptr + (pad0 // 128).to(tl.int64) * CB * 512, sb_ptr + ex * RN * CB * 4, al, out_e, out_e,
-                   out_e, rows, N, KB, CB, local0 + tl.arange(0, MB), tl.program_id(0) * BN + tl.arange(0, BN),
-                   tl.arange(0, BKB), 0, KB, MB, BN, BKB, True, False, H2, ASM, EVEN_K, PREFETCH, CVT)
+        a_e, b_e, sa_e, sb_e, al, out_e = expert_operands(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, expert,
+                                                          row0, pad0, N, KB, CB, RN, ALPHA_E)
+        gemv2_tile(a_e, b_e, sa_e, sb_e, al, out_e, out_e, out_e, rows, N, KB, CB, local0 + tl.arange(0, MB),
+                   tl.program_id(0) * BN + tl.arange(0, BN), tl.arange(0, BKB), 0, KB, MB, BN, BKB, True, False, H2,
+                   ASM, EVEN_K, PREFETCH, CVT)
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
