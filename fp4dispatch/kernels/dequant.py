@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import torch
+import triton
 
 from . import workspace
 from .runtime import launch
 
-__all__ = ["dequantize_rows", "dequantize_to_scratch", "DEQUANT_BLOCK"]
+__all__ = ["dequantize_rows", "dequantize_to_scratch", "dequantize_grouped_rows", "DEQUANT_BLOCK"]
 
 DEQUANT_BLOCK = (16, 16)  # (rows, 16-element blocks) per program: 16 x 256 values, 2 KB of packed input
 
@@ -38,3 +39,21 @@ def dequantize_to_scratch(purpose: str, packed: torch.Tensor, scale: torch.Tenso
     backend only reads within its call, so that the call allocates nothing."""
     out = workspace.scratch(purpose, (packed.shape[0], packed.shape[1] * 2), dtype, packed.device)
     return dequantize_rows(packed, scale, dtype, factor=factor, out=out)
+
+
+def dequantize_grouped_rows(packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                            layout: torch.Tensor) -> torch.Tensor:
+    """``fp4_grouped_mm``'s activations, uint8 [T, K/2] with scales in the grouped swizzled layout for ``offs``
+    (int32 [E]), to ``out`` [T, K] bf16/fp16, exact, in one launch that also writes ``layout`` (int32 [E+1]): 0 and
+    then ``offs`` clamped to [0, T] and made non-decreasing (what a kernel that trusts its routing table may
+    read). Rows that no expert owns (a wrong table) decode to zero. No host sync: graph-safe."""
+    from ._dequant import grouped_dequant_kernel
+
+    t, k2 = packed.shape
+    kb = k2 // 8
+    e = offs.numel()
+    br, bkb = DEQUANT_BLOCK
+    grid = (max(1, -(-t // br)), -(-kb // bkb))
+    launch(grouped_dequant_kernel, grid, packed, scale.view(torch.uint8), offs, out, layout, t, k2, kb, -(-kb // 4),
+           e, BR=br, BKB=bkb, EP=max(16, triton.next_power_of_2(e)), num_warps=4)
+    return out

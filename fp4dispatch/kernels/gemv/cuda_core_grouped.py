@@ -4,7 +4,7 @@ expert, in one launch.
 A decode step routes each token to top-k of many experts, so a touched expert holds one row or a few, and the call
 is a GEMV per touched expert: its time is the touched experts' weight bytes over the bandwidth reached. Grid (N
 tiles, 1, M tiles of the grouped grid): each CTA finds its expert's ``rows``-row tile from ``offs`` on the GPU
-(``gemm/mma_grouped.expert_tile``), then runs ``gemv2_tile`` on that expert's rows, weight and scales over the whole
+(``expert_rows.expert_tile``), then runs ``gemv2_tile`` on that expert's rows, weight and scales over the whole
 K (no split: the touched experts already make enough CTAs). An expert without rows costs nothing.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import runtime
 from ..config import GemvGroupedConfig
-from ..gemm.mma_grouped import expert_operands, expert_tile
+from ..expert_rows import expert_operands, expert_tile
 from .cuda_core import gemv2_tile
 
 

@@ -52,12 +52,19 @@ def swz(r, c, CB):
 @triton.jit
 def load_block_bytes(p_ptr, s_ptr, rows, nrows, kb0, kb_hi, K2, CB, BKB: tl.constexpr):
     """Bytes [R, BKB*8] (2-D, so loads vectorize to 16 B) as uint32 and their block scales [R, BKB] as exact fp32."""
+    return load_block_bytes_at(p_ptr, s_ptr, rows, rows, rows < nrows, kb0, kb_hi, K2, CB, BKB)
+
+
+@triton.jit
+def load_block_bytes_at(p_ptr, s_ptr, rows, srows, rmask, kb0, kb_hi, K2, CB, BKB: tl.constexpr):
+    """``load_block_bytes`` with each row's scales at row ``srows`` of the swizzled layout (a grouped operand's
+    padded expert blocks) and rows kept by ``rmask``."""
     kk = kb0 * 8 + tl.arange(0, BKB * 8)
     blk = kb0 + tl.arange(0, BKB)
-    m = (rows[:, None] < nrows) & (kk[None, :] < kb_hi * 8)
+    m = rmask[:, None] & (kk[None, :] < kb_hi * 8)
     u = tl.load(p_ptr + rows[:, None].to(tl.int64) * K2 + kk[None, :], mask=m, other=0).to(tl.uint32)
-    ms = (rows[:, None] < nrows) & (blk[None, :] < kb_hi)
-    s = e4m3_to_f32(tl.load(s_ptr + swz(rows[:, None], blk[None, :], CB), mask=ms, other=0))
+    ms = rmask[:, None] & (blk[None, :] < kb_hi)
+    s = e4m3_to_f32(tl.load(s_ptr + swz(srows[:, None], blk[None, :], CB), mask=ms, other=0))
     return u, s
 
 
