@@ -347,10 +347,13 @@ class FakeHummingLayer(torch.nn.Module):
         else:
             _need(shape_n % 64 == 0 and shape_k % 32 == 0, f"padded N % 64 and K % 32; got N={shape_n}, K={shape_k}")
         self.n, self.k, self.dtype = shape_n, shape_k, torch_dtype
-        self.weight = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 2, dtype=torch.uint8), requires_grad=False)
-        self.weight_scale = torch.nn.Parameter(torch.zeros(shape_n, shape_k // 16, dtype=torch.float8_e4m3fn),
+        self.e = num_experts or 0  # experts stacked in front of every weight tensor (a MoE layer)
+        ex = (self.e,) if self.e else ()
+        self.weight = torch.nn.Parameter(torch.zeros(*ex, shape_n, shape_k // 2, dtype=torch.uint8),
+                                         requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.zeros(*ex, shape_n, shape_k // 16, dtype=torch.float8_e4m3fn),
                                                requires_grad=False)
-        self.weight_scale_2 = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.weight_scale_2 = torch.nn.Parameter(torch.zeros(self.e or 1), requires_grad=False)
         self.register_buffer("locks", torch.zeros(2048, dtype=torch.int32))
         self.humming_config = None
 
@@ -374,7 +377,7 @@ class FakeHummingLayer(torch.nn.Module):
                                                    requires_grad=False)
             self.input_scale_2 = torch.nn.Parameter(self.input_scale.data.amax().reshape(1), requires_grad=False)
             del self.input_scale
-        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype, "a4": self.a4}
+        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype, "a4": self.a4, "e": self.e}
         # the kernel layout: words of 8 codes, least significant nibble first
         self.weight = torch.nn.Parameter(self.weight.data.view(torch.int32).clone(), requires_grad=False)
 
@@ -394,14 +397,23 @@ class FakeHumming:
         mod.forward = types.ModuleType("humming.forward")
         mod.forward.humming_forward = self.humming_forward
         mod.tune = types.ModuleType("humming.tune")
-        mod.tune.get_heuristics_config = lambda config, gemm_type="dense": self.heuristics
+        mod.tune.get_heuristics_config = self.get_heuristics_config
         return mod
+
+    def get_heuristics_config(self, config, gemm_type="dense"):
+        _need(gemm_type == ("grouped_contiguous" if config["e"] else "dense"),
+              f"heuristics for gemm_type={gemm_type!r} of a layer with {config['e']} experts")
+        return self.heuristics
 
     def humming_forward(self, config, inputs, weight, weight_scale=None, zero_point=None, bias=None,
                         weight_scale_2=None, outputs=None, input_scale=None, input_scale_2=None, locks=None,
-                        tuning_config=None, **kw):
+                        tuning_config=None, expert_layout=None, compute_config=None, **kw):
         _need(isinstance(config, dict), "config must be layer.humming_config (after transform)")
-        n, k, dt = config["n"], config["k"], config["dtype"]
+        n, k, dt, e = config["n"], config["k"], config["dtype"], config["e"]
+        if e:  # the grouped MoE GEMM: bs2 [E] fp32, expert_layout [E+1] (each expert's first row, then the end)
+            return self._grouped(config, inputs, weight, weight_scale, weight_scale_2, outputs, locks,
+                                 tuning_config, expert_layout, compute_config)
+        _need(expert_layout is None and compute_config is None, "a dense layer takes no expert_layout")
         _need(weight.dtype == torch.int32 and tuple(weight.shape) == (n, k // 8), "weight must be the transformed one")
         if config["a4"]:
             # path B: pre-quantized inputs (any dtype but bf16/fp16/fp32 is taken as quantized; the launcher wants
@@ -437,4 +449,39 @@ class FakeHumming:
         W = dequant(weight.view(torch.uint8), ws)  # the kernel's K order is the packed one
         acc = x @ W.double().T
         outputs.copy_((acc * weight_scale_2.double()).to(dt))
+        return outputs
+
+    def _grouped(self, config, inputs, weight, weight_scale, weight_scale_2, outputs, locks, tuning_config,
+                 expert_layout, compute_config):
+        n, k, dt, e = config["n"], config["k"], config["dtype"], config["e"]
+        cc = json.loads(compute_config) if isinstance(compute_config, str) else compute_config
+        _need(isinstance(cc, dict) and cc.get("gemm_type") == "grouped_contiguous",
+              f"compute_config must ask for gemm_type grouped_contiguous; got {compute_config!r}")
+        _need(weight.dtype == torch.int32 and tuple(weight.shape) == (e, n, k // 8), "weight must be the transformed one")
+        _need(weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (e, n, k // 16),
+              f"weight_scale must be e4m3 [E, N, K/16]; got {tuple(weight_scale.shape)} {weight_scale.dtype}")
+        _need(inputs.dim() == 2 and inputs.shape[1] == k and inputs.dtype == dt and inputs.is_contiguous(),
+              f"inputs must be contiguous [T, {k}] {dt}; got {tuple(inputs.shape)} {inputs.dtype}")
+        # check_tensor_bs2 / check_tensor_moe of csrc/launcher/tensor.h
+        _need(weight_scale_2.dtype == torch.float32 and tuple(weight_scale_2.shape) == (e,)
+              and weight_scale_2.is_contiguous() and weight_scale_2.data_ptr() % 16 == 0,
+              f"bs2 must be fp32 [{e}] (one per expert), contiguous, 16-byte aligned; got "
+              f"{tuple(weight_scale_2.shape)}")
+        _need(expert_layout is not None and expert_layout.dtype in (torch.int32, torch.int64)
+              and tuple(expert_layout.shape) == (e + 1,), f"expert_token_offset must be int32/int64 [{e + 1}]")
+        t = inputs.shape[0]
+        lay = expert_layout.tolist()
+        _need(lay[0] == 0 and lay == sorted(lay) and lay[-1] <= t, f"expert_layout must run from 0 up to T; got {lay}")
+        _need(outputs is not None and tuple(outputs.shape) == (t, n) and outputs.dtype == dt
+              and outputs.is_contiguous(), f"outputs must be contiguous [{t}, {n}] {dt}")
+        _need(locks is not None and locks.dtype == torch.int32, "locks: the layer's int32 buffer")
+        parsed = json.loads(tuning_config) if isinstance(tuning_config, str) else copy.deepcopy(tuning_config)
+        self.calls.append({"tuning_config": parsed, "tuning_as_json": isinstance(tuning_config, str),
+                           "expert_layout": lay})
+        for i in range(e):
+            lo, hi = lay[i], lay[i + 1]
+            if hi > lo:
+                W = dequant(weight[i].view(torch.uint8), weight_scale[i])
+                acc = inputs[lo:hi].double() @ W.double().T
+                outputs[lo:hi] = (acc * weight_scale_2[i].double()).to(dt)
         return outputs

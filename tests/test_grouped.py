@@ -321,7 +321,7 @@ from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig
 from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 
-res = {"exact": [], "hostile": [], "bad_offs": []}
+res = {"exact": [], "hostile": [], "bad_offs": [], "decode": []}
 cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
         GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4)]
 for counts in ([0, 5, 0, 2], [0, 0, 20, 1, 0], [1, 1, 1, 1, 1, 1], [17]):
@@ -342,6 +342,19 @@ for bad in ([0, 9, 3, 7], [-4, 5, 0, 100], [7, 7, 7, 7]):
     for cfg in (cfgs[0], cfgs[2]):
         grouped_mm(a, b, sa, sb, alpha, frame[1:8], torch.tensor(bad, dtype=torch.int32), cfg)
         res["bad_offs"].append([bad, bool((frame[[0, 8]] == SENTINEL).all())])
+from fp4dispatch.format_grouped import dequantize_grouped
+from fp4dispatch.kernels.dequant import dequantize_grouped_rows
+for counts, bad in (([0, 5, 0, 2], None), ([130, 0, 3], None), ([4], None), ([0, 5, 0, 2], [6, 2, 2, 3])):
+    a, b, sa, sb, alpha, offs = _inputs(counts)
+    use = offs if bad is None else torch.tensor(bad, dtype=torch.int32)
+    for dt in (torch.bfloat16, torch.float16):
+        x = torch.full((a.shape[0], a.shape[1] * 2), float("nan"), dtype=dt)
+        layout = torch.full((offs.numel() + 1,), -9, dtype=torch.int32)
+        dequantize_grouped_rows(a, sa, use, x, layout)
+        want = dequantize_grouped(a, sa, layout[1:], dt)  # each row in its expert of the table as clamped
+        owned = int(layout[-1])  # rows past the (clamped) table's end belong to no expert: zero
+        same = torch.equal(x[:owned].view(torch.int16), want[:owned].view(torch.int16))
+        res["decode"].append([counts, bad, layout.tolist(), same and bool((x[owned:] == 0).all())])
 print("RESULT " + json.dumps(res))
 '''
 
@@ -369,6 +382,15 @@ def test_the_grouped_kernel_passes_the_hostile_check_with_every_config(interpret
 
 def test_a_wrong_routing_table_cannot_make_the_kernel_write_outside_out(interpreted):
     assert [ok for _, ok in interpreted["bad_offs"]] == [True] * 6
+
+
+def test_the_grouped_decode_reads_each_experts_scale_block_and_writes_the_clamped_table(interpreted):
+    """humming:grouped's activation decode (kernels/dequant.dequantize_grouped_rows): the exact bf16/fp16 values of
+    format_grouped's decode, and Humming's routing table [0, offs...] clamped to [0, T], non-decreasing."""
+    assert [(c, b, lay) for c, b, lay, _ in interpreted["decode"][::2]] == [
+        ([0, 5, 0, 2], None, [0, 0, 5, 5, 7]), ([130, 0, 3], None, [0, 130, 130, 133]), ([4], None, [0, 4]),
+        ([0, 5, 0, 2], [6, 2, 2, 3], [0, 6, 6, 6, 6])]
+    assert all(ok for *_, ok in interpreted["decode"]), interpreted["decode"]
 
 
 def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():

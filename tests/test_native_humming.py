@@ -116,8 +116,8 @@ class _AlphaTwice(HummingBackend):
 
 
 class _GlobalScaleInverted(HummingBackend):
-    def epilogue_scale(self, ops):
-        return super().epilogue_scale(ops.__class__(*ops[:4], 1.0 / ops.alpha, ops.out))
+    def epilogue_scale(self, problem, ops):
+        return super().epilogue_scale(problem, ops.__class__(*ops[:4], 1.0 / ops.alpha, ops.out))
 
 
 @pytest.mark.parametrize("cls, n, match", [
@@ -238,7 +238,7 @@ class _A4SwizzledActivationScales(HummingW4A4Backend):
 
 class _A4AlphaTwice(HummingW4A4Backend):
     def forward_inputs(self, problem, ops, layer_extra):
-        return {**super().forward_inputs(problem, ops, layer_extra), "input_scale_2": self.epilogue_scale(ops)}
+        return {**super().forward_inputs(problem, ops, layer_extra), "input_scale_2": self.epilogue_scale(problem, ops)}
 
 
 class _A4NibblesSwapped(HummingW4A4Backend):
@@ -283,3 +283,135 @@ def test_humming_serves_w4a16_with_the_activations_as_given(cc, humming, adt):
     assert backend.unsupported(problem._replace(out_dtype=other)) == (
         f"Humming writes its activations' dtype: out_dtype must be a's dtype ({adt}); got {other}")
     assert HummingW4A4Backend.ops == ("fp4_mm",)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# humming:grouped (fp4_grouped_mm through Humming's MoE GEMM)
+# ---------------------------------------------------------------------------------------------------------------
+def _grouped_case(t, e, n, k, seed, dt=BF16):
+    from fp4dispatch.dispatch.verify import make_case
+
+    problem = Problem(t, n, k, dt, CPU, torch.uint8, e)
+    return problem, make_case(problem, seed, reference_mm)
+
+
+def _assert_grouped_matches(problem, out, ref):
+    assert check_output(out, ref, problem) is None  # the dispatcher's own check: NaN where it belongs
+    finite = torch.isfinite(ref)
+    want = ref.to(problem.out_dtype).float()[finite]
+    torch.testing.assert_close(out.float()[finite], want, rtol=2 ** -7, atol=1e-3 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("seed", [0, 3], ids=["empty-expert", "one-expert"])
+@pytest.mark.parametrize("t, e, dt", [(1, 4, BF16), (37, 5, FP16), (300, 3, BF16)])
+def test_humming_grouped_adapter_matches_reference_with_stream_k_off(cc, humming, t, e, dt, seed):
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    cc(90)
+    fake = humming()
+    backend = HummingGroupedBackend()
+    problem, case = _grouped_case(t, e, 128, 96, seed, dt)
+    assert backend.unavailable(CPU) is None and backend.unsupported(problem) is None
+    backend.run(problem, case.ops, {})
+    _assert_grouped_matches(problem, case.ops.out, case.ref)
+    call = fake.calls[-1]
+    assert call["expert_layout"] == [0] + case.ops.offs.tolist()
+    assert all(cfg["use_stream_k"] is False for _, _, cfg in call["tuning_config"]) and call["tuning_as_json"]
+    assert fake.heuristics[0][2]["use_stream_k"] is True  # Humming's cached heuristics were copied, not changed
+
+
+def test_humming_grouped_spreads_one_alpha_and_prepares_the_experts_once(cc, humming):
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    cc(90)
+    fake = humming()
+    backend = HummingGroupedBackend()
+    problem, case = _grouped_case(20, 4, 64, 64, 1)
+    ops = case.ops._replace(alpha=case.ops.alpha[:1].clone())
+    ref = reference_mm(problem, ops)
+    for _ in range(2):
+        backend.run(problem, ops, {})
+        _assert_grouped_matches(problem, ops.out, ref)
+    assert (backend.prepared.misses, backend.prepared.hits) == (1, 1) and len(fake.calls) == 2
+
+
+def test_humming_grouped_clamps_a_wrong_routing_table_it_was_not_checked_against(cc, humming):
+    """With check_offs=False (or in a replayed graph) offs is not read on the host: Humming gets it clamped to
+    [0, T] and non-decreasing, never a table that sends it out of bounds."""
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    cc(90)
+    fake = humming()
+    problem, case = _grouped_case(10, 3, 64, 64, 0)
+    bad = torch.tensor([6, 2, 99], dtype=torch.int32)
+    HummingGroupedBackend().run(problem, case.ops._replace(offs=bad), {})
+    assert fake.calls[-1]["expert_layout"] == [0, 6, 6, 10]
+
+
+class _GroupedRawOffs(__import__("fp4dispatch.backends.humming_grouped", fromlist=["x"]).HummingGroupedBackend):
+    def forward_inputs(self, problem, ops, layer_extra):
+        return {**super().forward_inputs(problem, ops, layer_extra), "expert_layout": ops.offs}
+
+
+class _GroupedOneAlpha(__import__("fp4dispatch.backends.humming_grouped", fromlist=["x"]).HummingGroupedBackend):
+    def epilogue_scale(self, problem, ops):
+        return ops.alpha[:1].clone()
+
+
+class _GroupedSwizzledWeightScales(
+        __import__("fp4dispatch.backends.humming_grouped", fromlist=["x"]).HummingGroupedBackend):
+    def weight_tensors(self, problem, ops):
+        return {**super().weight_tensors(problem, ops), "weight_scale": ops.b_scale}
+
+
+class _GroupedTokensAsDense(__import__("fp4dispatch.backends.humming_grouped", fromlist=["x"]).HummingGroupedBackend):
+    def forward_inputs(self, problem, ops, layer_extra):
+        # the dense decode reads the scales as one swizzled matrix: wrong rows for every expert but the first
+        from fp4dispatch.format import dequantize_nvfp4
+
+        x = dequantize_nvfp4(ops.a, ops.a_scale[:-(-problem.m // 128) * 128], dtype=problem.out_dtype)
+        return {**super().forward_inputs(problem, ops, layer_extra), "inputs": x}
+
+
+@pytest.mark.parametrize("cls, match", [
+    pytest.param(_GroupedRawOffs, r"expert_token_offset must be int32/int64 \[5\]", id="offs-without-leading-zero"),
+    pytest.param(_GroupedOneAlpha, r"bs2 must be fp32 \[4\] \(one per expert\)", id="one-alpha-for-all"),
+    pytest.param(_GroupedSwizzledWeightScales, r"size mismatch for weight_scale", id="swizzled-weight-scales"),
+])
+def test_wrong_humming_grouped_layouts_are_refused_by_the_emulator(cc, humming, cls, match):
+    cc(90)
+    humming()
+    problem, case = _grouped_case(9, 4, 64, 64, 0)
+    with pytest.raises(fakes.ContractError, match=match):
+        cls().run(problem, case.ops, {})
+
+
+def test_wrong_humming_grouped_token_scales_are_caught_by_the_reference(cc, humming):
+    """Experts 1.. start their scales at padded rows: reading them as one dense matrix is only seen in the result."""
+    cc(90)
+    humming()
+    problem, case = _grouped_case(40, 3, 128, 64, 1)
+    _GroupedTokensAsDense().run(problem, case.ops, {})
+    bad = check_output(case.ops.out, case.ref, problem)
+    assert bad is not None, "a wrong scale row must not pass"
+
+
+def test_fp4_grouped_mm_runs_through_humming_end_to_end_and_its_reasons(cc, humming, tmp_path):
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    cc(90)
+    fake = humming()
+    d = Dispatcher([HummingGroupedBackend()], cache_dir=tmp_path)
+    problem, case = _grouped_case(12, 4, 64, 64, 2)
+    o = case.ops
+    out = d.fp4_grouped_mm(o.a, o.b, o.a_scale, o.b_scale, o.alpha, o.offs)
+    _assert_grouped_matches(problem, out, case.ref)
+    assert fake.calls and fake.calls[-1]["expert_layout"][-1] == 12
+    small = HummingGroupedBackend(max_bytes=1000)
+    assert small.unsupported(problem) == (
+        "Humming's repacked copy of these experts (0.00 GiB) exceeds its bound (0.00 GiB); construct "
+        "HummingGroupedBackend(max_bytes=...) to allow it")
+    assert HummingGroupedBackend().unsupported(problem._replace(out_dtype=FP32)) == \
+        "Humming writes bfloat16/float16 only (its output dtype is the activations'); got out_dtype=torch.float32"
+    assert "N=96 is not a multiple of 64" in HummingGroupedBackend().unsupported(problem._replace(n=96))
+    assert pickle.loads(pickle.dumps(HummingGroupedBackend(max_bytes=5))).max_bytes == 5

@@ -29,6 +29,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("triton_w4a16", "TritonW4A16Backend", ()),  # w4a16_mm only
     ("triton_dequant", "TritonDequantBackend", ()),
     ("triton_grouped", "TritonGroupedBackend", ()),  # fp4_grouped_mm only
+    ("humming_grouped", "HummingGroupedBackend", ()),  # fp4_grouped_mm: Humming's MoE GEMM on decoded tokens
     ("expert_loop", "ExpertLoopBackend", ()),  # fp4_grouped_mm only: one fp4_mm per expert
     # W4A16 with activations decoded per call; after fp4dispatch's own kernels, which it equals bit for bit where
     # both run (the tuner picks the faster per key)

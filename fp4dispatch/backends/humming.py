@@ -53,6 +53,7 @@ class HummingBackend(NativeBackend):
     fp4_tensor_cores = False  # 16-bit MMA on the decoded weight
     probe_timeout_s = PROBE_TIMEOUT_S
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
+    gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
     _transient = ("_lib", "prepared")
 
     def __init__(self) -> None:
@@ -109,10 +110,14 @@ class HummingBackend(NativeBackend):
         """``humming_forward``'s activation arguments."""
         return {"inputs": self.activations(problem, ops)}
 
-    def epilogue_scale(self, ops: Operands) -> torch.Tensor:
+    def epilogue_scale(self, problem: Problem, ops: Operands) -> torch.Tensor:
         """alpha as Humming's per-call ``weight_scale_2``: fp32 ``(1,)``, contiguous, 16-byte aligned (its launcher
         checks); a misaligned alpha is copied (on the device) into an aligned one."""
         return aligned_alpha(ops.alpha)
+
+    def layer_options(self, problem: Problem) -> dict:
+        """More ``HummingLayer`` arguments (the experts of a grouped layer)."""
+        return {}
 
     def _prepare(self, problem: Problem, ops: Operands) -> tuple:
         lib = self._lib or self._load()
@@ -121,10 +126,11 @@ class HummingBackend(NativeBackend):
             layer = lib.layer.HummingLayer(shape_n=problem.n, shape_k=problem.k,
                                            weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
                                            input_config=self.input_config,
-                                           torch_dtype=problem.out_dtype).to(ops.b.device)
+                                           torch_dtype=problem.out_dtype,
+                                           **self.layer_options(problem)).to(ops.b.device)
             layer.load_from_tensors(self.layer_tensors(problem, ops))
             layer.transform()
-        tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type="dense"))
+        tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type=self.gemm_type))
         for _lo, _hi, cfg in tuning:
             cfg["use_stream_k"] = False  # determinism: see the module docstring
         # as a JSON string: humming_forward serializes a list on every call (host time that grows with the
@@ -138,7 +144,7 @@ class HummingBackend(NativeBackend):
         w, ws, locks, cfg, tuning, extra = self.prepared.get(ops.b, ops.b_scale, lambda: self._prepare(problem, ops),
                                                              variant=problem.out_dtype)
         lib = self._lib or self._load()
-        lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(ops),
+        lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(problem, ops),
                                     outputs=ops.out, locks=locks, tuning_config=tuning,
                                     **self.forward_inputs(problem, ops, extra))
 
