@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["topk_counts", "offs_from_counts", "check_routing", "DEFAULT_TOP_K"]
+__all__ = ["topk_counts", "offs_from_counts", "check_routing", "timing_routing", "DEFAULT_TOP_K"]
 
 DEFAULT_TOP_K = 8  # DeepSeek-V3/R1, Kimi-K2, GLM-5 and Qwen3-30B-A3B route each token to 8 experts
 
@@ -43,8 +43,18 @@ def check_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
         counts = torch.zeros(experts, dtype=torch.int64, device=device)
         counts[-1] = rows
         return offs_from_counts(counts)
-    top_k = min(DEFAULT_TOP_K, max(1, experts - 1))
-    counts = topk_counts(-(-rows // top_k), experts, top_k, seed=seed, device=device, skip_first=experts > 1)
+    return _topk_rows(rows, experts, seed, device, skip_first=experts > 1)
+
+
+def timing_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
+    """``offs`` of exactly ``rows`` rows for timing (what the tuner times a grouped key on): a top-8 routing of
+    random logits, as a decode or prefill step of a MoE model routes its tokens, trimmed to ``rows``."""
+    return _topk_rows(rows, experts, seed, device, skip_first=False)
+
+
+def _topk_rows(rows: int, experts: int, seed: int, device, skip_first: bool) -> torch.Tensor:
+    top_k = min(DEFAULT_TOP_K, max(1, experts - int(skip_first)))
+    counts = topk_counts(-(-rows // top_k), experts, top_k, seed=seed, device=device, skip_first=skip_first)
     excess = int(counts.sum()) - rows
     # drop the excess rows from the fullest experts (the last token's picks): the counts still sum to rows
     while excess > 0:

@@ -384,6 +384,28 @@ def test_a_wrong_routing_table_cannot_make_the_kernel_write_outside_out(interpre
     assert [ok for _, ok in interpreted["bad_offs"]] == [True] * 6
 
 
+def test_the_tuner_times_a_grouped_key_on_a_top_k_routing_not_on_the_checks_one_expert_case(tmp_path):
+    """The check case may hold every row on one expert (one dense GEMM on one small weight); timing there would pick
+    what is fast for that, not for a MoE layer's routing."""
+    from fp4dispatch.routing import timing_routing
+
+    timed: list[list[int]] = []
+
+    class Recording(FakeBackend):
+        def run(self, problem, ops, config):
+            timed.append(torch.diff(ops.offs.long(), prepend=ops.offs.new_zeros(1)).tolist())
+            super().run(problem, ops, config)
+
+    d = Dispatcher([Recording("rec", cost=1e-3, ops=("grouped",))], cache_dir=tmp_path / "c",
+                   do_bench=lambda fn: fn() or 1.0)
+    a, b, sa, sb, alpha, offs = _inputs([40, 0, 30, 30, 0, 0, 28, 0])
+    d.fp4_grouped_mm(a, b, sa, sb, alpha, offs)
+    want = torch.diff(timing_routing(128, 8, 7, "cpu").long(), prepend=torch.zeros(1, dtype=torch.long)).tolist()
+    assert want in timed and max(want) < 128  # timed on the top-k routing (every expert gets rows here)
+    assert [0] * 7 + [128] in timed  # and still checked on the one-expert case
+    assert timing_routing(128, 8, 7, "cpu")[-1] == 128 and (torch.diff(timing_routing(1000, 64, 1, "cpu")) > 0).sum() > 32
+
+
 def test_the_grouped_decode_reads_each_experts_scale_block_and_writes_the_clamped_table(interpreted):
     """humming:grouped's activation decode (kernels/dequant.dequantize_grouped_rows): the exact bf16/fp16 values of
     format_grouped's decode, and Humming's routing table [0, offs...] clamped to [0, T], non-decreasing."""
