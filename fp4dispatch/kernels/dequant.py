@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import workspace
 from .runtime import launch
@@ -55,5 +54,5 @@ def dequantize_grouped_rows(packed: torch.Tensor, scale: torch.Tensor, offs: tor
     br, bkb = DEQUANT_BLOCK
     grid = (max(1, -(-t // br)), -(-kb // bkb))
     launch(grouped_dequant_kernel, grid, packed, scale.view(torch.uint8), offs, out, layout, t, k2, kb, -(-kb // 4),
-           e, BR=br, BKB=bkb, EP=max(16, triton.next_power_of_2(e)), num_warps=4)
+           e, BR=br, BKB=bkb, EP=max(16, 1 << (e - 1).bit_length()), num_warps=4)
     return out
