@@ -1,5 +1,6 @@
 """``load_nvfp4``: an NVFP4 checkpoint (ModelOpt or compressed-tensors) into a model, one ``Fp4Linear`` per quantized
-``nn.Linear``, streamed shard by shard.
+``nn.Linear`` and one ``Fp4MoeExperts`` per transformers experts module whose experts are quantized
+(``checkpoint_experts``), streamed shard by shard.
 
 The two formats (docs/integration.md, "Run a ModelOpt / llm-compressor NVFP4 checkpoint"):
 
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint_experts import is_experts_module, load_experts
 from .errors import InvalidInputError
+from .moe import Fp4MoeExperts
 from .nn import Fp4Linear
 from .stored import stored_weight
 
@@ -182,7 +185,7 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"{self.format} checkpoint: {len(self.replaced)} Linear replaced by Fp4Linear, "
+        lines = [f"{self.format} checkpoint: {len(self.replaced)} modules replaced (Fp4Linear, Fp4MoeExperts), "
                  f"{len(self.skipped)} left as they are, {len(self.loaded)} plain tensors loaded, "
                  f"{len(self.unused)} unused, {len(self.missing)} of the model's not in the checkpoint"]
         lines += [f"  replaced {m}: {what}" for m, what in self.replaced.items()]
@@ -206,9 +209,9 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
         mode: ``Fp4Linear``'s mode for every replaced layer ("auto", "w4a4", "w4a16").
         static_activation_scales: use the stored activation scales (``input_scale`` / ``input_global_scale``) for
             W4A4; False: dynamic per-call scaling even where they are stored.
-        strict: raise when quantized tensors have no ``nn.Linear`` to take them (e.g. MoE experts the model keeps
-            as stacked parameters) or a tensor of the model's state dict is not in the checkpoint; False: load
-            what fits and list the rest in the report (``unused``, ``missing``).
+        strict: raise when quantized tensors have no module to take them (or an experts module is not of the
+            stacked form) or a tensor of the model's state dict is not in the checkpoint; False: load what fits and
+            list the rest in the report (``skipped``, ``unused``, ``missing``).
 
     Returns:
         A :class:`LoadReport`. Raises InvalidInputError for a checkpoint that is not NVFP4, a missing tensor (named
@@ -233,6 +236,9 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             if isinstance(module, nn.Linear):
                 _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode,
                              static_activation_scales)
+            elif is_experts_module(module):
+                load_experts(model, name, module, fmt, shards, names, used, report, dev, static_activation_scales,
+                             strict)
         own = dict(model.named_parameters()) | dict(model.named_buffers())
         for n in sorted(names - used):
             t = own.get(n)
@@ -250,13 +256,21 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
         filled = {t.data_ptr() for n, t in own.items() if n in used and t.numel()}
         report.missing = sorted(report.missing + [n for n, t in model.state_dict().items()
                                 if n not in used and t.numel() and t.data_ptr() not in filled  # tied weights
-                                and not isinstance(model.get_submodule(n.rpartition(".")[0]) if "." in n else model,
-                                                   Fp4Linear)])
+                                and not _fp4_owned(model, n)])
     finally:
         shards.close()
     if strict:
         _check_complete(report)
     return report
+
+
+def _fp4_owned(model: nn.Module, tensor: str) -> bool:
+    """Whether ``tensor`` of the state dict belongs to a module this loader made (it holds checkpoint tensors)."""
+    parts = tensor.split(".")
+    for j in range(len(parts) - 1, 0, -1):
+        if isinstance(model.get_submodule(".".join(parts[:j])), (Fp4Linear, Fp4MoeExperts)):
+            return True
+    return False
 
 
 _QUANTIZED = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_global_scale", ".input_scale",
@@ -267,10 +281,9 @@ def _check_complete(report: LoadReport) -> None:
     orphans = [n for n in report.unused if n.endswith(_QUANTIZED)]
     if orphans:
         raise InvalidInputError(
-            f"{_WHO}: {len(orphans)} quantized checkpoint tensors have no nn.Linear in the model to take them (first: "
-            f"{orphans[:3]}): the model keeps those weights another way (MoE experts as stacked parameters need the "
-            "grouped MoE module, not yet in fp4dispatch), or it is not the checkpoint's model. Pass strict=False to "
-            "load the rest and find them in the report's unused list")
+            f"{_WHO}: {len(orphans)} quantized checkpoint tensors have no nn.Linear or transformers experts module in "
+            f"the model to take them (first: {orphans[:3]}): the model keeps those weights another way, or it is not "
+            "the checkpoint's model. Pass strict=False to load the rest and find them in the report's unused list")
     if report.missing:
         raise InvalidInputError(
             f"{_WHO}: {len(report.missing)} tensors of the model are not in the checkpoint and would keep their "

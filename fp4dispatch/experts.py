@@ -27,19 +27,21 @@ __all__ = ["Fp4Experts"]
 
 
 def _per_expert(t: object, name: str, e: int, who: str) -> torch.Tensor:
-    """fp32 [E] of positive finite scales from a tensor of E values, a sequence of E scalars, or (``input_scale``)
-    one value."""
-    if isinstance(t, Sequence) and not isinstance(t, torch.Tensor):
+    """fp32 [E] of positive finite scales from a tensor of E values, a sequence of E scalars, or (an activation
+    scale) one value."""
+    kind = "encode scales 448*6/amax" if name.endswith("global_scale") else "decode scales amax/(448*6)"
+    if isinstance(t, float) or (isinstance(t, int) and not isinstance(t, bool)):
+        t = torch.tensor([float(t)])
+    if isinstance(t, Sequence) and not isinstance(t, (torch.Tensor, str, bytes)):
         t = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in t]) if len(t) else None
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise InvalidInputError(f"{who}: {name} must be float32 decode scales, one per expert; got "
+        raise InvalidInputError(f"{who}: {name} must be float32 {kind}, one per expert; got "
                                 f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
     t = t.detach().float().reshape(-1)
-    if t.numel() not in (1, e) or (name == "weight_scale_2" and t.numel() != e):
+    if t.numel() not in (1, e) or (name.startswith("weight") and t.numel() != e):
         raise InvalidInputError(f"{who}: {name} must hold one value per expert (E={e}); got {t.numel()} values")
     if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-        raise InvalidInputError(f"{who}: {name} must be positive and finite (a decode scale amax/(448*6)); got "
-                                f"{t.tolist()[:8]}")
+        raise InvalidInputError(f"{who}: {name} must be positive and finite ({kind}); got {t.tolist()[:8]}")
     return t
 
 
@@ -74,6 +76,7 @@ class Fp4Experts(nn.Module):
         self.register_buffer("weight_scale", torch.zeros((e, rn, cp), dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale_2", _bits(torch.ones(e)).to(device))
         self.register_buffer("input_scale", None)
+        self.register_buffer("input_global_scale", None)  # a stored encode scale (compressed-tensors), used as is
 
     @classmethod
     def from_modelopt(cls, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4Experts":
@@ -109,6 +112,27 @@ class Fp4Experts(nn.Module):
             mod.input_scale = _bits(_per_expert(input_scale, "input_scale", e, who).max()).to(dev)
         return mod
 
+    @classmethod
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_global_scale,
+                                input_global_scale=None) -> "Fp4Experts":
+        """From compressed-tensors' ``nvfp4-pack-quantized`` tensors of E experts, as stored.
+
+        Args:
+            weight_packed, weight_scale: as ``from_modelopt``'s weight and weight_scale.
+            weight_global_scale: each expert's fp32 *encode* scale ``448*6/amax(W)`` ([E] or E scalars); the decode
+                scale is its reciprocal (one fp32 rounding), as ``Fp4Linear.from_compressed_tensors`` takes it.
+            input_global_scale: the experts' static activation *encode* scales; the smallest is used as it is for
+                all rows (no row clips). None: dynamic activation scaling.
+        """
+        who = "Fp4Experts.from_compressed_tensors"
+        e = len(weight_packed)
+        wgs = _per_expert(weight_global_scale, "weight_global_scale", e, who)
+        mod = cls.from_modelopt(weight_packed, weight_scale, 1.0 / wgs)
+        if input_global_scale is not None:
+            igs = _per_expert(input_global_scale, "input_global_scale", e, who)
+            mod.input_global_scale = _bits(igs.min()).to(mod.weight.device)
+        return mod
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor, *, check_offs: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -116,7 +140,10 @@ class Fp4Experts(nn.Module):
                                     f"grouped by expert); got {got}")
         if x.dtype not in OUT_DTYPES:
             raise InvalidInputError(f"Fp4Experts: x must be float32, bfloat16 or float16; got dtype={x.dtype}")
-        if self.input_scale is None:
+        if self.input_global_scale is not None:
+            gs = self.input_global_scale.view(torch.float32)
+            xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
+        elif self.input_scale is None:
             xq, xs, gs = quantize_nvfp4(x, scale_layout="linear")
         else:
             gs = 1.0 / self.input_scale.view(torch.float32)
@@ -129,7 +156,8 @@ class Fp4Experts(nn.Module):
                               out_dtype=x.dtype, check_offs=check_offs)
 
     def extra_repr(self) -> str:
-        scale = "static" if self.input_scale is not None else "dynamic"
+        static = self.input_scale is not None or self.input_global_scale is not None
+        scale = "static" if static else "dynamic"
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, activation_scale={scale}")
 

@@ -28,10 +28,11 @@ from .backends.base import computes
 from .errors import InvalidInputError
 from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
+from .moe import Fp4MoeExperts
 from .stored import scalar_scale, stored_weight
 from .problem import OUT_DTYPES
 
-__all__ = ["Fp4Linear", "Fp4Experts", "MODES", "native_fp4_backend"]
+__all__ = ["Fp4Linear", "Fp4Experts", "Fp4MoeExperts", "MODES", "native_fp4_backend"]
 
 MODES = ("auto", "w4a4", "w4a16")
 

@@ -254,13 +254,14 @@ def test_strict_loading_refuses_orphan_quantized_tensors_and_model_tensors_left_
     path, _ = _modelopt_checkpoint(tmp_path, src, cfg)
     sd = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in safetensors_torch.load_file(str(f)).items()}
     qcfg = read_quantization_config(path)
-    # MoE experts kept by the model as stacked parameters: their per-expert quantized tensors have no Linear
+    # quantized tensors of modules the model does not have (experts of another model): nothing can take them
     q = "model.layers.0.mlp.gate_proj"
     experts = dict(sd, **{f"model.layers.0.mlp.experts.0.gate_proj.{k}": sd[f"{q}.{k}"]
                           for k in ("weight", "weight_scale", "weight_scale_2")})
-    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 2 quantized checkpoint tensors have no nn.Linear in "
-                                                r"the model to take them \(first: \['model.layers.0.mlp.experts.0."
-                                                r"gate_proj.weight_scale', .*MoE experts as stacked parameters"):
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 2 quantized checkpoint tensors have no nn.Linear or "
+                                                r"transformers experts module in the model to take them \(first: \["
+                                                r"'model.layers.0.mlp.experts.0.gate_proj.weight_scale', .*the model "
+                                                r"keeps those weights another way, or it is not the checkpoint's model"):
         load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg)
     report = load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg, strict=False)
     assert report.unused == sorted(f"model.layers.0.mlp.experts.0.gate_proj.{k}"

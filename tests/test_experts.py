@@ -72,6 +72,15 @@ def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
      r"\(48, 64\); got shape=\(8, 48\)\. It is \[K/16, N\]"),
     (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, -s2),
      r"^Fp4Experts.from_modelopt: weight_scale_2 must be positive and finite"),
+    (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(wq, ws, (1 / s2)[:1]),
+     r"^Fp4Experts.from_compressed_tensors: weight_global_scale must hold one value per expert \(E=3\); got 1 "
+     r"values$"),
+    (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(wq, ws, 1 / s2, input_global_scale=[1.0, 0.0, 2.0]),
+     r"^Fp4Experts.from_compressed_tensors: input_global_scale must be positive and finite \(encode scales "
+     r"448\*6/amax\); got \[1.0, 0.0, 2.0\]$"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, s2, input_scale="0.1"),
+     r"^Fp4Experts.from_modelopt: input_scale must be float32 decode scales amax/\(448\*6\), one per expert; got "
+     r"str$"),
     (lambda wq, ws, s2: Fp4Experts.from_modelopt([wq[0], wq[1][:40], wq[2]], [ws[0], ws[1][:40], ws[2]], s2),
      r"^Fp4Experts.from_modelopt: every expert's weight must have one shape; got \[\(40, 64\), \(48, 64\)\]$"),
 ])
@@ -79,6 +88,17 @@ def test_bad_checkpoint_tensors_are_refused_naming_tensor_and_expert(build, mess
     wq, ws, ws2, _, _ = _modelopt()
     with pytest.raises(InvalidInputError, match=message):
         build(wq, ws, ws2)
+
+
+def test_compressed_tensors_experts_quantize_with_the_stored_encode_scale():
+    """Stored encode scales are used as they are: the smallest input_global_scale quantizes every row (none
+    clips), never 1/(1/x); the weight decode scale is 1/weight_global_scale, as Fp4Linear takes it."""
+    wq, ws, ws2, _, _ = _modelopt()
+    mod = Fp4Experts.from_compressed_tensors(wq, ws, 1 / ws2, input_global_scale=[300.0, 200.0, 250.0])
+    assert mod.input_global_scale.view(torch.float32).item() == 200.0 and "activation_scale=static" in repr(mod)
+    torch.testing.assert_close(mod.weight_scale_2.view(torch.float32), (1 / (1 / ws2.float())), rtol=0, atol=0)
+    assert Fp4Experts.from_modelopt(wq, ws, ws2, input_scale=0.05).input_scale.view(torch.float32).item() == \
+        torch.tensor(0.05).item()
 
 
 def test_bad_calls_are_explained():

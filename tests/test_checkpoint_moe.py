@@ -1,0 +1,286 @@
+"""``load_nvfp4`` with MoE checkpoints: a tiny transformers Qwen3-MoE (its experts the stacked transformers 5 form,
+``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) whose Linear layers and per-expert projections are quantized
+by ModelOpt's ``NVFP4QTensor`` and by compressed-tensors' NVFP4 compressor under the names their exports use
+(``experts.<e>.gate_proj.*``); loaded into ``Fp4MoeExperts`` and compared with the model run on the library-decoded
+weights. Plus ``Fp4MoeExperts`` against a per-token reference, and the errors a user meets."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install fp4dispatch[test])")
+pytest.importorskip("safetensors.torch", reason="needs safetensors")
+
+import test_checkpoint as tc  # noqa: E402
+from fp4dispatch import InvalidInputError  # noqa: E402
+from fp4dispatch.checkpoint import load_nvfp4  # noqa: E402
+from fp4dispatch.experts import Fp4Experts  # noqa: E402
+from fp4dispatch.moe import Fp4MoeExperts  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*transformers.*is not tested with current version of modelopt.*")
+E, TOP_K = 8, 2
+
+
+def _tiny_moe(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=E, num_experts_per_tok=TOP_K, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval(), cfg
+
+
+def _expert_weights(model):
+    """(experts module name, e, projection, float weight [N, K]) of every routed expert's gate, up and down."""
+    for name, mod in model.named_modules():
+        if hasattr(mod, "gate_up_proj") and getattr(mod, "gate_up_proj").dim() == 3:
+            i = mod.down_proj.shape[2]
+            for e in range(mod.gate_up_proj.shape[0]):
+                gu = mod.gate_up_proj[e].detach()
+                yield name, e, "gate_proj", gu[:i]
+                yield name, e, "up_proj", gu[i:]
+                yield name, e, "down_proj", mod.down_proj[e].detach()
+
+
+def _modelopt_moe(tmp_path, model, cfg, input_scale=0.05):
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    path, ref = tc._modelopt_checkpoint(tmp_path, model, cfg, input_scale=input_scale)
+    tensors = {k: v for f in path.glob("*.safetensors") for k, v in _read(f).items()}
+    for name, e, proj, w in _expert_weights(model):
+        q, s, s2 = NVFP4QTensor.quantize(w.float(), 16)
+        p = f"{name}.{e}.{proj}"
+        tensors |= {f"{p}.weight": q._quantized_data, f"{p}.weight_scale": s,
+                    f"{p}.weight_scale_2": s2.float().reshape(()), f"{p}.input_scale": torch.tensor(input_scale * (1 + e / 16), dtype=torch.float32)}
+        ref[p] = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16}).double()
+    return _rewrite(path, tensors, model, cfg), ref
+
+
+def _compressed_tensors_moe(tmp_path, model, cfg):
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    path, ref = tc._compressed_tensors_checkpoint(tmp_path, model, cfg)
+    tensors = {k: v for f in path.glob("*.safetensors") for k, v in _read(f).items()}
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    for name, e, proj, w in _expert_weights(model):
+        n, k = w.shape
+        gs = generate_gparam(w.min(), w.max(), dtype=w.dtype)
+        blocks = w.reshape(n, k // 16, 16)
+        scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights, global_scale=gs)
+        out = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+        p = f"{name}.{e}.{proj}"
+        tensors |= {f"{p}.weight_packed": out["weight_packed"], f"{p}.weight_scale": out["weight_scale"],
+                    f"{p}.weight_global_scale": out["weight_global_scale"].float()}
+        codes = unpack_fp4_from_uint8(out["weight_packed"], n, k, dtype=torch.float32).double()
+        ref[p] = codes * out["weight_scale"].double().repeat_interleave(16, 1) / out["weight_global_scale"].double()
+    return _rewrite(path, tensors, model, cfg), ref
+
+
+def _read(f):
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}
+
+
+def _rewrite(path, tensors, model, cfg):
+    """The checkpoint as the exporters write a MoE model: per-expert modules instead of the stacked parameters."""
+    import json
+
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    stacked = {f"{n}.{p}" for n, m in model.named_modules() if hasattr(m, "gate_up_proj") for p in
+               ("gate_up_proj", "down_proj")}
+    qcfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    return tc._save(path, {k: v for k, v in tensors.items() if k not in stacked}, cfg, qcfg)
+
+
+def _decoded_model(model, ref):
+    """The bf16 model whose every quantized weight is the library's own decoding of the stored tensors."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, lin in tc._linears(m).items():
+            lin.weight.copy_(ref[name].to(torch.bfloat16))
+        for name, mod in m.named_modules():
+            if hasattr(mod, "gate_up_proj") and mod.gate_up_proj.dim() == 3:
+                for e in range(mod.gate_up_proj.shape[0]):
+                    mod.gate_up_proj[e].copy_(torch.cat([ref[f"{name}.{e}.gate_proj"], ref[f"{name}.{e}.up_proj"]]))
+                    mod.down_proj[e].copy_(ref[f"{name}.{e}.down_proj"])
+    return m
+
+
+@pytest.mark.parametrize("client", ["modelopt", "compressed-tensors"])
+def test_a_moe_checkpoint_loads_its_experts_into_fp4_moe_experts(tmp_path, client):
+    pytest.importorskip(tc.LIBRARY[client])
+    src, cfg = _tiny_moe()
+    path, ref = (_modelopt_moe if client == "modelopt" else _compressed_tensors_moe)(tmp_path, src, cfg)
+    model, _ = _tiny_moe(seed=1)
+    report = load_nvfp4(model, path, mode="w4a16")
+    experts = {n for n, what in report.replaced.items() if what.startswith("Fp4MoeExperts")}
+    assert experts == {f"model.layers.{i}.mlp.experts" for i in range(2)}, report.replaced
+    assert report.unused == [] and report.missing == []
+    layer = model.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(layer, Fp4MoeExperts) and layer.gate.num_experts == E
+    assert ("static" in report.replaced["model.layers.0.mlp.experts"]) == (client == "modelopt")
+    # each expert's weight is the library's own decoding of what it stored
+    from fp4dispatch.format import dequantize_nvfp4
+
+    for e in (0, E - 1):
+        got = dequantize_nvfp4(layer.down.weight[e], layer.down.weight_scale[e].view(torch.float8_e4m3fn),
+                               dtype=torch.float32).double() * layer.down.weight_scale_2.view(torch.float32)[e].double()
+        want = ref[f"model.layers.0.mlp.experts.{e}.down_proj"]
+        torch.testing.assert_close(got, want, rtol=2 ** -23, atol=0)
+    decoded = _decoded_model(src, ref)
+    # the MoE block alone: the experts are W4A4 (their activations rounded to NVFP4; the reference keeps them bf16),
+    # which costs about 15 % here; an expert's weight in another expert's place costs about 65 %
+    h = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = (m.model.layers[0].mlp(h).double() for m in (model, decoded))
+        assert float((got - want).norm() / want.norm()) < 0.3
+        got, want = (m(ids, use_cache=False).logits.double() for m in (model, decoded))
+    # the whole model: the dense layers are W4A16 (bf16 rounding); in this tiny random model the experts' output is
+    # small next to the residual stream, so the logits move by less than 1 %
+    assert float((got - want).norm() / want.norm()) < 0.03
+
+
+def _moe_module(input_scale):
+    g = torch.Generator().manual_seed(0)
+    h, i = 64, 32
+
+    def proj(n, k):
+        w = torch.randn(E, n, k, generator=g) * 0.1
+        from fp4dispatch.format import quantize_nvfp4
+
+        packed, scales, decode = [], [], []
+        for x in w:
+            p, s, gs = quantize_nvfp4(x, scale_layout="linear")
+            packed.append(p), scales.append(s), decode.append(1.0 / gs)
+        return Fp4Experts.from_modelopt(packed, scales, decode, input_scale)
+
+    return Fp4MoeExperts(proj(i, h), proj(i, h), proj(h, i), torch.nn.SiLU())
+
+
+def test_fp4_moe_experts_equals_one_token_at_a_time_and_drops_slots_of_other_ranks():
+    """With a static activation scale each routed row is quantized on its own: the layer must equal computing every
+    (token, slot) alone through the same Fp4Experts; a slot whose index is E (another rank's expert, as transformers
+    marks it) adds nothing."""
+    layer = _moe_module(input_scale=0.02)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (6, TOP_K), generator=g)
+    idx[2, 1] = E  # routed to no expert of this module
+    w = torch.rand(6, TOP_K, generator=g)
+    got = layer(x, idx, w).float()
+    want = torch.zeros(6, 64)
+    for t in range(6):
+        for j in range(TOP_K):
+            e = int(idx[t, j])
+            if e >= E:
+                continue
+            offs = torch.zeros(E, dtype=torch.int32)
+            offs[e:] = 1
+            row = x[t:t + 1]
+            mid = torch.nn.functional.silu(layer.gate(row, offs)) * layer.up(row, offs)
+            want[t] += layer.down(mid, offs)[0].float() * w[t, j]
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(layer(x, idx, w).view(torch.int16), got.to(torch.bfloat16).view(torch.int16))  # same bits
+
+
+def test_fp4_moe_experts_refuses_mismatched_projections_and_routing():
+    layer = _moe_module(input_scale=None)
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: up must be Fp4Experts\(E=8, in=64, out=32\) to "
+                                                r"match down \(E=8, in=32, out=64\); got E=8, in=32, out=64$"):
+        Fp4MoeExperts(layer.gate, layer.down, layer.down, torch.nn.SiLU())
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: top_k_index and top_k_weights must both be "
+                                                r"\[T=3, k\]; got \(3, 2\) and \(3, 1\)$"):
+        layer(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 1))
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: hidden_states must be \[T, 64\]; got \(3, 32\)$"):
+        layer(torch.zeros(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    assert layer(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
+
+
+def test_a_missing_expert_tensor_is_named_with_its_module(tmp_path):
+    pytest.importorskip(tc.LIBRARY["modelopt"])
+    src, cfg = _tiny_moe()
+    path, _ = _modelopt_moe(tmp_path, src, cfg)
+    state = {k: v for f in path.glob("*.safetensors") for k, v in _read(f).items()}
+    del state["model.layers.1.mlp.experts.5.up_proj.weight_scale_2"]
+    qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    model, _ = _tiny_moe(seed=1)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: experts module 'model.layers.1.mlp.experts' is "
+                                                r"quantized in the checkpoint but 'model.layers.1.mlp.experts.5."
+                                                r"up_proj.weight_scale_2' is missing \(the model has 8 experts\)$"):
+        load_nvfp4(model, state, quantization_config=qcfg)
+
+
+def test_experts_the_checkpoint_leaves_unquantized_stay_and_load_as_they_are(tmp_path):
+    pytest.importorskip(tc.LIBRARY["modelopt"])
+    src, cfg = _tiny_moe()
+    path, _ = tc._modelopt_checkpoint(tmp_path, src, cfg)  # Linear layers only: the stacked experts stay bf16
+    model, _ = _tiny_moe(seed=1)
+    report = load_nvfp4(model, path)
+    assert report.skipped["model.layers.0.mlp.experts"].startswith("experts not quantized in the checkpoint")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in report.loaded
+    assert torch.equal(model.get_submodule("model.layers.0.mlp.experts").down_proj,
+                       src.get_submodule("model.layers.0.mlp.experts").down_proj)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, gate_up_shape, down_shape, bias=False):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(gate_up_shape))
+        self.down_proj = torch.nn.Parameter(torch.zeros(down_shape))
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(gate_up_shape[:2])) if bias else None
+        self.act_fn = torch.nn.SiLU()
+
+
+def _expert_state(e, h, i, gate_shape=None):
+    from fp4dispatch.format import quantize_nvfp4
+
+    sd = {}
+    for x in range(e):
+        for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            p, s, gs = quantize_nvfp4(torch.randn(n, k), scale_layout="linear")
+            if proj == "gate_proj" and gate_shape is not None:
+                p = torch.zeros(gate_shape, dtype=torch.uint8)
+            sd |= {f"experts.{x}.{proj}.weight": p, f"experts.{x}.{proj}.weight_scale": s,
+                   f"experts.{x}.{proj}.weight_scale_2": (1.0 / gs).reshape(())}
+    return sd
+
+
+QCFG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+
+
+@pytest.mark.parametrize("shapes, bias, got", [
+    (((2, 64, 64), (2, 32, 64)), False, r"gate_up_proj \[E, 2I, H\] \(got \(2, 64, 64\)\), down_proj \[E, H, I\] "
+                                        r"\(got \(2, 32, 64\)\), an act_fn module and no biases \(got none\)"),
+    (((2, 64, 64), (2, 64, 32)), True, r".*\(got \['gate_up_proj_bias'\]\); strict=False leaves it as it is"),
+], ids=["transposed-layout", "biased"])
+def test_experts_of_another_form_are_refused_with_what_was_expected(shapes, bias, got):
+    model = torch.nn.Module()
+    model.experts = _Experts(*shapes, bias=bias)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: experts module 'experts' \(_Experts\) is not of the "
+                                                r"form fp4dispatch replaces: " + got):
+        load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG)
+    report = load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG, strict=False)
+    assert report.skipped["experts"].startswith("experts module 'experts' (_Experts) is not of the form")
+    assert "experts.0.gate_proj.weight" in report.unused and isinstance(model.experts, _Experts)
+
+
+def test_an_expert_weight_stored_transposed_is_named():
+    model = torch.nn.Module()
+    model.experts = _Experts((2, 96, 64), (2, 64, 48))
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 'experts.0.gate_proj.weight' has shape \(32, 48\); "
+                                                r"the model's experts need \[N, K/2\] = \(48, 32\) \(stored "
+                                                r"transposed\)$"):
+        load_nvfp4(model, _expert_state(2, 64, 48, gate_shape=(32, 48)), quantization_config=QCFG)
+    model.experts = _Experts((2, 64, 64), (2, 64, 32))
+    report = load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG)
+    assert report.replaced == {"experts": "Fp4MoeExperts(2 experts, 64 -> 32 -> 64, activation scale dynamic)"}
