@@ -6,6 +6,7 @@ per-expert bias makes the load uneven, as trained routers are); R routings per c
 each with its own routing, activations and touched experts), time per call:
   pick          fp4dispatch.fp4_grouped_mm, decided (tuned, proven) before capture
   grouped best  triton:grouped's fastest config (its config in the JSON)
+  humming:grouped  fp4dispatch's Humming adapter called directly (the token decode + Humming, Stream-K off)
   humming       Humming's grouped MoE GEMM (``grouped_contiguous``) on the dequantized bf16 tokens, default tuning
                 (Stream-K on); humming-nosk: Stream-K off (fp4dispatch's determinism rule)
   bf16          torch._grouped_mm on the dequantized bf16 tokens and experts (cuBLAS)
@@ -40,7 +41,7 @@ LAYERS = {
 }
 BS = [1, 8, 32, 128, 512]
 ROUTINGS = 4
-COLUMNS = ("pick", "grouped best", "humming", "humming-nosk", "bf16", "loop (eager)")
+COLUMNS = ("pick", "grouped best", "humming:grouped", "humming", "humming-nosk", "bf16", "loop (eager)")
 
 
 def _weights(e: int, n: int, k: int):
@@ -95,8 +96,9 @@ def _humming(b, lin, ws2, e, n, k, stream_k: bool):
 
 def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
     import fp4dispatch
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
     from fp4dispatch.backends.triton_grouped import TritonGroupedBackend
-    from fp4dispatch.problem import GroupedOperands, Problem
+    from fp4dispatch.problem import GroupedOperands, Problem, m_bucket
 
     e, n, k, top_k = LAYERS[name]
     b, lin, sb, ws2 = _weights(e, n, k)
@@ -113,9 +115,9 @@ def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
         a, sa, offs = rs[i][:3]
         fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out=outs[i])
     grouped(0)  # decides and proves the key at this T
-    entry = fp4dispatch.get_dispatcher().cache_for().decisions
-    key = next((ks for ks in entry if ks.startswith(f"grouped-e{e}-") and f"-n{n}-k{k}-" in ks), None)
-    row["pick_name"] = entry[key]["backend"] if key else "-"
+    decision = fp4dispatch.get_dispatcher().cache_for().decisions.get(f"grouped-e{e}-m{m_bucket(t)}-n{n}-k{k}-bfloat16")
+    row["pick_name"] = decision["backend"] if decision else "-"
+    row["tuner_ranking"] = decision.get("ranking") if decision else None
     row["us"]["pick"] = _graph_us(grouped, len(rs))
     tg = TritonGroupedBackend()
     p = Problem(t, n, k, torch.bfloat16, torch.device("cuda"), torch.uint8, e)
@@ -126,6 +128,10 @@ def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
         if best is None or us < best[0]:
             best = (us, cfg.to_json())
     row["us"]["grouped best"], row["grouped_config"] = best
+    hg = HummingGroupedBackend()
+    if hg.unavailable(p.device) is None and hg.unsupported(p) is None:
+        ops = [GroupedOperands(r[0], b, r[1], sb, alpha, o, r[2]) for r, o in zip(rs, outs)]
+        row["us"]["humming:grouped"] = _graph_us(lambda i: hg.run(p, ops[i], {}), len(rs))
     for col, sk in (("humming", True), ("humming-nosk", False)):
         try:
             call = _humming(b, lin, ws2, e, n, k, sk)
