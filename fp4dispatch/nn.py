@@ -81,6 +81,7 @@ class Fp4Linear(nn.Module):
                                     "FP4 tensor cores serve it, else W4A16")
         self.mode = mode
         self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
+        self._views: tuple | None = None  # _weight_views' cache
         if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
             raise InvalidInputError(f"Fp4Linear: in_features must be a positive multiple of {BLOCK} (one e4m3 "
                                     f"scale per 16 values); got {in_features!r}. Pad K with zeros")
@@ -245,13 +246,25 @@ class Fp4Linear(nn.Module):
             return x.new_empty((*lead, self.out_features))
         if self.resolved_mode(x.device) == "w4a16":
             a = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
-            y = w4a16_mm(a.contiguous(), self.weight, self.weight_scale.view(torch.float8_e4m3fn),
-                         _f32(self.weight_scale_2), out_dtype=x.dtype)
+            w, scale, decode = self._weight_views()
+            y = w4a16_mm(a.contiguous(), w, scale, decode, out_dtype=x.dtype)
         else:
             y = self._w4a4(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        bias = self._buffers["bias"]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+    def _weight_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight, its e4m3 view of the scales, the fp32 view of the decode scale), made once per buffer: an eager
+        call's host time is mostly Python, and these views and ``nn.Module`` attribute lookups were a part of it. The
+        buffers' identities key it, so a moved (``.to``), reloaded or reassigned buffer is never served stale."""
+        b = self._buffers
+        w, s, d = b["weight"], b["weight_scale"], b["weight_scale_2"]
+        c = self._views
+        if c is None or c[0] is not w or c[1] is not s or c[2] is not d:
+            c = self._views = (w, s, d, s.view(torch.float8_e4m3fn), _f32(d))
+        return c[0], c[3], c[4]
 
     def resolved_mode(self, device: torch.device) -> str:
         """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
@@ -263,13 +276,14 @@ class Fp4Linear(nn.Module):
         return got
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
+        w, scale, decode = self._weight_views()
         if self._input_global_scale is None:
             xq, xs, gs = quantize_nvfp4(x2)
-            alpha = _f32(self.weight_scale_2) / gs  # 1/(gs_a*gs_w), on the device: no host sync
+            alpha = decode / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:
             xq, xs, _ = quantize_nvfp4(x2, _f32(self._input_global_scale))
             alpha = _f32(self._alpha)
-        return fp4_mm(xq, self.weight, xs, self.weight_scale.view(torch.float8_e4m3fn), alpha, out_dtype=x2.dtype)
+        return fp4_mm(xq, w, xs, scale, alpha, out_dtype=x2.dtype)
 
     def extra_repr(self) -> str:
         scale = "static" if self._input_global_scale is not None else "dynamic"

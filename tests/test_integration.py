@@ -163,6 +163,24 @@ def test_fp4linear_survives_module_dtype_casts():
     assert _rel(after.float(), before) < 1e-2  # bf16 output and bias rounding only
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_fp4linear_never_serves_stale_weight_views(mode):
+    """The forward keeps its weight views between calls (host time); a reloaded, reassigned or moved buffer must
+    still be what the next call multiplies by."""
+    torch.manual_seed(3)
+    a, b = (torch.nn.Linear(128, 32, bias=False) for _ in range(2))
+    qa, qb = Fp4Linear.from_linear(a, mode=mode), Fp4Linear.from_linear(b, mode=mode)
+    x = torch.randn(3, 128)
+    ya, yb = qa(x), qb(x)
+    qa.load_state_dict(qb.state_dict())  # copied in place into the same buffers
+    assert torch.equal(qa(x), yb)
+    qa.weight_scale_2 = qa.weight_scale_2.clone()  # a new buffer object
+    qa.weight_scale_2.view(torch.float32).mul_(2)
+    assert torch.equal(qa(x), 2 * yb)
+    qa.weight = torch.zeros_like(qa.weight)  # a new buffer object (all-zero codes)
+    assert qa(x).abs().max() == 0 and not torch.equal(ya, yb)
+
+
 def test_fp4linear_compiles_fullgraph_equal_to_eager():
     torch.manual_seed(3)
     for mode in ("w4a4", "w4a16"):
