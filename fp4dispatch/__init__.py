@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .version import __version__
-from .api import fp4_grouped_mm, fp4_mm, get_dispatcher, set_dispatcher, w4a16_mm
+from .api import fp4_grouped_mm, fp4_mm, get_dispatcher, set_dispatcher, w4a16_grouped_mm, w4a16_mm
 from .errors import BackendError, FP4DispatchError, InvalidInputError, NoUsableBackendError
 from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales
 from .graphs import warmup
@@ -15,6 +15,7 @@ __all__ = [
     "fp4_mm",
     "w4a16_mm",
     "fp4_grouped_mm",
+    "w4a16_grouped_mm",
     "Dispatcher",
     "warmup",
     "load_nvfp4",

@@ -1,4 +1,5 @@
-"""``fp4_mm`` and ``w4a16_mm``: the calls. The whole path of one — validate, decide, run — is ``run_fp4_mm`` below
+"""``fp4_mm``, ``w4a16_mm`` and the grouped (MoE) ``fp4_grouped_mm`` and ``w4a16_grouped_mm``: the calls. The
+whole path of one — validate, decide, run — is ``run_fp4_mm`` below
 (``run_w4a16_mm`` is the same with the W4A16 checks)."""
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import threading
 import torch
 
 from .validate import check_fp4_mm_args, check_w4a16_mm_args
-from .validate_grouped import check_fp4_grouped_mm_args
+from .validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 
-__all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "get_dispatcher", "set_dispatcher", "run_fp4_mm", "run_w4a16_mm",
-           "run_fp4_grouped_mm"]
+__all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm", "get_dispatcher", "set_dispatcher",
+           "run_fp4_mm", "run_w4a16_mm", "run_fp4_grouped_mm", "run_w4a16_grouped_mm"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -39,6 +40,14 @@ def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtyp
                        check_offs) -> torch.Tensor:
     problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
                                              check_offs)
+    if problem.m == 0:
+        return ops.out
+    return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
+
+
+def run_w4a16_grouped_mm(dispatcher, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
+                         check_offs) -> torch.Tensor:
+    problem, ops = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs)
     if problem.m == 0:
         return ops.out
     return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
@@ -167,6 +176,41 @@ def fp4_grouped_mm(
     d = _default if _default is not None else get_dispatcher()
     return run_fp4_grouped_mm(d, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
                               check_offs)
+
+
+def w4a16_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    alpha: torch.Tensor | float | None,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    scale_layout: str = "swizzled",
+    backend: str | None = None,
+    check_offs: bool = True,
+) -> torch.Tensor:
+    """The MoE expert GEMM with bf16/fp16 activations as they are (W4A16): ``out[rows of e] = alpha[e] *
+    a[rows of e] @ dequant(b[e]).T``. Where there are no FP4 tensor cores this is as accurate as bf16 experts on the
+    decoded weights, unlike :func:`fp4_grouped_mm`, whose activations are NVFP4.
+
+    Args:
+        a: activations, bfloat16 or float16 [T, K], the routed rows grouped by expert, contiguous.
+        b, b_scale, offs, scale_layout, backend, check_offs: as in :func:`fp4_grouped_mm`.
+        alpha: float32 [E] (each expert's weight decode scale ``1/gs_b[e]``), one element, a float, or None (1).
+        out_dtype: None (default: ``a.dtype``), torch.bfloat16, torch.float16 or torch.float32. out: [T, N].
+    """
+    if torch.compiler.is_compiling():
+        if not isinstance(alpha, torch.Tensor):
+            alpha = torch.full((1,), 1.0 if alpha is None else float(alpha), dtype=torch.float32, device=a.device)
+        if out is None:
+            return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype, scale_layout,
+                                                          backend)
+        torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, alpha, offs, out, scale_layout, backend)
+        return out
+    d = _default if _default is not None else get_dispatcher()
+    return run_w4a16_grouped_mm(d, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
 
 
 def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:

@@ -56,9 +56,10 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         activations: None for ``fp4_mm`` calls (NVFP4 activations); torch.bfloat16 or torch.float16 for
             ``w4a16_mm`` calls with activations of that dtype (what ``Fp4Linear(mode="auto")`` runs on GPUs without
             FP4 tensor cores).
-        experts: E > 0 for ``fp4_grouped_mm`` calls (a MoE projection of E experts): each shape is then
-            ``(T, N, K)``, T the routed rows of all experts (every T bucket the graph uses); the run uses a check
-            routing (an expert without rows). One decision serves every routing of its T bucket.
+        experts: E > 0 for ``fp4_grouped_mm`` calls (a MoE projection of E experts; ``w4a16_grouped_mm`` with
+            ``activations``): each shape is then ``(T, N, K)``, T the routed rows of all experts (every T bucket the
+            graph uses); the run uses a check routing (an expert without rows). One decision serves every routing
+            of its T bucket.
 
     Returns:
         ``{(M, N, K): backend name}`` of the decisions.
@@ -78,17 +79,21 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
     if activations not in (None, torch.bfloat16, torch.float16):
         raise InvalidInputError(f"warmup: activations must be None (fp4_mm), torch.bfloat16 or torch.float16 "
                                 f"(w4a16_mm); got {activations!r}")
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0 or (experts and activations):
-        raise InvalidInputError(f"warmup: experts must be 0 (dense calls) or the E > 0 of fp4_grouped_mm calls, "
-                                f"whose activations are NVFP4 (activations=None); got experts={experts!r}, "
-                                f"activations={activations!r}")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise InvalidInputError(f"warmup: experts must be 0 (dense calls) or the E > 0 of fp4_grouped_mm / "
+                                f"w4a16_grouped_mm calls; got experts={experts!r}")
     d = dispatcher if dispatcher is not None else get_dispatcher()
     dev = resolve_device(device)
     choices = d.warmup(todo, out_dtype=out_dtype, device=dev, activations=activations or torch.uint8, experts=experts)
     if run:
         for i, (m, n, k) in enumerate(todo):
             if experts:
-                d.fp4_grouped_mm(*random_grouped_operands(m, experts, n, k, dev, seed=i), out_dtype=out_dtype)
+                a, b, sa, sb, alpha, offs = random_grouped_operands(m, experts, n, k, dev, seed=i)
+                if activations is None:
+                    d.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=out_dtype)
+                else:
+                    x = torch.randn(m, k, device=dev).to(activations)
+                    d.w4a16_grouped_mm(x, b, sb, alpha, offs, out_dtype=out_dtype)
                 continue
             a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed=i)
             # the first run uses alpha=None so that validate's per-device ones-tensors exist before capture

@@ -24,8 +24,9 @@ def m_bucket(m: int) -> int:
 class Problem(NamedTuple):
     """Shape and type of one GEMM: out[M, N] = alpha * A[M, K] @ B[N, K].T (K in elements). ``a_dtype`` says which
     op it is: ``torch.uint8`` (packed NVFP4 activations: ``fp4_mm``) or bf16/fp16 (activations as they are:
-    ``w4a16_mm``). ``experts`` > 0 makes it ``fp4_grouped_mm``: M is then T, the tokens of all E experts together,
-    and B is [E, N, K] (each expert multiplies the rows ``offs`` gives it)."""
+    ``w4a16_mm``). ``experts`` > 0 makes it ``fp4_grouped_mm`` (``w4a16_grouped_mm`` with bf16/fp16 activations):
+    M is then T, the tokens of all E experts together, and B is [E, N, K] (each expert multiplies the rows ``offs``
+    gives it)."""
 
     m: int
     n: int
@@ -42,14 +43,14 @@ class Problem(NamedTuple):
     @property
     def op(self) -> str:
         if self.experts:
-            return "grouped"
+            return "grouped" if self.a_dtype is torch.uint8 else "w4a16_grouped"
         return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16"
 
     @property
     def call(self) -> str:
         """The public function of this op, as messages name it."""
         if self.experts:
-            return "fp4_grouped_mm"
+            return "fp4_grouped_mm" if self.a_dtype is torch.uint8 else "w4a16_grouped_mm"
         return "fp4_mm" if self.a_dtype is torch.uint8 else "w4a16_mm"
 
     @property
@@ -61,10 +62,10 @@ class Problem(NamedTuple):
         return self._replace(m=m)
 
     def __str__(self) -> str:
-        if self.experts:
-            return f"T={self.m} E={self.experts} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
         text = f"M={self.m} N={self.n} K={self.k} out={str(self.out_dtype).replace('torch.', '')}"
-        return text if self.op == "fp4_mm" else f"{text} a={str(self.a_dtype).replace('torch.', '')} (w4a16)"
+        if self.experts:
+            text = f"T={self.m} E={self.experts} " + text.split(" ", 1)[1]
+        return text if self.a_dtype is torch.uint8 else f"{text} a={str(self.a_dtype).replace('torch.', '')} (w4a16)"
 
 
 class Operands(NamedTuple):

@@ -1,4 +1,5 @@
-"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm``, ``fp4_grouped_mm``, each with ``_out``): the
+"""``torch.ops.fp4dispatch.fp4_mm`` / ``fp4_mm_out`` (and ``w4a16_mm``, ``fp4_grouped_mm``, ``w4a16_grouped_mm``,
+each with ``_out``): the
 calls as torch custom ops, so that ``torch.compile`` (``fullgraph=True``) traces models that call them without a
 graph break.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["fp4_mm_op", "fp4_mm_out_op", "w4a16_mm_op", "w4a16_mm_out_op", "fp4_grouped_mm_op",
-           "fp4_grouped_mm_out_op"]
+           "fp4_grouped_mm_out_op", "w4a16_grouped_mm_op", "w4a16_grouped_mm_out_op"]
 
 _LIB = "fp4dispatch"
 
@@ -137,3 +138,39 @@ def _fp4_grouped_mm_out_fake(a, b, a_scale, b_scale, alpha, offs, out, scale_lay
     from .validate_grouped import check_fp4_grouped_mm_args
 
     check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout, False)
+
+
+@torch.library.custom_op(f"{_LIB}::w4a16_grouped_mm", mutates_args=())
+def w4a16_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
+                        offs: torch.Tensor, out_dtype: torch.dtype | None, scale_layout: str,
+                        backend: str | None) -> torch.Tensor:
+    """Functional w4a16_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
+    from . import api
+
+    return api.run_w4a16_grouped_mm(api.get_dispatcher(), a, b, b_scale, alpha, offs, out_dtype, None, scale_layout,
+                                    backend, False)
+
+
+@w4a16_grouped_mm_op.register_fake
+def _w4a16_grouped_mm_fake(a, b, b_scale, alpha, offs, out_dtype, scale_layout, backend):
+    from .validate_grouped import check_w4a16_grouped_mm_args
+
+    problem, _ = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, None, scale_layout, False)
+    return a.new_empty((problem.m, problem.n), dtype=problem.out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::w4a16_grouped_mm_out", mutates_args=("out",))
+def w4a16_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
+                            offs: torch.Tensor, out: torch.Tensor, scale_layout: str, backend: str | None) -> None:
+    """w4a16_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
+    from . import api
+
+    api.run_w4a16_grouped_mm(api.get_dispatcher(), a, b, b_scale, alpha, offs, out.dtype, out, scale_layout, backend,
+                             False)
+
+
+@w4a16_grouped_mm_out_op.register_fake
+def _w4a16_grouped_mm_out_fake(a, b, b_scale, alpha, offs, out, scale_layout, backend):
+    from .validate_grouped import check_w4a16_grouped_mm_args
+
+    check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out.dtype, out, scale_layout, False)

@@ -292,9 +292,14 @@ def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Pr
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device)
     out = _check_out(out, m, n, out_dtype, device)
+    return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, no_scale(device), sb, al, out)
+
+
+def no_scale(device: torch.device) -> torch.Tensor:
+    """The empty e4m3 ``a_scale`` of a W4A16 call's canonical operands (one per device, kept outside capture)."""
     none = _NO_SCALE.get(device)
     if none is None:
         none = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
         if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _NO_SCALE[device] = none
-    return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, none, sb, al, out)
+    return none

@@ -8,9 +8,9 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
 from .problem import OUT_DTYPES, GroupedOperands, Problem
-from .validate import _check_alpha, _type_name
+from .validate import _HALF, _check_alpha, _type_name, no_scale
 
-__all__ = ["check_fp4_grouped_mm_args", "check_offs_values"]
+__all__ = ["check_fp4_grouped_mm_args", "check_w4a16_grouped_mm_args", "check_offs_values"]
 
 
 def _fail(msg: str) -> InvalidInputError:
@@ -116,19 +116,10 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
         raise _fail("b must hold at least one expert; got b.shape[0]=0")
     offs = _offs(offs, e, dev)
     cols, cp = k // BLOCK, (k // BLOCK + 3) // 4 * 4
-    rn = (n + 127) // 128 * 128
     sa = _scale(a_scale, "a_scale", (t, cols), scale_layout, dev, "(T, K/16)")
-    sb = _scale(b_scale, "b_scale", (e, n, cols), scale_layout, dev, "(E, N, K/16)")
+    sb = _expert_scales(b_scale, e, n, k, scale_layout, dev)
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if scale_layout == "swizzled":
-        if sb.dim() == 2 and tuple(sb.shape) == (e, rn * cp):  # torch scaled_grouped_mm's flattened experts
-            sb = sb.view(e, rn, cp)
-        if tuple(sb.shape) != (e, rn, cp):
-            hint = " It has the linear layout's shape: pass scale_layout='linear'." if tuple(sb.shape) == (
-                e, n, cols) else ""
-            raise _fail(f"b_scale with scale_layout='swizzled' must have shape {(e, rn, cp)} = (E, round_up(N={n},"
-                        f"128), round_up(K/16={cols},4)), each expert 128x4-swizzled (format_grouped."
-                        f"swizzle_expert_scales); got b_scale.shape={tuple(sb.shape)}.{hint}")
         rows = sa.shape[0] if sa.dim() == 2 else -1
         if sa.dim() != 2 or sa.shape[1] != cp or rows % 128 or rows < (t + 127) // 128 * 128:
             hint = " It has the linear layout's shape: pass scale_layout='linear'." if tuple(sa.shape) == (
@@ -143,10 +134,82 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
                         f"routing fits; got {rows}")
     else:
         sa = swizzle_grouped_scales(sa, offs)
-        sb = swizzle_expert_scales(sb)
     if check_offs and not capturing and t:
         check_offs_values(offs, t, sa.shape[0] if scale_layout == "swizzled" else None)
     al = _alpha(alpha, e, dev)
+    out = _out(out, t, n, out_dtype, dev)
+    return (Problem(t, n, k, out_dtype, dev, torch.uint8, e),
+            GroupedOperands(a, b, sa.view(torch.float8_e4m3fn), sb.view(torch.float8_e4m3fn), al, out, offs))
+
+
+def check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
+                                check_offs: bool = True) -> tuple[Problem, GroupedOperands]:
+    """Validate a ``w4a16_grouped_mm`` call (``a`` bf16/fp16 [T, K] as it is; the rest as ``fp4_grouped_mm``'s,
+    ``alpha`` None = 1, ``out_dtype`` None = ``a.dtype``) and return its canonical (Problem, GroupedOperands)."""
+    try:
+        return _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs)
+    except InvalidInputError as err:  # the checks shared with fp4_grouped_mm name it
+        raise InvalidInputError("w4a16_grouped_mm: " + str(err).removeprefix("fp4_grouped_mm: ")) from None
+
+
+def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs):
+    if not isinstance(a, torch.Tensor):
+        raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [T, K] (the routed rows, grouped by "
+                    f"expert); got {_type_name(a)}")
+    if a.dtype not in _HALF:
+        hint = (" It holds packed NVFP4 data: that is fp4_grouped_mm's a (with a_scale)" if a.dtype == torch.uint8
+                else " Cast it with a.to(torch.bfloat16)")
+        raise _fail(f"a must be bfloat16 or float16 [T, K] (W4A16: activations as they are); got dtype={a.dtype}."
+                    f"{hint}")
+    if a.dim() != 2 or not a.is_contiguous():
+        raise _fail(f"a must be 2-D contiguous [T, K]; got shape={tuple(a.shape)}, strides={a.stride()}")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if scale_layout not in SCALE_LAYOUTS:
+        raise _fail(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise _fail(f"out_dtype must be None (a's dtype), torch.bfloat16, torch.float16 or torch.float32; got "
+                    f"{out_dtype!r}")
+    b = _packed(b, "b", 3, "[E, N, K/2] (each expert's weight in the nn.Linear layout)")
+    dev = a.device
+    if b.device != dev:
+        raise _fail(f"a and b must be on the same device; got a.device={dev}, b.device={b.device}")
+    (t, k), (e, n, bk2) = a.shape, b.shape
+    if 2 * bk2 != k:
+        raise _fail(f"b.shape[2] (K/2) must be a.shape[1]/2 = {k / 2:g}; got a.shape={tuple(a.shape)}, "
+                    f"b.shape={tuple(b.shape)}")
+    if k == 0 or k % BLOCK:
+        raise _fail(f"K=a.shape[1]={k} must be a positive multiple of {BLOCK} (one e4m3 weight scale per 16 values)")
+    if e == 0:
+        raise _fail("b must hold at least one expert; got b.shape[0]=0")
+    offs = _offs(offs, e, dev)
+    sb = _expert_scales(b_scale, e, n, k, scale_layout, dev)
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check_offs and not capturing and t:
+        check_offs_values(offs, t, None)
+    al = _alpha(alpha, e, dev)
+    out = _out(out, t, n, out_dtype, dev)
+    return (Problem(t, n, k, out_dtype, dev, a.dtype, e),
+            GroupedOperands(a, b, no_scale(dev), sb.view(torch.float8_e4m3fn), al, out, offs))
+
+
+def _expert_scales(b_scale: object, e: int, n: int, k: int, layout: str, dev: torch.device) -> torch.Tensor:
+    """``b_scale`` in the swizzled per-expert layout [E, round_up(N,128), round_up(K/16,4)]."""
+    cols, cp, rn = k // BLOCK, (k // BLOCK + 3) // 4 * 4, (n + 127) // 128 * 128
+    sb = _scale(b_scale, "b_scale", (e, n, cols), layout, dev, "(E, N, K/16)")
+    if layout == "linear":
+        return swizzle_expert_scales(sb)
+    if sb.dim() == 2 and tuple(sb.shape) == (e, rn * cp):  # torch scaled_grouped_mm's flattened experts
+        sb = sb.view(e, rn, cp)
+    if tuple(sb.shape) != (e, rn, cp):
+        hint = " It has the linear layout's shape: pass scale_layout='linear'." if tuple(sb.shape) == (
+            e, n, cols) else ""
+        raise _fail(f"b_scale with scale_layout='swizzled' must have shape {(e, rn, cp)} = (E, round_up(N={n},"
+                    f"128), round_up(K/16={cols},4)), each expert 128x4-swizzled (format_grouped."
+                    f"swizzle_expert_scales); got b_scale.shape={tuple(sb.shape)}.{hint}")
+    return sb
+
+
+def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     if out is None:
         out = torch.empty((t, n), dtype=out_dtype, device=dev)
     elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == (t, n) and out.dtype == out_dtype
@@ -156,8 +219,7 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
         raise _fail(f"out must be a contiguous [T, N]=({t}, {n}) tensor of dtype {out_dtype} on {dev} that does not "
                     f"require grad; got {got}. Allocate it with torch.empty(({t}, {n}), dtype={out_dtype}, "
                     f"device={str(dev)!r}) or pass out_dtype")
-    return (Problem(t, n, k, out_dtype, dev, torch.uint8, e),
-            GroupedOperands(a, b, sa.view(torch.float8_e4m3fn), sb.view(torch.float8_e4m3fn), al, out, offs))
+    return out
 
 
 def _alpha(alpha: object, e: int, dev: torch.device) -> torch.Tensor:

@@ -457,7 +457,8 @@ class FakeHumming:
         cc = json.loads(compute_config) if isinstance(compute_config, str) else compute_config
         _need(isinstance(cc, dict) and cc.get("gemm_type") == "grouped_contiguous",
               f"compute_config must ask for gemm_type grouped_contiguous; got {compute_config!r}")
-        _need(weight.dtype == torch.int32 and tuple(weight.shape) == (e, n, k // 8), "weight must be the transformed one")
+        _need(weight.dtype == torch.int32 and tuple(weight.shape) == (e, n, k // 8),
+              "weight must be the transformed one")
         _need(weight_scale.dtype == torch.float8_e4m3fn and tuple(weight_scale.shape) == (e, n, k // 16),
               f"weight_scale must be e4m3 [E, N, K/16]; got {tuple(weight_scale.shape)} {weight_scale.dtype}")
         _need(inputs.dim() == 2 and inputs.shape[1] == k and inputs.dtype == dt and inputs.is_contiguous(),

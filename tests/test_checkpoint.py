@@ -261,7 +261,8 @@ def test_strict_loading_refuses_orphan_quantized_tensors_and_model_tensors_left_
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 2 quantized checkpoint tensors have no nn.Linear or "
                                                 r"transformers experts module in the model to take them \(first: \["
                                                 r"'model.layers.0.mlp.experts.0.gate_proj.weight_scale', .*the model "
-                                                r"keeps those weights another way, or it is not the checkpoint's model"):
+                                                r"keeps those weights another way, or it is not the checkpoint's "
+                                                r"model"):
         load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg)
     report = load_nvfp4(_tiny_llama()[0], experts, quantization_config=qcfg, strict=False)
     assert report.unused == sorted(f"model.layers.0.mlp.experts.0.gate_proj.{k}"

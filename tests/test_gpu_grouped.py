@@ -1,7 +1,7 @@
-"""GPU: every backend that computes ``fp4_grouped_mm`` passes the dispatcher's own check on fresh hostile inputs
-(NaN-poisoned out inside guard rows, an expert without rows or all rows on one expert, inputs unchanged) with every
-config it offers and returns the same bits twice; one CUDA graph captured once replays any routing with the eager
-call's bits. Skipped without a GPU."""
+"""GPU: every backend that computes ``fp4_grouped_mm`` (or ``w4a16_grouped_mm``) passes the dispatcher's own check
+on fresh hostile inputs (NaN-poisoned out inside guard rows, an expert without rows or all rows on one expert,
+inputs unchanged) with every config it offers and returns the same bits twice; one CUDA graph captured once replays
+any routing with the eager call's bits. Skipped without a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -13,25 +13,26 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SHAPES = [(1, 8, 256, 512), (8, 256, 512, 1024), (100, 16, 768, 2048), (37, 6, 1000, 2064), (700, 4, 256, 512)]
 
 
-def _grouped_backends():
+def _grouped_backends(op: str = "grouped"):
     from fp4dispatch.backends import default_backends
     from fp4dispatch.backends.base import computes
 
-    return [b for b in default_backends() if computes(b, "grouped") and b.name not in ("reference", "loop:fp4_mm")]
+    return [b for b in default_backends() if computes(b, op) and b.name not in ("reference", "loop:fp4_mm")]
 
 
 @pytest.mark.parametrize("t, e, n, k", SHAPES)
 @pytest.mark.parametrize("seed", [0, 3], ids=["empty-expert", "one-expert"])
-def test_every_grouped_backend_and_config_passes_the_hostile_check_twice_with_the_same_bits(t, e, n, k, seed):
+@pytest.mark.parametrize("adt", [torch.uint8, torch.bfloat16, torch.float16], ids=["fp4", "w4a16-bf16", "w4a16-fp16"])
+def test_every_grouped_backend_and_config_passes_the_hostile_check_twice_with_the_same_bits(t, e, n, k, seed, adt):
     from fp4dispatch.backends.reference import reference_mm
     from fp4dispatch.dispatch.verify import check_run, make_case
     from fp4dispatch.problem import Problem
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    for odt in (torch.bfloat16, torch.float32):
-        problem = Problem(t, n, k, odt, dev, torch.uint8, e)
+    for odt in (adt if adt is not torch.uint8 else torch.bfloat16, torch.float32):
+        problem = Problem(t, n, k, odt, dev, adt, e)
         case = make_case(problem, seed, reference_mm)
-        for backend in _grouped_backends():
+        for backend in _grouped_backends(problem.op):
             if backend.unavailable(dev) or backend.unsupported(problem):
                 continue
             for cfg in backend.configs(problem):

@@ -321,7 +321,7 @@ from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig
 from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 
-res = {"exact": [], "hostile": [], "bad_offs": [], "decode": []}
+res = {"exact": [], "hostile": [], "bad_offs": [], "decode": [], "table": [], "w4a16": []}
 cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
         GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4)]
 for counts in ([0, 5, 0, 2], [0, 0, 20, 1, 0], [1, 1, 1, 1, 1, 1], [17]):
@@ -355,6 +355,15 @@ for counts, bad in (([0, 5, 0, 2], None), ([130, 0, 3], None), ([4], None), ([0,
         owned = int(layout[-1])  # rows past the (clamped) table's end belong to no expert: zero
         same = torch.equal(x[:owned].view(torch.int16), want[:owned].view(torch.int16))
         res["decode"].append([counts, bad, layout.tolist(), same and bool((x[owned:] == 0).all())])
+from fp4dispatch.kernels.routing_table import routing_table
+for bad in ([0, 5, 5, 7], [0, 9, 3, 7], [-4, 5, 0, 100]):
+    table = torch.full((5,), -9, dtype=torch.int32)
+    res["table"].append(routing_table(torch.tensor(bad, dtype=torch.int32), 7, table).tolist())
+for t, e, seed, adt in ((3, 4, 3, torch.bfloat16), (21, 6, 1, torch.float16), (150, 3, 0, torch.bfloat16)):
+    for odt in (adt, torch.float32):
+        p = Problem(t, 64, 128, odt, torch.device("cpu"), adt, e)
+        case = make_case(p, seed, reference_mm)
+        res["w4a16"].append([t, e, str(adt), [check_run(backend, case, c) for c in backend.configs(p)]])
 print("RESULT " + json.dumps(res))
 '''
 
@@ -403,7 +412,16 @@ def test_the_tuner_times_a_grouped_key_on_a_top_k_routing_not_on_the_checks_one_
     want = torch.diff(timing_routing(128, 8, 7, "cpu").long(), prepend=torch.zeros(1, dtype=torch.long)).tolist()
     assert want in timed and max(want) < 128  # timed on the top-k routing (every expert gets rows here)
     assert [0] * 7 + [128] in timed  # and still checked on the one-expert case
-    assert timing_routing(128, 8, 7, "cpu")[-1] == 128 and (torch.diff(timing_routing(1000, 64, 1, "cpu")) > 0).sum() > 32
+    assert timing_routing(128, 8, 7, "cpu")[-1] == 128
+    assert (torch.diff(timing_routing(1000, 64, 1, "cpu")) > 0).sum() > 32
+
+
+def test_the_routing_table_is_offs_clamped_and_non_decreasing_after_a_zero(interpreted):
+    assert interpreted["table"] == [[0, 0, 5, 5, 7], [0, 0, 7, 7, 7], [0, 0, 5, 5, 7]]
+
+
+def test_the_w4a16_grouped_kernel_passes_the_hostile_check_with_every_config(interpreted):
+    assert interpreted["w4a16"] and all(o == [None] * len(o) for *_, o in interpreted["w4a16"]), interpreted["w4a16"]
 
 
 def test_the_grouped_decode_reads_each_experts_scale_block_and_writes_the_clamped_table(interpreted):
@@ -421,17 +439,20 @@ def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():
 
     a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
     with pytest.raises(InvalidInputError, match=r"^grouped_mm: config must be one of GemvGroupedConfig, "
-                                                r"MmaGroupedConfig \(from heuristics.grouped_configs_for\); got "
+                                                r"MmaGroupedConfig, MmaW4A16GroupedConfig \(from heuristics."
+                                                r"grouped_configs_for or w4a16_grouped_configs_for\); got "
                                                 r"MmaBf16Config$"):
         grouped_mm(a, b, sa, sb, alpha, torch.empty(5, 64), offs, MmaBf16Config(16, 64, 8, 1, 4, 3))
 
 
-def test_warmup_decides_grouped_keys_before_capture_and_explains_a_grouped_w4a16_request(tmp_path):
+def test_warmup_decides_grouped_keys_of_both_ops_before_capture(tmp_path):
     d = _disp([ReferenceBackend()], tmp_path)
     got = fp4dispatch.warmup([(8, 64, 128), (300, 64, 128)], experts=6, dispatcher=d, device="cpu")
     assert got == {(8, 64, 128): "reference", (300, 64, 128): "reference"}
     assert {"grouped-e6-m8-n64-k128-bfloat16", "grouped-e6-m512-n64-k128-bfloat16"} <= set(d.cache_for(CPU).decisions)
+    got = fp4dispatch.warmup([(8, 64, 128)], experts=6, activations=torch.bfloat16, dispatcher=d, device="cpu")
+    assert got == {(8, 64, 128): "reference"}
+    assert "w4a16-bfloat16-grouped-e6-m8-n64-k128-bfloat16" in d.cache_for(CPU).decisions
     with pytest.raises(InvalidInputError, match=r"^warmup: experts must be 0 \(dense calls\) or the E > 0 of "
-                                                r"fp4_grouped_mm calls, whose activations are NVFP4 \(activations=None\)"
-                                                r"; got experts=6, activations=torch.bfloat16$"):
-        fp4dispatch.warmup([(8, 64, 128)], experts=6, activations=torch.bfloat16, dispatcher=d, device="cpu")
+                                                r"fp4_grouped_mm / w4a16_grouped_mm calls; got experts=-1$"):
+        fp4dispatch.warmup([(8, 64, 128)], experts=-1, dispatcher=d, device="cpu")

@@ -415,3 +415,22 @@ def test_fp4_grouped_mm_runs_through_humming_end_to_end_and_its_reasons(cc, humm
         "Humming writes bfloat16/float16 only (its output dtype is the activations'); got out_dtype=torch.float32"
     assert "N=96 is not a multiple of 64" in HummingGroupedBackend().unsupported(problem._replace(n=96))
     assert pickle.loads(pickle.dumps(HummingGroupedBackend(max_bytes=5))).max_bytes == 5
+
+
+@pytest.mark.parametrize("t, e, dt", [(1, 4, BF16), (37, 5, FP16)])
+def test_humming_grouped_serves_w4a16_grouped_with_the_activations_as_given(cc, humming, t, e, dt):
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    cc(90)
+    fake = humming()
+    backend = HummingGroupedBackend()
+    problem = Problem(t, 128, 96, dt, CPU, dt, e)
+    from fp4dispatch.dispatch.verify import make_case
+
+    case = make_case(problem, 0, reference_mm)
+    assert backend.unsupported(problem) is None
+    backend.run(problem, case.ops, {})
+    _assert_grouped_matches(problem, case.ops.out, case.ref)
+    assert fake.calls[-1]["expert_layout"] == [0] + case.ops.offs.tolist()
+    assert backend.unsupported(problem._replace(out_dtype=FP16 if dt == BF16 else BF16)).startswith(
+        "Humming writes its activations' dtype: out_dtype must be a's dtype")

@@ -181,9 +181,7 @@ def test_routed_experts_are_grouped_keys_of_e_over_ep_experts_and_t_rows(capsys)
     code, _, err = _run(capsys, ["--preset", "kimi-k2-nvfp4", "--ep", "5", "--list"])
     assert code == 2 and "--ep 5 does not divide n_routed_experts=384; choose an EP size that divides it" in err
     code, data, _ = _json(capsys, ["--preset", "deepseek-v3-nvfp4", "--op", "w4a16", "--m", "1", "--list", "--json"])
-    assert code == 0 and not any(s["experts"] for s in data["shapes"])
-    assert {s["layer"] for s in data["skipped"]} == {"expert.gate_up", "expert.down"}
-    assert data["skipped"][0]["reason"].startswith("fp4_grouped_mm has no W4A16 form")
+    assert code == 0 and {s["experts"] for s in data["shapes"]} == {0, 256} and not data["skipped"]
 
 
 @cpu_only
@@ -195,6 +193,11 @@ def test_tuning_a_moe_config_decides_grouped_keys(capsys, tmp_path):
     rows = {r["key"]: r for r in data["shapes"]}
     assert code == 0 and {"grouped-e4-m8-n256-k256-bfloat16", "grouped-e4-m8-n256-k128-bfloat16"} <= set(rows)
     assert all(r["status"] == "ok" and r["op"] == "fp4_grouped_mm" for k, r in rows.items() if k.startswith("grouped"))
+    code, data, _ = _json(capsys, ["--hf-config", str(cfg), "--m", "3", "--json", "--cache-dir", str(tmp_path / "c"),
+                                   "--op", "w4a16"])
+    rows = {r["key"]: r for r in data["shapes"]}
+    assert code == 0 and "w4a16-bfloat16-grouped-e4-m8-n256-k128-bfloat16" in rows
+    assert all(r["status"] == "ok" and r["op"] == "w4a16_grouped_mm" for k, r in rows.items() if "grouped" in k)
 
 
 def test_preset_cli_crosses_layers_with_the_default_m_list(capsys):

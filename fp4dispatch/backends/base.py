@@ -10,7 +10,8 @@ A backend is a small object with a ``name`` that
     (``run(problem, ops, config)``); adapting to a library's own layout is the backend's job;
   * names the ops it computes (``ops``, default ``("fp4_mm",)``): ``"w4a16"`` is ``alpha * a @ dequant(b).T`` with
     ``a`` bf16/fp16 as given (``w4a16_mm``; ``problem.op`` says which op a problem is); ``"grouped"`` is
-    ``fp4_grouped_mm``, run on ``GroupedOperands`` (each expert's rows of ``a`` against its own weight).
+    ``fp4_grouped_mm``, run on ``GroupedOperands`` (each expert's rows of ``a`` against its own weight);
+    ``"w4a16_grouped"`` is ``w4a16_grouped_mm``, the same with ``a`` bf16/fp16 as given (``a_scale`` empty).
 
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside
@@ -27,7 +28,7 @@ from ..problem import Operands, Problem
 __all__ = ["Backend", "BaseBackend", "Config", "config_id", "config_json", "OPS", "backend_ops", "computes",
            "probe_op"]
 
-OPS = ("fp4_mm", "w4a16", "grouped")
+OPS = ("fp4_mm", "w4a16", "grouped", "w4a16_grouped")
 
 Config = Any  # a JSON-able dict, or a frozen dataclass with to_json() -> dict
 

@@ -1,11 +1,13 @@
-"""``humming:grouped``: ``fp4_grouped_mm`` (the MoE expert GEMM) through Humming's grouped MoE GEMM (humming-kernels
-0.1.20, ``gemm_type="grouped_contiguous"``): NVFP4 expert weights x activations decoded to bf16/fp16, any GPU from
-SM75. It is ``humming:w4a16``'s adapter with an expert dimension (docs/backends.md):
+"""``humming:grouped``: ``fp4_grouped_mm`` and ``w4a16_grouped_mm`` (the MoE expert GEMM) through Humming's grouped
+MoE GEMM (humming-kernels 0.1.20, ``gemm_type="grouped_contiguous"``): NVFP4 expert weights x bf16/fp16 activations
+(``fp4_grouped_mm``'s decoded, ``w4a16_grouped_mm``'s as given), any GPU from SM75. It is ``humming:w4a16``'s
+adapter with an expert dimension (docs/backends.md):
 
 - ``a`` [T, K/2] is decoded exactly (every e2m1 x e4m3 product is exact in bf16 and fp16) by one kernel that reads
   each row's scales from its expert's block of the grouped swizzled layout and also writes Humming's routing table,
   ``expert_layout`` int32 [E+1] (0, then ``offs`` clamped to [0, T] and made non-decreasing, so a wrong table that
-  the host did not check cannot send Humming out of bounds). No host sync: one CUDA graph serves every routing.
+  the host did not check cannot send Humming out of bounds); ``w4a16_grouped_mm``'s activations go in as they are,
+  its table written by ``kernels/routing_table``. No host sync: one CUDA graph serves every routing.
 - The experts go in as ModelOpt's stacked tensors: ``weight`` uint8 [E, N, K/2], ``weight_scale`` e4m3 [E, N, K/16]
   row-major, ``weight_scale_2`` fp32 [E] of ones; ``transform()`` repacks them once per weight
   (``PreparedWeightCache``). That copy is as large as the experts themselves, so it is bounded
@@ -24,6 +26,7 @@ from ..format import BLOCK
 from ..format_grouped import dequantize_grouped, unswizzle_expert_scales
 from ..kernels import workspace
 from ..kernels.dequant import dequantize_grouped_rows
+from ..kernels.routing_table import routing_table
 from ..problem import GroupedOperands, Problem
 from .humming import HummingBackend
 
@@ -36,7 +39,7 @@ class HummingGroupedBackend(HummingBackend):
     """Humming's grouped MoE GEMM for ``fp4_grouped_mm`` (W4A16 on the decoded tokens)."""
 
     name = "humming:grouped"
-    ops = ("grouped",)
+    ops = ("grouped", "w4a16_grouped")  # grouped: the tokens decoded first; w4a16_grouped: as given
     gemm_type = "grouped_contiguous"
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -47,6 +50,9 @@ class HummingGroupedBackend(HummingBackend):
         why = super().unsupported(problem)
         if why is not None:
             return why
+        if problem.op == "w4a16_grouped" and problem.a_dtype != problem.out_dtype:
+            return (f"Humming writes its activations' dtype: out_dtype must be a's dtype ({problem.a_dtype}); got "
+                    f"{problem.out_dtype}")
         copy_bytes = problem.experts * problem.n * problem.k * 9 // 16  # the repacked codes and their e4m3 scales
         bound = self._bound(problem.device)
         if copy_bytes > bound:
@@ -77,13 +83,16 @@ class HummingGroupedBackend(HummingBackend):
     def forward_inputs(self, problem: Problem, ops: GroupedOperands, layer_extra: dict) -> dict:
         """The decoded tokens and Humming's routing table (``expert_layout``) for the grouped GEMM."""
         t, e, dev = problem.m, problem.experts, ops.a.device
+        w4a16 = problem.op == "w4a16_grouped"
         if not ops.a.is_cuda:  # the contract emulator's path: the same values through torch
             ends = ops.offs.long().clamp(0, t).cummax(0).values
-            x = dequantize_grouped(ops.a, ops.a_scale, ops.offs, problem.out_dtype)
+            x = ops.a if w4a16 else dequantize_grouped(ops.a, ops.a_scale, ops.offs, problem.out_dtype)
             return {"inputs": x, "expert_layout": torch.nn.functional.pad(ends, (1, 0)).int(),
                     "compute_config": _GROUPED}
-        x = workspace.scratch("humming_grouped_a", (t, problem.k), problem.out_dtype, dev)
         layout = workspace.scratch("humming_grouped_layout", (e + 1,), torch.int32, dev)
+        if w4a16:
+            return {"inputs": ops.a, "expert_layout": routing_table(ops.offs, t, layout), "compute_config": _GROUPED}
+        x = workspace.scratch("humming_grouped_a", (t, problem.k), problem.out_dtype, dev)
         dequantize_grouped_rows(ops.a.view(torch.uint8), ops.a_scale, ops.offs, x, layout)
         return {"inputs": x, "expert_layout": layout, "compute_config": _GROUPED}
 

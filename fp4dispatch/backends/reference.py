@@ -18,7 +18,7 @@ __all__ = ["ReferenceBackend", "reference_mm"]
 
 def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
     """The exact result as float32 [M, N] (alpha applied); for ``w4a16`` ``a`` is used as it is; for ``grouped``
-    each expert's rows against its own weight."""
+    each expert's rows against its own weight (``w4a16_grouped``: with ``a`` as it is)."""
     if problem.experts:
         return _grouped(problem, ops)
     w4a16 = problem.op == "w4a16"
@@ -31,8 +31,12 @@ def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
 def _grouped(problem: Problem, ops: GroupedOperands) -> torch.Tensor:
     """Per expert, on its rows (``offs`` is read on the host: the reference is not a CUDA-graph path)."""
     n, k = problem.n, problem.k
-    dt = torch.bfloat16 if ops.a.is_cuda else torch.float32  # exact either way (see reference_mm)
-    a = dequantize_grouped(ops.a, ops.a_scale, ops.offs, dt)
+    if problem.op == "w4a16_grouped":  # a as given; the weight decoded to its dtype (exact, as in reference_mm)
+        dt = ops.a.dtype if ops.a.is_cuda else torch.float32
+        a = ops.a
+    else:
+        dt = torch.bfloat16 if ops.a.is_cuda else torch.float32  # exact either way (see reference_mm)
+        a = dequantize_grouped(ops.a, ops.a_scale, ops.offs, dt)
     b_scales = unswizzle_expert_scales(ops.b_scale, n, k // BLOCK)
     alpha = ops.alpha.float().reshape(-1)
     out = torch.zeros((problem.m, n), dtype=torch.float32, device=ops.a.device)
@@ -60,7 +64,7 @@ class ReferenceBackend(BaseBackend):
     """Exact dequantize+matmul (``torch`` only): always available, slow; the oracle and the fallback."""
 
     name = "reference"
-    ops = ("fp4_mm", "w4a16", "grouped")
+    ops = ("fp4_mm", "w4a16", "grouped", "w4a16_grouped")
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         ops.out.copy_(reference_mm(problem, ops))

@@ -104,7 +104,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     for s in bar:
         problem = Problem(s.m, s.n, s.k, dt, device, adt, s.experts)
         ks = key_str(problem.key)
-        row = {"key": ks, "op": opts.op if not s.experts else "fp4_grouped_mm", "experts": s.experts, "m": s.m,
+        row = {"key": ks, "op": opts.op if not s.experts else problem.call, "experts": s.experts, "m": s.m,
                "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
                "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
                "source": "cache" if ks in cache.decisions else "tuned"}

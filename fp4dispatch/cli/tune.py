@@ -157,9 +157,6 @@ def _collect_shapes(args, parser, on_gpu: bool) -> tuple[list, list[dict]]:
     except presets.ConfigError as e:
         parser.error(str(e))
     ms = args.m or list(presets.DEFAULT_MS)
-    if args.op == "w4a16":  # routed experts are fp4_grouped_mm keys, and that op has no W4A16 form
-        gemms = [dataclasses.replace(g, skip="fp4_grouped_mm has no W4A16 form: tune the routed experts with --op "
-                                     "fp4_mm") if g.experts else g for g in gemms]
     raw += [(m * (g.top_k or 1), g.n, g.k, g.layer, g.experts) for g in gemms if g.skip is None for m in ms]
     skipped = [{"layer": g.layer, "n": g.n, "k": g.k, "reason": g.skip} for g in gemms if g.skip]
     if not raw and not skipped:

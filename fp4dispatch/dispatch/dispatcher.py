@@ -28,7 +28,7 @@ from ..errors import BackendError, InvalidInputError, NoUsableBackendError, desc
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args, check_w4a16_mm_args
-from ..validate_grouped import check_fp4_grouped_mm_args
+from ..validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 from .cache import DecisionCache
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
@@ -113,6 +113,13 @@ class Dispatcher(FaultRecovery, UntunedChoices):
         """Same contract as :func:`fp4dispatch.fp4_grouped_mm`, through this dispatcher."""
         problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
                                                  check_offs)
+        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+
+    def w4a16_grouped_mm(self, a, b, b_scale, alpha, offs, *, out_dtype=None, out=None, scale_layout="swizzled",
+                         backend=None, check_offs=True) -> torch.Tensor:
+        """Same contract as :func:`fp4dispatch.w4a16_grouped_mm`, through this dispatcher."""
+        problem, ops = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
+                                                   check_offs)
         return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
 
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
@@ -322,7 +329,8 @@ class Dispatcher(FaultRecovery, UntunedChoices):
     def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None,
                activations: torch.dtype = torch.uint8, experts: int = 0) -> dict[tuple, Choice]:
         """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys;
-        ``experts`` E > 0: fp4_grouped_mm's keys (M is then T, the routed rows of all E experts)."""
+        ``experts`` E > 0: fp4_grouped_mm's keys (w4a16_grouped_mm's with bf16/fp16 ``activations``; M is then T,
+        the routed rows of all E experts)."""
         dev = resolve_device(device)
         return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts)))
                 for m, n, k in shapes}

@@ -26,19 +26,20 @@ STATUSES = ("ok", "unavailable", "unsupported", "failed", "incorrect")
 SECTIONS = ("health", "decisions", "shape_blacklist", "verified", "faults")
 MODES = ("tuned", "priority")
 # an fp4_mm key; a w4a16_mm key adds its activation dtype in front ("w4a16-bfloat16-m16-..."), an fp4_grouped_mm key
-# its expert count ("grouped-e256-m16-...": the bucket is then one of T, the routed rows of all experts)
-_KEY = re.compile(r"(?:w4a16-(?:bfloat16|float16)-|grouped-e[1-9]\d*-)?m(\d+)-n(\d+)-k(\d+)-"
+# its expert count ("grouped-e256-m16-...": the bucket is then one of T, the routed rows of all experts), a
+# w4a16_grouped_mm key both ("w4a16-bfloat16-grouped-e256-m16-...")
+_KEY = re.compile(r"(?:w4a16-(?:bfloat16|float16)-)?(?:grouped-e[1-9]\d*-)?m(\d+)-n(\d+)-k(\d+)-"
                   r"(bfloat16|float16|float32)")
 
 
 def key_str(key: tuple) -> str:
     """``(device, bucket, n, k, out dtype[, activation dtype[, experts]])`` (``Problem.key``) ->
     ``m<bucket>-n<n>-k<k>-<dtype>``, prefixed by ``w4a16-<activation dtype>-`` for a ``w4a16_mm`` key and by
-    ``grouped-e<E>-`` for an ``fp4_grouped_mm`` key."""
+    ``grouped-e<E>-`` for an ``fp4_grouped_mm`` key (both, in that order, for ``w4a16_grouped_mm``)."""
     _, bucket, n, k, dt, *a = key
     text = f"m{bucket}-n{n}-k{k}-{str(dt).replace('torch.', '')}"
     if len(a) > 1 and a[1]:
-        return f"grouped-e{a[1]}-{text}"
+        text = f"grouped-e{a[1]}-{text}"
     return text if not a or a[0] is torch.uint8 else f"w4a16-{str(a[0]).replace('torch.', '')}-{text}"
 
 

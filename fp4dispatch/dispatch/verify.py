@@ -174,6 +174,8 @@ def make_case(problem: Problem, seed: int, reference) -> CheckCase:
     frame = torch.full((m + 2, n), SENTINEL, dtype=dt, device=dev)
     if e:
         a, b, sa, sb, alpha, offs = random_grouped_operands(m, e, n, k, dev, seed)
+        if problem.op == "w4a16_grouped":
+            a, sa = random_activations(m, k, adt, dev, seed), sa[:0]
         ops = GroupedOperands(a, b, sa, sb, alpha, frame[1:m + 1], offs)
     else:
         a, b, sa, sb, alpha = random_operands(m, n, k, dev, seed, hostile=True)

@@ -17,8 +17,8 @@ from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
            "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
-           "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig", "FAMILIES", "from_json",
-           "register_a_resident", "decode_warps_work"]
+           "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig", "MmaW4A16GroupedConfig", "FAMILIES",
+           "from_json", "register_a_resident", "decode_warps_work"]
 
 
 def _pow2(v) -> bool:
@@ -340,6 +340,14 @@ class GemvGroupedConfig(KernelConfig):
         _check_word_gemv(self)
 
 
+@dataclass(frozen=True)
+class MmaW4A16GroupedConfig(MmaGroupedConfig):
+    """``gemm/mma_w4a16_grouped``: ``w4a16_grouped_mm`` in one launch, tiles as :class:`MmaGroupedConfig`'s with the
+    activations read as they are (bf16/fp16) and the weight decoded as in ``mma_w4a16``."""
+
+    family: ClassVar[str] = "gemm_mma_w4a16_grouped"
+
+
 def register_a_resident(block_m: int, warps: int) -> int:
     """CTAs of a ``WgmmaRegisterAConfig`` tile resident per SM on SM90 (its registers and shared memory): 4-warp tiles
     of block_m <= 64 fit 4, 8-warp tiles 2, block_m >= 128 one."""
@@ -356,7 +364,7 @@ def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> t
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
     WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, MmaW4A16Config, MmaGroupedConfig,
-    GemvGroupedConfig)}
+    GemvGroupedConfig, MmaW4A16GroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

@@ -15,10 +15,12 @@ import torch
 
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
-                     GemvGroupedConfig, MmaGroupedConfig, MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig,
-                     WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
+                     GemvGroupedConfig, MmaGroupedConfig, MmaW4A16Config, MmaW4A16GroupedConfig, TmaGemvConfig,
+                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work,
+                     register_a_resident)
 
-__all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",
+__all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
+           "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",
            "MAX_CONFIGS", "REGISTER_A_TILES", "WARP_SPECIALIZED_TILES", "TMA_GEMV_TILES", "DECODE_WARPS",
            "W4A16_MMA_TILES", "W4A16_GEMV_TILES"]
 
@@ -256,3 +258,11 @@ def grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
     tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
     out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
     return out[:MAX_CONFIGS]
+
+
+def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
+    """Candidate configs for ``w4a16_grouped_mm``: the grouped tensor-core tiles of ``grouped_configs_for`` (no GEMV
+    family reads 16-bit activations per expert yet), best guess first."""
+    per_expert = -(-t // max(1, min(e, t)))
+    tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
+    return [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles][:MAX_CONFIGS]

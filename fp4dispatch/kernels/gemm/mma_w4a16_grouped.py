@@ -1,0 +1,64 @@
+"""``mma_w4a16_grouped``: ``w4a16_grouped_mm`` (the MoE expert GEMM with bf16/fp16 activations as they are) in one
+launch, for GPUs without FP4 tensor cores.
+
+The grid and the expert lookup are ``mma_grouped``'s (``expert_rows.expert_tile``: each CTA finds its expert's M tile
+from ``offs`` on the GPU, no host sync, an expert without rows costs nothing); inside a tile the work is
+``mma_w4a16``'s: the activations loaded as they are, the weight decoded in registers to exact values times 2**-9 in
+the activations' dtype, even-k and odd-k halves to two ``tl.dot``, fp32 sums in a fixed order (no split-K:
+deterministic), alpha (per expert or one) in fp32 at the end.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from ..config import MmaW4A16GroupedConfig
+from ..expert_rows import expert_operands, expert_tile
+from ..gemv.cuda_core_w4a16 import weight_pairs
+from ..tiles import store_out
+
+
+@triton.jit
+def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, N, K2, KB, CB, RN, E,
+                         ALPHA_E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BKB: tl.constexpr, DOT_F32: tl.constexpr):
+    """One (expert's M tile, N tile) of out = alpha[e] * A[rows of e] @ dequant(B[e]).T, A 16-bit [T, K]."""
+    expert, row0, rows, pad0, local0 = expert_tile(offs_ptr, tl.program_id(1), T, E, BM, EP)
+    if local0 < rows:
+        _, b_e, _, sb_e, al, out_e = expert_operands(a_ptr, b_ptr, sb_ptr, sb_ptr, alpha_ptr, out_ptr, expert,
+                                                     row0, pad0, N, K2, CB, RN, ALPHA_E)
+        K = 2 * K2
+        a_e = a_ptr + row0.to(tl.int64) * K
+        rm = local0 + tl.arange(0, BM)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb0 in range(0, KB, BKB):
+            kk = kb0 * 16 + tl.arange(0, BKB * 16)
+            mask = (rm[:, None] < rows) & (kk[None, :] < KB * 16)
+            x = tl.load(a_e + rm[:, None].to(tl.int64) * K + kk[None, :], mask=mask, other=0.0)
+            w_lo, w_hi = weight_pairs(b_e, sb_e, rn, N, kb0, KB, K2, CB, BKB)
+            if DOT_F32:
+                x = x.to(tl.float32)
+            else:
+                w_lo = w_lo.to(x.dtype)
+                w_hi = w_hi.to(x.dtype)
+            x_lo, x_hi = tl.split(tl.reshape(x, (BM, BKB * 8, 2)))
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+        store_out(acc * 512.0, rm, rn, rows, N, al, out_e, out_e, out_e, False)
+
+
+def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+        offs: torch.Tensor, cfg: MmaW4A16GroupedConfig) -> None:
+    """Launch ``grouped_w4a16_kernel``: a bf16/fp16 [T, K] (``sa`` unused: the grouped launchers' signature), b
+    uint8 [E, N, K/2], sb the swizzled expert scales as uint8."""
+    t, k = a.shape
+    e, n, k2 = b.shape
+    kb = k // 16
+    grid = (runtime.cdiv(n, cfg.block_n), runtime.cdiv(t, cfg.block_m) + min(e, t))
+    runtime.launch(grouped_w4a16_kernel, grid, a, b, sb, alpha, out, offs, t, n, k2, kb, runtime.cdiv(kb, 4),
+                   runtime.cdiv(n, 128) * 128, e, ALPHA_E=alpha.numel() > 1, EP=max(16, triton.next_power_of_2(e)),
+                   BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, DOT_F32=runtime.jit_interpreted(),
+                   num_warps=cfg.warps, num_stages=cfg.stages)
