@@ -206,7 +206,7 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             (then ``quantization_config`` is needed).
         quantization_config: the checkpoint's, when not read from its config.json.
         device: where the layers and tensors go (default: each module's current device).
-        mode: ``Fp4Linear``'s mode for every replaced layer ("auto", "w4a4", "w4a16").
+        mode: the mode of every replaced layer and experts module ("auto", "w4a4", "w4a16").
         static_activation_scales: use the stored activation scales (``input_scale`` / ``input_global_scale``) for
             W4A4; False: dynamic per-call scaling even where they are stored.
         strict: raise when quantized tensors have no module to take them (or an experts module is not of the
@@ -237,8 +237,8 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
                 _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode,
                              static_activation_scales)
             elif is_experts_module(module):
-                load_experts(model, name, module, fmt, shards, names, used, report, dev, static_activation_scales,
-                             strict)
+                load_experts(model, name, module, fmt, shards, names, used, report, dev, mode,
+                             static_activation_scales, strict)
         own = dict(model.named_parameters()) | dict(model.named_buffers())
         for n in sorted(names - used):
             t = own.get(n)

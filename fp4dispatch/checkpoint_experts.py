@@ -1,7 +1,8 @@
 """``load_nvfp4``'s MoE part: a transformers experts module (stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
 [E, H, I], ``act_fn``; ``fp4dispatch.moe``) whose experts the checkpoint stores quantized, one module per expert
 and projection, as the exporters write them (``<experts>.<e>.gate_proj.*``, ``up_proj``, ``down_proj``; Mixtral's
-``w1``, ``w3``, ``w2``), becomes an ``Fp4MoeExperts`` of three ``Fp4Experts``. Each expert's stored scales are used
+``w1``, ``w3``, ``w2``), becomes an ``Fp4MoeExperts`` of three ``Fp4Experts`` (of ``load_nvfp4``'s ``mode``: W4A16 where
+there are no FP4 tensor cores). Each expert's stored scales are used
 as they are (ModelOpt's decode scales; compressed-tensors' encode scales, whose reciprocal is the decode scale as for
 ``Fp4Linear``); the experts' static activation scales become one per projection (the largest decode scale, so that
 no expert's rows clip).
@@ -25,7 +26,7 @@ def is_experts_module(module: nn.Module) -> bool:
     return isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3
 
 
-def load_experts(model, name, module, fmt, shards, names, used, report, dev, static, strict) -> None:
+def load_experts(model, name, module, fmt, shards, names, used, report, dev, mode, static, strict) -> None:
     """Replace the experts module ``name`` with an ``Fp4MoeExperts`` when the checkpoint stores its experts
     quantized; otherwise note in ``report`` why it stays (its stacked tensors are then loaded as plain ones)."""
     prefix = f"{name}." if name else ""
@@ -52,16 +53,18 @@ def load_experts(model, name, module, fmt, shards, names, used, report, dev, sta
         return
     projs = []
     for proj, (n_out, k_in) in zip(naming, ((i, h), (i, h), (h, i))):
-        projs.append(_projection(f"{prefix}{{}}.{proj}.", e, n_out, k_in, fmt, shards, names, used, static, name))
+        projs.append(_projection(f"{prefix}{{}}.{proj}.", e, n_out, k_in, fmt, shards, names, used, mode, static,
+                                 name))
     layer = Fp4MoeExperts(*projs, module.act_fn)
     layer = layer.to(dev if dev is not None else gu.device)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, layer)
-    scale = "static" if projs[0].extra_repr().endswith("static") else "dynamic"
-    report.replaced[name] = f"Fp4MoeExperts({e} experts, {h} -> {i} -> {h}, activation scale {scale})"
+    p0 = projs[0]
+    scale = "static" if p0.input_scale is not None or p0.input_global_scale is not None else "dynamic"
+    report.replaced[name] = f"Fp4MoeExperts({e} experts, {h} -> {i} -> {h}, mode={mode}, activation scale {scale})"
 
 
-def _projection(pattern, e, n_out, k_in, fmt, shards, names, used, static, module) -> Fp4Experts:
+def _projection(pattern, e, n_out, k_in, fmt, shards, names, used, mode, static, module) -> Fp4Experts:
     """One projection's E experts (``pattern`` formats the expert index into the tensor-name prefix)."""
     t: dict[str, list] = {k: [] for k in fmt.required}
     inputs = []
@@ -85,5 +88,5 @@ def _projection(pattern, e, n_out, k_in, fmt, shards, names, used, static, modul
     inp = inputs if static and len(inputs) == e else None
     w, s, g = (t[k] for k in fmt.required)
     if fmt.kind == "modelopt":
-        return Fp4Experts.from_modelopt(w, s, [v.float().reshape(()) for v in g], inp)
-    return Fp4Experts.from_compressed_tensors(w, s, [v.float().reshape(()) for v in g], inp)
+        return Fp4Experts.from_modelopt(w, s, [v.float().reshape(()) for v in g], inp, mode=mode)
+    return Fp4Experts.from_compressed_tensors(w, s, [v.float().reshape(()) for v in g], inp, mode=mode)

@@ -1,4 +1,6 @@
-"""``Fp4Experts``: the routed experts of one MoE projection (gate_up or down) in NVFP4, on ``fp4_grouped_mm``.
+"""``Fp4Experts``: the routed experts of one MoE projection (gate_up or down) in NVFP4, on ``fp4_grouped_mm`` (W4A4)
+or ``w4a16_grouped_mm`` (W4A16: the activations as they are; ``mode``, as ``Fp4Linear``'s: "auto" picks W4A4 only
+where a grouped backend multiplies on FP4 tensor cores, ``modes.native_fp4_backend``).
 
 The E experts' weights are held once in the canonical grouped form (packed uint8 [E, N, K/2], each expert's e4m3
 block scales 128x4-swizzled [E, round_up(N,128), round_up(K/16,4)], fp32 decode scales [E]), so no call transforms
@@ -16,10 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .api import fp4_grouped_mm
+from .api import fp4_grouped_mm, w4a16_grouped_mm
 from .errors import InvalidInputError
 from .format import BLOCK, quantize_nvfp4
 from .format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
+from .modes import MODES, native_fp4_backend
 from .problem import OUT_DTYPES
 from .stored import stored_weight
 
@@ -61,8 +64,13 @@ class Fp4Experts(nn.Module):
     activation scaling) stored as int32 bits.
     """
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, *, device=None):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *, device=None, mode: str = "auto"):
         super().__init__()
+        if mode not in MODES:
+            raise InvalidInputError(f"Fp4Experts: mode must be one of {MODES}; got {mode!r}. 'auto' picks W4A4 where "
+                                    "a grouped backend multiplies on FP4 tensor cores, else W4A16")
+        self.mode = mode
+        self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
         for name, v in (("num_experts", num_experts), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidInputError(f"Fp4Experts: {name} must be a positive int; got {v!r}")
@@ -79,7 +87,7 @@ class Fp4Experts(nn.Module):
         self.register_buffer("input_global_scale", None)  # a stored encode scale (compressed-tensors), used as is
 
     @classmethod
-    def from_modelopt(cls, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4Experts":
+    def from_modelopt(cls, weight, weight_scale, weight_scale_2, input_scale=None, mode: str = "auto") -> "Fp4Experts":
         """From ModelOpt NVFP4 checkpoint tensors of E experts (``experts.{e}.<proj>.*``), as stored.
 
         Args:
@@ -87,7 +95,8 @@ class Fp4Experts(nn.Module):
             weight_scale: float8_e4m3fn (or uint8) linear block scales [E, N, K/16], or a sequence of E [N, K/16].
             weight_scale_2: each expert's fp32 weight decode scale: [E] or a sequence of E scalars.
             input_scale: the experts' static activation decode scales ([E], a sequence, or one value); their max is
-                used for all rows. None: dynamic activation scaling.
+                used for all rows (W4A4). None: dynamic activation scaling.
+            mode: "auto", "w4a4" or "w4a16" (the module docstring).
         """
         who = "Fp4Experts.from_modelopt"
         ws = list(weight) if isinstance(weight, (Sequence, torch.Tensor)) else weight
@@ -103,7 +112,7 @@ class Fp4Experts(nn.Module):
                                     f"{sorted({tuple(w.shape) for w, _ in pairs})}")
         e, (n, k2) = len(pairs), pairs[0][0].shape
         dev = pairs[0][0].device
-        mod = cls(e, 2 * k2, n, device=dev)
+        mod = cls(e, 2 * k2, n, device=dev, mode=mode)
         mod.weight.copy_(torch.stack([w for w, _ in pairs]))
         lin = torch.stack([s.to(dev).contiguous() for _, s in pairs])
         mod.weight_scale.copy_(swizzle_expert_scales(lin).view(torch.uint8))
@@ -113,8 +122,8 @@ class Fp4Experts(nn.Module):
         return mod
 
     @classmethod
-    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_global_scale,
-                                input_global_scale=None) -> "Fp4Experts":
+    def from_compressed_tensors(cls, weight_packed, weight_scale, weight_global_scale, input_global_scale=None,
+                                mode: str = "auto") -> "Fp4Experts":
         """From compressed-tensors' ``nvfp4-pack-quantized`` tensors of E experts, as stored.
 
         Args:
@@ -122,12 +131,12 @@ class Fp4Experts(nn.Module):
             weight_global_scale: each expert's fp32 *encode* scale ``448*6/amax(W)`` ([E] or E scalars); the decode
                 scale is its reciprocal (one fp32 rounding), as ``Fp4Linear.from_compressed_tensors`` takes it.
             input_global_scale: the experts' static activation *encode* scales; the smallest is used as it is for
-                all rows (no row clips). None: dynamic activation scaling.
+                all rows (no row clips; W4A4). None: dynamic activation scaling. mode: as ``from_modelopt``'s.
         """
         who = "Fp4Experts.from_compressed_tensors"
         e = len(weight_packed)
         wgs = _per_expert(weight_global_scale, "weight_global_scale", e, who)
-        mod = cls.from_modelopt(weight_packed, weight_scale, 1.0 / wgs)
+        mod = cls.from_modelopt(weight_packed, weight_scale, 1.0 / wgs, mode=mode)
         if input_global_scale is not None:
             igs = _per_expert(input_global_scale, "input_global_scale", e, who)
             mod.input_global_scale = _bits(igs.min()).to(mod.weight.device)
@@ -140,6 +149,11 @@ class Fp4Experts(nn.Module):
                                     f"grouped by expert); got {got}")
         if x.dtype not in OUT_DTYPES:
             raise InvalidInputError(f"Fp4Experts: x must be float32, bfloat16 or float16; got dtype={x.dtype}")
+        if self.resolved_mode(x.device) == "w4a16":
+            a = x if x.dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)
+            return w4a16_grouped_mm(a.contiguous(), self.weight, self.weight_scale.view(torch.float8_e4m3fn),
+                                    self.weight_scale_2.view(torch.float32), offs, out_dtype=x.dtype,
+                                    check_offs=check_offs)
         if self.input_global_scale is not None:
             gs = self.input_global_scale.view(torch.float32)
             xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
@@ -155,11 +169,21 @@ class Fp4Experts(nn.Module):
         return fp4_grouped_mm(xq, self.weight, sa, self.weight_scale.view(torch.float8_e4m3fn), alpha, offs,
                               out_dtype=x.dtype, check_offs=check_offs)
 
+    def resolved_mode(self, device: torch.device) -> str:
+        """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
+        if self.mode != "auto":
+            return self.mode
+        got = self._modes.get(device)
+        if got is None:
+            got = self._modes[device] = "w4a4" if native_fp4_backend(device, "grouped") else "w4a16"
+        return got
+
     def extra_repr(self) -> str:
         static = self.input_scale is not None or self.input_global_scale is not None
         scale = "static" if static else "dynamic"
+        mode = self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, activation_scale={scale}")
+                f"out_features={self.out_features}, mode={mode}, activation_scale={scale}")
 
 
 def _count(t: object) -> str:

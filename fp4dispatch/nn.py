@@ -23,35 +23,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .api import fp4_mm, get_dispatcher, w4a16_mm
-from .backends.base import computes
+from .api import fp4_mm, w4a16_mm
 from .errors import InvalidInputError
 from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
+from .modes import MODES, native_fp4_backend
 from .moe import Fp4MoeExperts
 from .stored import scalar_scale, stored_weight
 from .problem import OUT_DTYPES
 
 __all__ = ["Fp4Linear", "Fp4Experts", "Fp4MoeExperts", "MODES", "native_fp4_backend"]
-
-MODES = ("auto", "w4a4", "w4a16")
-
-
-_NATIVE: dict[torch.device, tuple[object, str | None]] = {}  # device -> (the dispatcher asked, its answer)
-
-
-def native_fp4_backend(device: torch.device) -> str | None:
-    """The first backend of the default dispatcher that multiplies on FP4 tensor cores and is healthy on ``device``
-    (probing it once), or None: what ``mode="auto"`` goes by. Asked once per device and dispatcher, not per layer."""
-    d = get_dispatcher()
-    hit = _NATIVE.get(device)
-    if hit is not None and hit[0] is d:
-        return hit[1]
-    ok = {r.name for r in d.report(device) if r.status == "ok"}
-    name = next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok
-                 and computes(b, "fp4_mm")), None)
-    _NATIVE[device] = (d, name)
-    return name
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ def _modelopt_moe(tmp_path, model, cfg, input_scale=0.05):
         q, s, s2 = NVFP4QTensor.quantize(w.float(), 16)
         p = f"{name}.{e}.{proj}"
         tensors |= {f"{p}.weight": q._quantized_data, f"{p}.weight_scale": s,
-                    f"{p}.weight_scale_2": s2.float().reshape(()), f"{p}.input_scale": torch.tensor(input_scale * (1 + e / 16), dtype=torch.float32)}
+                    f"{p}.weight_scale_2": s2.float().reshape(()),
+                    f"{p}.input_scale": torch.tensor(input_scale * (1 + e / 16), dtype=torch.float32)}
         ref[p] = q.dequantize(dtype=torch.float32, scale=s, double_scale=s2, block_sizes={-1: 16}).double()
     return _rewrite(path, tensors, model, cfg), ref
 
@@ -115,19 +116,26 @@ def _decoded_model(model, ref):
     return m
 
 
+# (MoE block, logits) relative distance from the model on the decoded weights, measured: W4A16 0.006-0.007 (bf16
+# rounding), W4A4 0.13-0.17 (the activations rounded to NVFP4); an expert's weight in another's place costs 0.66
+BOUNDS = {"w4a16": 0.02, "w4a4": 0.3}
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("client", ["modelopt", "compressed-tensors"])
-def test_a_moe_checkpoint_loads_its_experts_into_fp4_moe_experts(tmp_path, client):
+def test_a_moe_checkpoint_loads_its_experts_into_fp4_moe_experts(tmp_path, client, mode):
     pytest.importorskip(tc.LIBRARY[client])
     src, cfg = _tiny_moe()
     path, ref = (_modelopt_moe if client == "modelopt" else _compressed_tensors_moe)(tmp_path, src, cfg)
     model, _ = _tiny_moe(seed=1)
-    report = load_nvfp4(model, path, mode="w4a16")
+    report = load_nvfp4(model, path, mode=mode)
     experts = {n for n, what in report.replaced.items() if what.startswith("Fp4MoeExperts")}
     assert experts == {f"model.layers.{i}.mlp.experts" for i in range(2)}, report.replaced
     assert report.unused == [] and report.missing == []
     layer = model.get_submodule("model.layers.0.mlp.experts")
     assert isinstance(layer, Fp4MoeExperts) and layer.gate.num_experts == E
     assert ("static" in report.replaced["model.layers.0.mlp.experts"]) == (client == "modelopt")
+    assert layer.gate.resolved_mode(torch.device("cpu")) == mode
     # each expert's weight is the library's own decoding of what it stored
     from fp4dispatch.format import dequantize_nvfp4
 
@@ -137,20 +145,16 @@ def test_a_moe_checkpoint_loads_its_experts_into_fp4_moe_experts(tmp_path, clien
         want = ref[f"model.layers.0.mlp.experts.{e}.down_proj"]
         torch.testing.assert_close(got, want, rtol=2 ** -23, atol=0)
     decoded = _decoded_model(src, ref)
-    # the MoE block alone: the experts are W4A4 (their activations rounded to NVFP4; the reference keeps them bf16),
-    # which costs about 15 % here; an expert's weight in another expert's place costs about 65 %
     h = torch.randn(1, 24, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         got, want = (m.model.layers[0].mlp(h).double() for m in (model, decoded))
-        assert float((got - want).norm() / want.norm()) < 0.3
+        assert float((got - want).norm() / want.norm()) < BOUNDS[mode]
         got, want = (m(ids, use_cache=False).logits.double() for m in (model, decoded))
-    # the whole model: the dense layers are W4A16 (bf16 rounding); in this tiny random model the experts' output is
-    # small next to the residual stream, so the logits move by less than 1 %
-    assert float((got - want).norm() / want.norm()) < 0.03
+    assert float((got - want).norm() / want.norm()) < BOUNDS[mode]
 
 
-def _moe_module(input_scale):
+def _moe_module(input_scale, mode="auto"):
     g = torch.Generator().manual_seed(0)
     h, i = 64, 32
 
@@ -162,16 +166,17 @@ def _moe_module(input_scale):
         for x in w:
             p, s, gs = quantize_nvfp4(x, scale_layout="linear")
             packed.append(p), scales.append(s), decode.append(1.0 / gs)
-        return Fp4Experts.from_modelopt(packed, scales, decode, input_scale)
+        return Fp4Experts.from_modelopt(packed, scales, decode, input_scale, mode=mode)
 
     return Fp4MoeExperts(proj(i, h), proj(i, h), proj(h, i), torch.nn.SiLU())
 
 
-def test_fp4_moe_experts_equals_one_token_at_a_time_and_drops_slots_of_other_ranks():
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_fp4_moe_experts_equals_one_token_at_a_time_and_drops_slots_of_other_ranks(mode):
     """With a static activation scale each routed row is quantized on its own: the layer must equal computing every
     (token, slot) alone through the same Fp4Experts; a slot whose index is E (another rank's expert, as transformers
     marks it) adds nothing."""
-    layer = _moe_module(input_scale=0.02)
+    layer = _moe_module(input_scale=0.02, mode=mode)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
     idx = torch.randint(0, E, (6, TOP_K), generator=g)
@@ -283,4 +288,5 @@ def test_an_expert_weight_stored_transposed_is_named():
         load_nvfp4(model, _expert_state(2, 64, 48, gate_shape=(32, 48)), quantization_config=QCFG)
     model.experts = _Experts((2, 64, 64), (2, 64, 32))
     report = load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG)
-    assert report.replaced == {"experts": "Fp4MoeExperts(2 experts, 64 -> 32 -> 64, activation scale dynamic)"}
+    assert report.replaced == {"experts": "Fp4MoeExperts(2 experts, 64 -> 32 -> 64, mode=auto, activation scale "
+                                          "dynamic)"}

@@ -34,7 +34,7 @@ def _modelopt(e=3, n=48, k=128, seed=0):
 
 def test_the_experts_compute_fp4_grouped_mm_of_the_quantized_rows():
     wq, ws, ws2, ins, w = _modelopt()
-    mod = Fp4Experts.from_modelopt(wq, ws, ws2, ins)
+    mod = Fp4Experts.from_modelopt(wq, ws, ws2, ins, mode="w4a4")
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     offs = offs_from_counts(torch.tensor([6, 0, 14]))
     y = mod(x, offs)
@@ -52,7 +52,7 @@ def test_the_experts_compute_fp4_grouped_mm_of_the_quantized_rows():
 
 def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
     wq, ws, ws2, _, w = _modelopt(e=2)
-    mod = Fp4Experts.from_modelopt(torch.stack(wq), torch.stack(ws), ws2).to(torch.bfloat16)  # cast: scales kept
+    mod = Fp4Experts.from_modelopt(torch.stack(wq), torch.stack(ws), ws2, mode="w4a4").to(torch.bfloat16)  # cast
     assert mod.input_scale is None and "activation_scale=dynamic" in repr(mod)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(2))
     offs = offs_from_counts(torch.tensor([0, 9]))
@@ -101,9 +101,33 @@ def test_compressed_tensors_experts_quantize_with_the_stored_encode_scale():
         torch.tensor(0.05).item()
 
 
+def test_w4a16_experts_keep_the_activations_and_auto_is_w4a16_without_fp4_tensor_cores():
+    """W4A16: w4a16_grouped_mm of the rows as they are, so the only error is the weight's NVFP4 rounding (and the
+    bf16 output): far below W4A4's."""
+    wq, ws, ws2, ins, w = _modelopt()
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    offs = offs_from_counts(torch.tensor([6, 0, 14]))
+    auto = Fp4Experts.from_modelopt(wq, ws, ws2, ins)
+    y = auto(x, offs)
+    assert auto.resolved_mode(x.device) == "w4a16" and "mode=auto (w4a16 on cpu)" in repr(auto)
+    from fp4dispatch.format_grouped import swizzle_expert_scales
+    want = fp4dispatch.w4a16_grouped_mm(x, torch.stack(wq), swizzle_expert_scales(torch.stack(ws)), ws2.float(), offs)
+    assert torch.equal(y, want)
+    decoded = [fp4dispatch.dequantize_nvfp4(wq[i], ws[i], scale_layout="linear").double() * ws2[i].double()
+               for i in range(3)]
+    ref = torch.cat([x[:6].double() @ decoded[0].T, x[6:].double() @ decoded[2].T])
+    assert float((y.double() - ref).norm() / ref.norm()) < 4e-3  # the bf16 output rounding
+    w4a4 = Fp4Experts.from_modelopt(wq, ws, ws2, ins, mode="w4a4")(x, offs)
+    assert float((w4a4.double() - ref).norm() / ref.norm()) > 0.02
+    with pytest.raises(InvalidInputError, match=r"^Fp4Experts: mode must be one of \('auto', 'w4a4', 'w4a16'\); "
+                                                r"got 'w8a8'\. 'auto' picks W4A4 where a grouped backend multiplies on "
+                                                r"FP4 tensor cores, else W4A16$"):
+        Fp4Experts.from_modelopt(wq, ws, ws2, mode="w8a8")
+
+
 def test_bad_calls_are_explained():
     wq, ws, ws2, _, _ = _modelopt()
-    mod = Fp4Experts.from_modelopt(wq, ws, ws2)
+    mod = Fp4Experts.from_modelopt(wq, ws, ws2, mode="w4a4")
     with pytest.raises(InvalidInputError, match=r"^Fp4Experts: x must be \[T, in_features=128\] \(the routed rows, "
                                                 r"grouped by expert\); got \(2, 5, 128\)$"):
         mod(torch.randn(2, 5, 128), torch.tensor([1, 2, 10], dtype=torch.int32))
