@@ -31,19 +31,27 @@ def mma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, 
     K = 2 * K2
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):
-        kk = kb0 * 16 + tl.arange(0, BKB * 16)
-        mask = (rm[:, None] < M) & (kk[None, :] < kb_hi * 16)
-        x = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + kk[None, :], mask=mask, other=0.0)
-        w_lo, w_hi = weight_pairs(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB)
-        if DOT_F32:
-            x = x.to(tl.float32)
-        else:
-            w_lo = w_lo.to(x.dtype)
-            w_hi = w_hi.to(x.dtype)
-        x_lo, x_hi = tl.split(tl.reshape(x, (BM, BKB * 8, 2)))
-        acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+        acc = w4a16_step(acc, a_ptr, rm, M, K, b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BM, BKB, DOT_F32)
     store_out(acc * 512.0, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
+
+
+@triton.jit
+def w4a16_step(acc, a_ptr, rm, M, K, b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BM: tl.constexpr, BKB: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """One K step of a [BM, BN] tile: rows ``rm`` of the 16-bit A [M, K] as they are, times the weight rows ``rn``
+    decoded (exact values times 2**-9) to A's dtype; even-k and odd-k halves to two ``tl.dot`` into ``acc``."""
+    kk = kb0 * 16 + tl.arange(0, BKB * 16)
+    mask = (rm[:, None] < M) & (kk[None, :] < kb_hi * 16)
+    x = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + kk[None, :], mask=mask, other=0.0)
+    w_lo, w_hi = weight_pairs(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB)
+    if DOT_F32:
+        x = x.to(tl.float32)
+    else:
+        w_lo = w_lo.to(x.dtype)
+        w_hi = w_hi.to(x.dtype)
+    x_lo, x_hi = tl.split(tl.reshape(x, (BM, BKB * 8, 2)))
+    acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+    return tl.dot(x_hi, tl.trans(w_hi), acc)
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,

@@ -16,8 +16,8 @@ import triton.language as tl
 from .. import runtime
 from ..config import MmaW4A16GroupedConfig
 from ..expert_rows import expert_operands, expert_tile
-from ..gemv.cuda_core_w4a16 import weight_pairs
 from ..tiles import store_out
+from .mma_w4a16 import w4a16_step
 
 
 @triton.jit
@@ -35,18 +35,7 @@ def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, 
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb0 in range(0, KB, BKB):
-            kk = kb0 * 16 + tl.arange(0, BKB * 16)
-            mask = (rm[:, None] < rows) & (kk[None, :] < KB * 16)
-            x = tl.load(a_e + rm[:, None].to(tl.int64) * K + kk[None, :], mask=mask, other=0.0)
-            w_lo, w_hi = weight_pairs(b_e, sb_e, rn, N, kb0, KB, K2, CB, BKB)
-            if DOT_F32:
-                x = x.to(tl.float32)
-            else:
-                w_lo = w_lo.to(x.dtype)
-                w_hi = w_hi.to(x.dtype)
-            x_lo, x_hi = tl.split(tl.reshape(x, (BM, BKB * 8, 2)))
-            acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+            acc = w4a16_step(acc, a_e, rm, rows, K, b_e, sb_e, rn, N, kb0, KB, K2, CB, BM, BKB, DOT_F32)
         store_out(acc * 512.0, rm, rn, rows, N, al, out_e, out_e, out_e, False)
 
 
