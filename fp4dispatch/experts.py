@@ -22,7 +22,7 @@ from .api import fp4_grouped_mm, w4a16_grouped_mm
 from .errors import InvalidInputError
 from .format import BLOCK, quantize_nvfp4
 from .format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
-from .modes import MODES, native_fp4_backend
+from .modes import ModeChoice
 from .problem import OUT_DTYPES
 from .stored import stored_weight
 
@@ -52,7 +52,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to(torch.float32).reshape(-1).contiguous().view(torch.int32)
 
 
-class Fp4Experts(nn.Module):
+class Fp4Experts(ModeChoice, nn.Module):
     """``y[rows of e] = x[rows of e] @ W[e].T`` for the E experts of one MoE projection, W and x in NVFP4.
 
     Build it with :meth:`from_modelopt` (checkpoint tensors). ``forward(x, offs)``: ``x`` float32/bf16/fp16
@@ -64,13 +64,12 @@ class Fp4Experts(nn.Module):
     activation scaling) stored as int32 bits.
     """
 
+    mode_op = "grouped"  # mode="auto" picks W4A4 where a backend of fp4_grouped_mm runs on FP4 tensor cores
+    mode_hint = "a grouped backend multiplies on FP4 tensor cores"
+
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, device=None, mode: str = "auto"):
         super().__init__()
-        if mode not in MODES:
-            raise InvalidInputError(f"Fp4Experts: mode must be one of {MODES}; got {mode!r}. 'auto' picks W4A4 where "
-                                    "a grouped backend multiplies on FP4 tensor cores, else W4A16")
-        self.mode = mode
-        self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
+        self._set_mode(mode)
         for name, v in (("num_experts", num_experts), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidInputError(f"Fp4Experts: {name} must be a positive int; got {v!r}")
@@ -168,15 +167,6 @@ class Fp4Experts(nn.Module):
         alpha = self.weight_scale_2.view(torch.float32) / gs
         return fp4_grouped_mm(xq, self.weight, sa, self.weight_scale.view(torch.float8_e4m3fn), alpha, offs,
                               out_dtype=x.dtype, check_offs=check_offs)
-
-    def resolved_mode(self, device: torch.device) -> str:
-        """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
-        if self.mode != "auto":
-            return self.mode
-        got = self._modes.get(device)
-        if got is None:
-            got = self._modes[device] = "w4a4" if native_fp4_backend(device, "grouped") else "w4a16"
-        return got
 
     def extra_repr(self) -> str:
         static = self.input_scale is not None or self.input_global_scale is not None

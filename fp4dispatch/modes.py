@@ -8,8 +8,9 @@ import torch
 
 from .api import get_dispatcher
 from .backends.base import computes
+from .errors import InvalidInputError
 
-__all__ = ["MODES", "native_fp4_backend"]
+__all__ = ["MODES", "native_fp4_backend", "ModeChoice"]
 
 MODES = ("auto", "w4a4", "w4a16")
 
@@ -29,3 +30,28 @@ def native_fp4_backend(device: torch.device, op: str = "fp4_mm") -> str | None:
                  and computes(b, op)), None)
     _NATIVE[(device, op)] = (d, name)
     return name
+
+
+class ModeChoice:
+    """What an nn layer with a ``mode`` shares: the check of the mode it is given and ``resolved_mode``, decided once
+    per device. Subclasses name the op whose FP4 tensor-core backends make "auto" pick W4A4 (``mode_op``) and how
+    their message says so (``mode_hint``)."""
+
+    mode_op = "fp4_mm"
+    mode_hint = "FP4 tensor cores serve it"
+
+    def _set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise InvalidInputError(f"{type(self).__name__}: mode must be one of {MODES}; got {mode!r}. 'auto' picks "
+                                    f"W4A4 where {self.mode_hint}, else W4A16")
+        self.mode = mode
+        self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
+
+    def resolved_mode(self, device: torch.device) -> str:
+        """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
+        if self.mode != "auto":
+            return self.mode
+        got = self._modes.get(device)
+        if got is None:
+            got = self._modes[device] = "w4a4" if native_fp4_backend(device, self.mode_op) else "w4a16"
+        return got

@@ -27,7 +27,7 @@ from .api import fp4_mm, w4a16_mm
 from .errors import InvalidInputError
 from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
-from .modes import MODES, native_fp4_backend
+from .modes import MODES, ModeChoice, native_fp4_backend
 from .moe import Fp4MoeExperts
 from .stored import scalar_scale, stored_weight
 from .problem import OUT_DTYPES
@@ -43,7 +43,7 @@ def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-class Fp4Linear(nn.Module):
+class Fp4Linear(ModeChoice, nn.Module):
     """``y = x @ W.T + bias`` with W and x in NVFP4, computed by :func:`fp4dispatch.fp4_mm`.
 
     Build it with :meth:`from_linear` (quantize a float ``nn.Linear``) or :meth:`from_modelopt` (checkpoint
@@ -57,11 +57,7 @@ class Fp4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
                  dtype: torch.dtype = torch.bfloat16, mode: str = "auto"):
         super().__init__()
-        if mode not in MODES:
-            raise InvalidInputError(f"Fp4Linear: mode must be one of {MODES}; got {mode!r}. 'auto' picks W4A4 where "
-                                    "FP4 tensor cores serve it, else W4A16")
-        self.mode = mode
-        self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
+        self._set_mode(mode)
         self._views: tuple | None = None  # _weight_views' cache
         if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
             raise InvalidInputError(f"Fp4Linear: in_features must be a positive multiple of {BLOCK} (one e4m3 "
@@ -246,15 +242,6 @@ class Fp4Linear(nn.Module):
         if c is None or c[0] is not w or c[1] is not s or c[2] is not d:
             c = self._views = (w, s, d, s.view(torch.float8_e4m3fn), _f32(d))
         return c[0], c[3], c[4]
-
-    def resolved_mode(self, device: torch.device) -> str:
-        """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
-        if self.mode != "auto":
-            return self.mode
-        got = self._modes.get(device)
-        if got is None:
-            got = self._modes[device] = "w4a4" if native_fp4_backend(device) else "w4a16"
-        return got
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, scale, decode = self._weight_views()
