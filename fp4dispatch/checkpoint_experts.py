@@ -1,11 +1,11 @@
 """``load_nvfp4``'s MoE part: a transformers experts module (stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj``
 [E, H, I], ``act_fn``; ``fp4dispatch.moe``) whose experts the checkpoint stores quantized, one module per expert
 and projection, as the exporters write them (``<experts>.<e>.gate_proj.*``, ``up_proj``, ``down_proj``; Mixtral's
-``w1``, ``w3``, ``w2``), becomes an ``Fp4MoeExperts`` of three ``Fp4Experts`` (of ``load_nvfp4``'s ``mode``: W4A16 where
-there are no FP4 tensor cores). Each expert's stored scales are used
-as they are (ModelOpt's decode scales; compressed-tensors' encode scales, whose reciprocal is the decode scale as for
-``Fp4Linear``); the experts' static activation scales become one per projection (the largest decode scale, so that
-no expert's rows clip).
+``w1``, ``w3``, ``w2``), becomes an ``Fp4MoeExperts`` of three ``Fp4Experts`` of ``load_nvfp4``'s ``mode`` (auto:
+W4A16 where there are no FP4 tensor cores). Each expert's stored scales are used as they are (ModelOpt's decode
+scales; compressed-tensors' encode scales, whose reciprocal is the decode scale, as for ``Fp4Linear``). The experts'
+static activation scales become one per projection (the largest decode scale, so that no expert's rows clip); where
+only some experts store one, the projection scales dynamically.
 """
 from __future__ import annotations
 

@@ -98,16 +98,27 @@ class Fp4Experts(ModeChoice, nn.Module):
             mode: "auto", "w4a4" or "w4a16" (the module docstring).
         """
         who = "Fp4Experts.from_modelopt"
+        mod = cls._from_stored(who, weight, weight_scale, "weight", mode)
+        e, dev = mod.num_experts, mod.weight.device
+        mod.weight_scale_2 = _bits(_per_expert(weight_scale_2, "weight_scale_2", e, who)).to(dev)
+        if input_scale is not None:
+            mod.input_scale = _bits(_per_expert(input_scale, "input_scale", e, who).max()).to(dev)
+        return mod
+
+    @classmethod
+    def _from_stored(cls, who: str, weight, weight_scale, wname: str, mode: str) -> "Fp4Experts":
+        """A module holding E experts' checked packed weights (``wname``: the checkpoint's name for them) and their
+        linear e4m3 scales, swizzled here, once; decode scales are the caller's."""
         ws = list(weight) if isinstance(weight, (Sequence, torch.Tensor)) else weight
         ss = list(weight_scale) if isinstance(weight_scale, (Sequence, torch.Tensor)) else weight_scale
         if not isinstance(ws, list) or not isinstance(ss, list) or not ws or len(ws) != len(ss):
-            raise InvalidInputError(f"{who}: weight and weight_scale must hold the same number (E >= 1) of experts "
+            raise InvalidInputError(f"{who}: {wname} and weight_scale must hold the same number (E >= 1) of experts "
                                     f"([E, N, K/2] and [E, N, K/16], or sequences); got {_count(weight)} and "
                                     f"{_count(weight_scale)}")
-        pairs = [stored_weight(f"{who} (expert {i})", w, s, "weight", "weight_scale") for i, (w, s) in
+        pairs = [stored_weight(f"{who} (expert {i})", w, s, wname, "weight_scale") for i, (w, s) in
                  enumerate(zip(ws, ss))]
         if len({tuple(w.shape) for w, _ in pairs}) != 1:
-            raise InvalidInputError(f"{who}: every expert's weight must have one shape; got "
+            raise InvalidInputError(f"{who}: every expert's {wname} must have one shape; got "
                                     f"{sorted({tuple(w.shape) for w, _ in pairs})}")
         e, (n, k2) = len(pairs), pairs[0][0].shape
         dev = pairs[0][0].device
@@ -115,9 +126,6 @@ class Fp4Experts(ModeChoice, nn.Module):
         mod.weight.copy_(torch.stack([w for w, _ in pairs]))
         lin = torch.stack([s.to(dev).contiguous() for _, s in pairs])
         mod.weight_scale.copy_(swizzle_expert_scales(lin).view(torch.uint8))
-        mod.weight_scale_2 = _bits(_per_expert(weight_scale_2, "weight_scale_2", e, who)).to(dev)
-        if input_scale is not None:
-            mod.input_scale = _bits(_per_expert(input_scale, "input_scale", e, who).max()).to(dev)
         return mod
 
     @classmethod
@@ -133,9 +141,10 @@ class Fp4Experts(ModeChoice, nn.Module):
                 all rows (no row clips; W4A4). None: dynamic activation scaling. mode: as ``from_modelopt``'s.
         """
         who = "Fp4Experts.from_compressed_tensors"
-        e = len(weight_packed)
+        mod = cls._from_stored(who, weight_packed, weight_scale, "weight_packed", mode)
+        e = mod.num_experts
         wgs = _per_expert(weight_global_scale, "weight_global_scale", e, who)
-        mod = cls.from_modelopt(weight_packed, weight_scale, 1.0 / wgs, mode=mode)
+        mod.weight_scale_2 = _bits(1.0 / wgs).to(mod.weight.device)
         if input_global_scale is not None:
             igs = _per_expert(input_global_scale, "input_global_scale", e, who)
             mod.input_global_scale = _bits(igs.min()).to(mod.weight.device)
@@ -171,9 +180,8 @@ class Fp4Experts(ModeChoice, nn.Module):
     def extra_repr(self) -> str:
         static = self.input_scale is not None or self.input_global_scale is not None
         scale = "static" if static else "dynamic"
-        mode = self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, mode={mode}, activation_scale={scale}")
+                f"out_features={self.out_features}, mode={self.mode_repr()}, activation_scale={scale}")
 
 
 def _count(t: object) -> str:

@@ -47,6 +47,10 @@ class ModeChoice:
         self.mode = mode
         self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
 
+    def mode_repr(self) -> str:
+        """``mode``, and what "auto" resolved to on each device asked so far (for ``repr``)."""
+        return self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
+
     def resolved_mode(self, device: torch.device) -> str:
         """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
         if self.mode != "auto":

@@ -255,7 +255,7 @@ class Fp4Linear(ModeChoice, nn.Module):
 
     def extra_repr(self) -> str:
         scale = "static" if self._input_global_scale is not None else "dynamic"
-        mode = self.mode + "".join(f" ({m} on {d})" for d, m in self._modes.items())
+        mode = self.mode_repr()
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={mode}, activation_scale={scale}")
 

@@ -72,6 +72,12 @@ def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
      r"\(48, 64\); got shape=\(8, 48\)\. It is \[K/16, N\]"),
     (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, -s2),
      r"^Fp4Experts.from_modelopt: weight_scale_2 must be positive and finite"),
+    (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(None, ws, 1 / s2),
+     r"^Fp4Experts.from_compressed_tensors: weight_packed and weight_scale must hold the same number \(E >= 1\) of "
+     r"experts .*got NoneType and 3 items$"),
+    (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors([wq[0], wq[1][:40], wq[2]], [ws[0], ws[1][:40], ws[2]],
+                                                           1 / s2),
+     r"^Fp4Experts.from_compressed_tensors: every expert's weight_packed must have one shape; got "),
     (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(wq, ws, (1 / s2)[:1]),
      r"^Fp4Experts.from_compressed_tensors: weight_global_scale must hold one value per expert \(E=3\); got 1 "
      r"values$"),

@@ -44,6 +44,7 @@ class HummingGroupedBackend(HummingBackend):
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes  # None: a quarter of the weight's GPU memory
+        self._bounds: dict[torch.device, int] = {}  # the bound per device, asked of the driver once
         super().__init__()
 
     def unsupported(self, problem: Problem) -> str | None:
@@ -63,9 +64,11 @@ class HummingGroupedBackend(HummingBackend):
     def _bound(self, device: torch.device) -> int:
         if self.max_bytes is not None:
             return self.max_bytes
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory // 4
-        return 1 << 30  # CPU tensors reach here only in tests, through the contract emulator
+        bound = self._bounds.get(device)
+        if bound is None:  # CPU tensors reach here only in tests, through the contract emulator
+            bound = self._bounds[device] = (torch.cuda.get_device_properties(device).total_memory // 4
+                                            if device.type == "cuda" else 1 << 30)
+        return bound
 
     def run(self, problem: Problem, ops: GroupedOperands, config) -> None:
         # the prepared copies of all layers together stay within the bound too (least recently used go first)
