@@ -19,7 +19,7 @@ from fp4dispatch.dispatch.tuner import tune
 
 
 def _times(problem, candidates, do_bench):
-    return {(t.backend, config_id(t.config)): t.time_ms for t in tune(problem, candidates, do_bench) if t.ok}
+    return {(t.backend, config_id(t.config)): t.time_ms for t in tune(problem, candidates, do_bench).trials if t.ok}
 
 
 def main() -> None:

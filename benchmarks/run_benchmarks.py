@@ -108,7 +108,7 @@ def measure(shapes, ms, mode: str, budget_s: float, device=None, bench=_bench_ms
                     point["notes"][name] = f"unsupported: {why}"
                     continue
                 if mode == "tuned":
-                    trials = tune(problem, [b], bench)
+                    trials = tune(problem, [b], bench).trials
                     best = trials[0]
                     if best.ok:
                         point["us"][name] = best.time_ms * 1e3

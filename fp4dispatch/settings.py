@@ -7,6 +7,7 @@
 | FP4DISPATCH_CACHE_DIR    | directory of the decision cache (else platformdirs' user cache dir)      | unset   |
 | FP4DISPATCH_TUNE         | 0: healthy backends in priority order, verified but not timed            | 1       |
 | FP4DISPATCH_TIMER        | CUDA timing while tuning: graph (GPU time of graph replays) or eager     | graph   |
+| FP4DISPATCH_SEARCH       | fast: screen every candidate, time the best few in full; full: time all  | fast    |
 | FP4DISPATCH_LOG          | log level of the ``fp4dispatch`` logger (DEBUG, INFO, WARNING, ...)      | unset   |
 | FP4DISPATCH_ISOLATE      | 1: probe risky (native) backends in worker processes                     | 0       |
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
@@ -86,6 +87,7 @@ class Settings:
     guard: bool = False
     guard_every: int = 64
     timer: str = "graph"
+    search: str = "fast"
 
 
 def default_cache_dir() -> Path:
@@ -111,6 +113,7 @@ def read_settings() -> Settings:
         guard=_flag("FP4DISPATCH_GUARD", False),
         guard_every=_positive("FP4DISPATCH_GUARD_EVERY", 64, int, "a positive integer (calls between guard checks)"),
         timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
+        search=_choice("FP4DISPATCH_SEARCH", ("fast", "full"), "fast"),
     )
 
 

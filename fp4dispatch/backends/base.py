@@ -13,6 +13,12 @@ A backend is a small object with a ``name`` that
     ``fp4_grouped_mm``, run on ``GroupedOperands`` (each expert's rows of ``a`` against its own weight);
     ``"w4a16_grouped"`` is ``w4a16_grouped_mm``, the same with ``a`` bf16/fp16 as given (``a_scale`` empty).
 
+``compiles_ahead`` marks a backend whose ``run`` launches only through ``kernels.runtime.launch`` (Triton kernels):
+inside ``runtime.compiles_ahead`` such a run starts its kernels' compiles and launches nothing, so that the tuner
+compiles all of a key's configs at once (``tuner.compile_ahead``). A backend whose run does other work (a library's
+kernels, a cache filled from its operands) leaves it False. ``compiles_on_first_run`` marks a library that
+compiles a new shape's kernels in its first call (Humming): the tuner runs it once in a thread meanwhile.
+
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside
 ``unavailable``/``run`` so that a missing library never breaks ``import fp4dispatch``.
@@ -83,6 +89,8 @@ class BaseBackend:
     risky = False
     ops: tuple[str, ...] = ("fp4_mm",)
     fp4_tensor_cores = False  # multiplies on FP4 tensor cores (what makes W4A4 pay: Fp4Linear's mode="auto")
+    compiles_ahead = False  # its run only launches Triton kernels through runtime.launch (see above)
+    compiles_on_first_run = False  # its first call at a new shape compiles kernels (see above)
 
     def unavailable(self, device: torch.device) -> str | None:
         return None

@@ -1,6 +1,7 @@
 """``loop:fp4_mm``: ``fp4_grouped_mm`` as one dense ``fp4_mm`` per expert with rows, each decided by a dispatcher of
 the dense backends like any other call: correct wherever ``fp4_mm`` is, and the baseline the grouped kernels must
-beat. That dispatcher is the loop's own (made on first use, its cache in ``expert-loop/`` under the cache directory):
+beat. That dispatcher is the loop's own (made on first use, its cache in ``expert-loop/`` under the cache directory,
+its keys verified in priority order without timing):
 the dispatcher that runs the loop may be the default one, still probing its backends, the loop among them, so
 calling back into it would recurse.
 
@@ -10,6 +11,7 @@ swizzled grouped layout, i.e. a dense swizzled scale tensor of their own, so no 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,10 +43,13 @@ class ExpertLoopBackend(BaseBackend):
             from ..settings import default_cache_dir, read_settings
 
             # a cache directory of its own: its decisions (the probe's shapes among them) stay out of the user's
-            # cache, where ``tune`` would report them as decided by nobody
-            root = read_settings().cache_dir or default_cache_dir()
+            # cache, where ``tune`` would report them as decided by nobody. Its keys are verified, not timed
+            # (priority order, as FP4DISPATCH_TUNE=0): timing every expert's shape made the loop's device probe
+            # alone take half a minute, for a baseline that the grouped kernels beat
+            settings = read_settings()
+            root = settings.cache_dir or default_cache_dir()
             self._dense = Dispatcher([b for b in default_backends() if computes(b, "fp4_mm")],
-                                     cache_dir=Path(root) / "expert-loop")
+                                     cache_dir=Path(root) / "expert-loop", settings=replace(settings, tune=False))
         return self._dense
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:

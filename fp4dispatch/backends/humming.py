@@ -52,6 +52,7 @@ class HummingBackend(NativeBackend):
     ops = ("fp4_mm", "w4a16")  # fp4_mm: a decoded first; w4a16: a as given
     fp4_tensor_cores = False  # 16-bit MMA on the decoded weight
     probe_timeout_s = PROBE_TIMEOUT_S
+    compiles_on_first_run = True  # a new shape's kernels: the tuner runs it once while the Triton configs compile
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
     _transient = ("_lib", "prepared")

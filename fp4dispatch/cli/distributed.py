@@ -68,7 +68,7 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
     """Winner, time, TFLOP/s, tried backends (best time, slowest first run) and the runner-up of one cached decision
     record."""
     winner, ranking = entry.get("backend"), list(entry.get("ranking", []))
-    timed = entry.get("mode", "tuned") == "tuned"  # FP4DISPATCH_TUNE=0 records priority ranks, not times
+    timed = entry.get("mode", "tuned") != "priority"  # FP4DISPATCH_TUNE=0 records priority ranks, not times
     best: dict[str, dict] = {}
     for t in ranking:  # sorted by time: a backend's first trial is its best
         b = best.setdefault(t["backend"], {"backend": t["backend"], "time_us": t.get("time_us") if timed else None,
@@ -82,7 +82,8 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
     row = {"winner": winner, "config": entry.get("config") or {}, "time_us": time_us, "tuned_at_m": m_t,
            "tflops": float(f"{2 * m_t * n * k / (time_us * 1e-6) / 1e12:.4g}") if time_us else None,
            "tried": list(best.values()), "runner_up": runner["backend"] if runner else None,
-           "runner_up_us": runner["time_us"] if runner else None, "speedup_vs_runner_up": None}
+           "runner_up_us": runner["time_us"] if runner else None, "speedup_vs_runner_up": None,
+           "mode": entry.get("mode", "tuned"), "tune_s": entry.get("tune_s")}
     if runner and time_us:
         row["speedup_vs_runner_up"] = round(runner["time_us"] / time_us, 3)
     return row
@@ -108,6 +109,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
                "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
                "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
                "source": "cache" if ks in cache.decisions else "tuned"}
+        bar.set_postfix_str(ks)  # the key being decided (the slow part: compiles, checks, timing)
         try:
             entry = d.entry_for(problem)
         except FP4DispatchError as e:  # no usable backend, or FP4DISPATCH_BACKEND names one that cannot run

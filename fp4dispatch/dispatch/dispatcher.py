@@ -37,8 +37,9 @@ from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report
-from .timer import DoBench, for_device
-from .tuner import tune, verify_only
+from .timer import DoBench, for_device, screen_for_device
+from .neighbours import neighbour_picks, offered_configs
+from .tuner import FULL, Search, tune, verify_only
 from .verify import check_run, make_case
 
 __all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device"]
@@ -57,18 +58,22 @@ class Dispatcher(FaultRecovery, UntunedChoices):
             (``FP4DISPATCH_TIMER=eager``: eager launches). On the CPU nothing is timed unless ``do_bench`` is given:
             backends keep their priority order (the reference is the only one that matters there, and a loaded
             machine's timings would decide at random).
+        screen_bench: the brief timer that picks the few candidates ``do_bench`` times (``tuner.Search``); default
+            ``timer.screen_for_device`` when ``do_bench`` is the default one, else none: a given ``do_bench`` times
+            every candidate. ``FP4DISPATCH_SEARCH=full`` turns screening off.
         settings: environment knobs (default: read from ``FP4DISPATCH_*`` now).
         guard: guard mode (default ``FP4DISPATCH_GUARD``).
     """
 
     def __init__(self, backends: list[Backend] | None = None, *, cache_dir: str | Path | None = None,
-                 do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None):
+                 do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None,
+                 screen_bench: DoBench | None = None):
         self.settings = settings or read_settings()
         self.backends: list[Backend] = list(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}
         self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
-        self._do_bench = do_bench
+        self._do_bench, self._screen_bench = do_bench, screen_bench
         self._forced = self.settings.forced_backend
         self._choices: dict[tuple, Choice] = {}
         self._named: dict[tuple, Choice] = {}
@@ -224,6 +229,13 @@ class Dispatcher(FaultRecovery, UntunedChoices):
             return self._do_bench
         return None if problem.device.type == "cpu" else for_device(problem.device, self.settings.timer)
 
+    def _screen(self, problem: Problem) -> DoBench | None:
+        if self.settings.search == "full":
+            return None
+        if self._screen_bench is not None or self._do_bench is not None:
+            return self._screen_bench
+        return screen_for_device(problem.device, self.settings.timer)
+
     def _tune_key(self, key: tuple, problem: Problem) -> Choice:
         cache, _ = self._states[key[0]]
         ks = key_str(key)
@@ -243,7 +255,16 @@ class Dispatcher(FaultRecovery, UntunedChoices):
         if not candidates:
             raise self._no_backend(problem, reasons)
         timer = self._timer(problem)
-        trials = tune(problem, candidates, timer) if timer else verify_only(problem, candidates)
+        only, sources = set(), []
+        if timer and self.settings.search == "fast":  # next to tuned buckets: their best few only (neighbours.py)
+            only, sources = neighbour_picks(key, cache.decisions, offered_configs(candidates, problem))
+        search = FULL if self.settings.search == "full" else Search()
+        tuning = tune(problem, candidates, timer, screen=self._screen(problem), search=search,
+                      only=only or None) if timer else verify_only(problem, candidates)
+        trials = tuning.trials
+        if only and not all(t.ok for t in trials):  # a neighbours' pick fails here: every candidate, as usual
+            tuning = tune(problem, candidates, timer, screen=self._screen(problem))
+            trials, sources = tuning.trials, []
         best: dict[str, object] = {}
         for t in trials:  # sorted: the first trial of a backend is its best config
             best.setdefault(t.backend, t)
@@ -258,7 +279,9 @@ class Dispatcher(FaultRecovery, UntunedChoices):
             cache.flush()
             raise self._no_backend(problem, reasons)
         entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
-                 "mode": "tuned" if timer else "priority", "at": round(time.time())}
+                 "mode": ("neighbours" if sources else "tuned") if timer else "priority", "at": round(time.time()),
+                 "tune_s": {p: round(v, 3) for p, v in tuning.seconds.items()}, **({"from": sources} if sources
+                                                                                   else {})}
         ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
         for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
             self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)

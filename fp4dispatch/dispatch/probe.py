@@ -45,6 +45,7 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
         return verdict("unavailable", f"availability check raised {describe_exception(e)}")
     if why:
         return verdict("unavailable", why)
+    _compile_ahead(backend, device, seed)
     wrong: dict[int, str] = {}
     refused: list[str] = []
     ran = 0
@@ -78,3 +79,23 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
         return verdict("ok", "wrong at some probe shapes (kept out of the keys whose M bucket holds them): "
                        + "; ".join(wrong.values()), tuple(wrong))
     return verdict("ok")
+
+
+def _compile_ahead(backend: Backend, device: torch.device, seed: int) -> None:
+    """The kernels of the first config at every probe M, compiled at once (``runtime.compiles_ahead``: Triton's
+    async compile on a thread pool) before the probe runs them one M after another. Anything that fails here
+    fails again in the probe, which reports it."""
+    if not getattr(backend, "compiles_ahead", False) or device.type != "cuda":
+        return
+    from ..kernels import runtime
+
+    with runtime.compiles_ahead(len(PROBE_MS)) as ctx:
+        for i, m in enumerate(PROBE_MS if ctx.active else ()):
+            try:
+                problem = probe_problem(backend, m, device)
+                configs = [] if backend.unsupported(problem) else backend.configs(problem)
+                if configs:
+                    backend.run(problem, make_case(problem, seed + i, reference_mm).ops, configs[0])
+            except Exception as e:  # noqa: BLE001
+                log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
+    reset_cuda_error(device)

@@ -24,7 +24,7 @@ __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_ent
 
 STATUSES = ("ok", "unavailable", "unsupported", "failed", "incorrect")
 SECTIONS = ("health", "decisions", "shape_blacklist", "verified", "faults")
-MODES = ("tuned", "priority")
+MODES = ("tuned", "neighbours", "priority")
 # an fp4_mm key; a w4a16_mm key adds its activation dtype in front ("w4a16-bfloat16-m16-..."), an fp4_grouped_mm key
 # its expert count ("grouped-e256-m16-...": the bucket is then one of T, the routed rows of all experts), a
 # w4a16_grouped_mm key both ("w4a16-bfloat16-grouped-e256-m16-...")

@@ -7,9 +7,12 @@ from typing import Callable
 
 import torch
 
-__all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "DoBench"]
+__all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "screen_for_device", "DoBench", "SCREEN_REP_MS"]
 
 DoBench = Callable[[Callable[[], object]], float]
+# milliseconds of work per measurement of the screen timer (the full timers: 40): ranks a key's candidates in a
+# fraction of the time, closely enough to pick the few that the full timer then decides between (docs/tuning.md)
+SCREEN_REP_MS = 5
 
 
 def _cpu_bench(fn: Callable[[], object], budget_s: float = 0.05, max_reps: int = 50) -> float:
@@ -31,17 +34,26 @@ def for_device(device: torch.device, mode: str = "graph") -> DoBench:
     return cuda_graph_do_bench if mode == "graph" else default_do_bench
 
 
-def default_do_bench(fn: Callable[[], object]) -> float:
+def screen_for_device(device: torch.device, mode: str = "graph") -> DoBench:
+    """``for_device``'s timer with ``SCREEN_REP_MS`` of work per measurement: the tuner's first, brief ranking."""
+    if device.type != "cuda":
+        return _cpu_bench
+    if mode == "graph":
+        return lambda fn: cuda_graph_do_bench(fn, rep=SCREEN_REP_MS)
+    return lambda fn: default_do_bench(fn, rep=SCREEN_REP_MS)
+
+
+def default_do_bench(fn: Callable[[], object], rep: int = 40) -> float:
     """Median time of ``fn`` in ms on CUDA, launched eagerly: ``triton.testing.do_bench`` (CUDA events, L2 flushed),
     else a loop of CUDA events."""
     try:
         from triton.testing import do_bench
     except ImportError:
         return _cuda_event_bench(fn)
-    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(do_bench(fn, warmup=min(10, rep), rep=rep, return_mode="median"))
 
 
-def cuda_graph_do_bench(fn: Callable[[], object]) -> float:
+def cuda_graph_do_bench(fn: Callable[[], object], rep: int = 40) -> float:
     """Median GPU time of ``fn`` in ms from CUDA-graph replays (``triton.testing.do_bench_cudagraph``).
 
     Small-M kernels last about as long as their launches from Python, so eager timings of them move with CPU load
@@ -58,14 +70,14 @@ def cuda_graph_do_bench(fn: Callable[[], object]) -> float:
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
     workspace.prepare_capture(torch.device("cuda"))
     try:
-        return float(do_bench_cudagraph(fn, rep=40, return_mode="median"))
+        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     except Exception:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly
         try:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001
             pass
         torch.cuda.cudart().cudaGetLastError()
-        return default_do_bench(fn)
+        return default_do_bench(fn, rep=rep)
 
 
 def _cuda_event_bench(fn: Callable[[], object], reps: int = 20) -> float:

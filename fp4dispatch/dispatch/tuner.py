@@ -2,26 +2,62 @@
 
 A candidate that raises or is wrong scores ``inf`` with its reason; failures are data (Triton's ``_bench``). The
 inputs are the hostile check inputs of :mod:`fp4dispatch.dispatch.verify`, so a candidate is timed only once it has been
-proven right on them.
+proven right on them. The phases, each timed into ``Tuning.seconds`` (docs/tuning.md, "Cold start"):
+
+1. ``case``: the hostile inputs and their exact result;
+2. ``compile``: the kernels of every candidate whose backend ``compiles_ahead``, compiled at once on a thread pool
+   (a Triton compile is mostly MLIR passes and ptxas, outside the GIL) instead of one after another in the checks,
+   while the backends that compile a new shape's kernels on their first run (``compiles_on_first_run``: Humming) run
+   once in another thread;
+3. ``check``: each candidate once against the exact result;
+4. ``screen``: with a ``screen`` timer, each correct candidate timed briefly; only the ``Search.keep`` fastest, and of
+   those only the ones within ``Search.margin`` of the fastest, go on to
+5. ``time``: the full timer. A screened-out candidate keeps its screen time (``timed: "screen"``): it stays a
+   verified fallback, ranked behind every fully timed one.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..backends.base import Backend, Config, config_id, config_json
 from ..backends.reference import reference_mm
-from .timer import DoBench
-from ..errors import describe_exception
+from ..errors import InvalidInputError, describe_exception
 from ..problem import Problem
 from ..routing import timing_routing
-from .verify import CheckCase, check_run, make_case, reset_cuda_error
+from .timer import DoBench
+from .verify import CheckCase, check_run, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["Trial", "tune", "verify_only", "check_trial"]
+__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES"]
 
 log = logging.getLogger("fp4dispatch")
+PHASES = ("case", "compile", "check", "screen", "time")
+
+
+@dataclass(frozen=True)
+class Search:
+    """How much of a key's candidates is timed in full: the ``keep`` fastest by the screen timer, and of those only
+    the ones at most ``1 + margin`` times the fastest screen time. ``keep=0`` times every correct candidate in full
+    (``FP4DISPATCH_SEARCH=full``)."""
+
+    keep: int = 3
+    margin: float = 0.15
+
+    def __post_init__(self):
+        if not isinstance(self.keep, int) or self.keep < 0:
+            raise InvalidInputError(f"Search: keep must be an int >= 0 (0: time every candidate); got {self.keep!r}")
+        if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < math.inf):
+            raise InvalidInputError(f"Search: margin must be a finite number >= 0 (a fraction of the fastest screen "
+                                    f"time); got {self.margin!r}")
+
+
+FULL = Search(keep=0)
 
 
 @dataclass
@@ -32,6 +68,7 @@ class Trial:
     reason: str = ""  # empty when the trial is correct and timed
     # wall seconds of its check, its first run on this shape: a JIT compile or a weight preparation shows here
     check_s: float | None = None
+    screened: bool = False  # its time is the screen timer's: it was not among the candidates timed in full
 
     @property
     def ok(self) -> bool:
@@ -40,7 +77,18 @@ class Trial:
     def to_json(self) -> dict:
         d = {"backend": self.backend, "config": config_json(self.config),
              "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
+        if self.screened:
+            d["timed"] = "screen"
         return d if self.check_s is None else {**d, "check_s": round(self.check_s, 3)}
+
+
+@dataclass
+class Tuning:
+    """A key's trials, fastest correct first (failed and incorrect last, with their reasons), and the wall seconds
+    of each phase (``PHASES``)."""
+
+    trials: list[Trial]
+    seconds: dict[str, float]
 
 
 def check_trial(backend: Backend, case: CheckCase, cfg: Config) -> str:
@@ -58,8 +106,71 @@ def _configs(backend: Backend, problem: Problem) -> tuple[list, str]:
     return cfgs, "" if cfgs else "failed: configs() offered none"
 
 
-def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7) -> list[Trial]:
-    """Every candidate x config, fastest correct first; failed/incorrect trials last with their reasons."""
+def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
+    """Compile the candidates' kernels at once instead of in their checks: the Triton kernels of every (backend,
+    config) whose backend ``compiles_ahead`` on a thread pool (each runs once inside ``runtime.compiles_ahead``,
+    which launches nothing, on copies of the case's operands), while one thread runs the first config of each backend
+    that ``compiles_on_first_run`` (a library that JIT-compiles a new shape's kernels on its first call) once on the
+    case itself. A run that raises here raises again in its check, which reports it; inputs that such a run changed
+    are put back (its check finds it out)."""
+    ahead = [(b, c) for b, c in pairs if getattr(b, "compiles_ahead", False)]
+    first, seen = [], set()
+    for b, c in pairs:
+        if getattr(b, "compiles_on_first_run", False) and b.name not in seen:
+            first.append((b, c))
+            seen.add(b.name)
+    if problem.device.type != "cuda" or not (ahead or first):
+        return
+    from ..kernels import runtime
+
+    worker = threading.Thread(target=_first_runs, args=(problem, case, first), name="fp4dispatch-first-run",
+                              daemon=True) if first else None
+    if worker is not None:
+        worker.start()
+    try:
+        with runtime.compiles_ahead(min(len(ahead), os.cpu_count() or 1, 16)) as ctx:
+            if ctx.active and ahead:
+                ops = case.ops._replace(**{f: t.clone() for f, t in zip(case.ops._fields, case.ops) if f != "out"},
+                                        out=case.frame.clone()[1:problem.m + 1])
+                _runs(problem, ops, ahead)
+    finally:
+        if worker is not None:
+            worker.join()
+        reset_cuda_error(problem.device)
+        restore_inputs(case)
+
+
+def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
+    for b, cfg in pairs:
+        try:
+            b.run(problem, ops, cfg)
+        except Exception as e:  # noqa: BLE001 - its check runs it again and reports the failure
+            log.debug("compile ahead %s[%s]: %s", b.name, config_id(cfg), describe_exception(e))
+
+
+def _first_runs(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
+    _runs(problem, case.ops, pairs)
+    try:
+        torch.cuda.synchronize(problem.device)
+    except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
+        pass
+
+
+def _bench(do_bench: DoBench, fn) -> tuple[float, str]:
+    """(milliseconds, "") or (inf, reason)."""
+    try:
+        ms = float(do_bench(fn))
+    except Exception as e:  # noqa: BLE001
+        return math.inf, f"failed while timing: {describe_exception(e)}"
+    return (ms, "") if math.isfinite(ms) else (math.inf, "timer returned a non-finite time")
+
+
+def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7, *,
+         screen: DoBench | None = None, search: Search = Search(), only: set | None = None) -> Tuning:
+    """Every candidate x config checked; the correct ones timed (screened first when ``screen`` is given and
+    ``search.keep`` > 0). ``only``: the (backend name, config id) pairs to try, the rest left out."""
+    seconds = dict.fromkeys(PHASES, 0.0)
+    t0 = time.perf_counter()
     case = make_case(problem, seed, reference_mm)
     # checked on the hostile case; timed on the same operands, but a grouped key on a realistic routing (the check's
     # may put every row on one expert, a dense GEMM on one L2-resident weight: not what a MoE layer runs). The
@@ -67,34 +178,59 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
     timed = case.ops if not problem.experts else case.ops._replace(
         offs=timing_routing(problem.m, problem.experts, seed, problem.device))
     trials: list[Trial] = []
+    pairs: list[tuple[Backend, Config]] = []
     for backend in candidates:
         cfgs, why = _configs(backend, problem)
         if why:
             trials.append(Trial(backend.name, {}, reason=why))
-        for cfg in cfgs:
-            t = Trial(backend.name, cfg)
-            t0 = time.perf_counter()
-            t.reason = check_trial(backend, case, cfg)
-            t.check_s = time.perf_counter() - t0
-            if not t.reason:
-                try:
-                    t.time_ms = float(do_bench(lambda b=backend, c=cfg: b.run(problem, timed, c)))
-                except Exception as e:  # noqa: BLE001
-                    reset_cuda_error(problem.device)
-                    t.reason = f"failed while timing: {describe_exception(e)}"
-                if not math.isfinite(t.time_ms) and not t.reason:
-                    t.reason = "timer returned a non-finite time"
-                    t.time_ms = math.inf
-            log.debug("tune %s: %s[%s] -> %s", problem, backend.name, config_id(cfg), t.to_json())
-            trials.append(t)
-    trials.sort(key=lambda t: t.time_ms)
-    return trials
+        pairs += [(backend, c) for c in cfgs if only is None or (backend.name, config_id(c)) in only]
+    t1 = time.perf_counter()
+    seconds["case"] = t1 - t0
+    compile_ahead(problem, case, pairs)
+    seconds["compile"] = time.perf_counter() - t1
+    correct: list[tuple[Trial, Backend]] = []
+    for backend, cfg in pairs:
+        t = Trial(backend.name, cfg)
+        t0 = time.perf_counter()
+        t.reason = check_trial(backend, case, cfg)
+        t.check_s = time.perf_counter() - t0
+        seconds["check"] += t.check_s
+        trials.append(t)
+        if not t.reason:
+            correct.append((t, backend))
+
+    def run_timer(phase: str, timer: DoBench, group: list[tuple[Trial, Backend]]) -> None:
+        t0 = time.perf_counter()
+        for t, b in group:
+            t.time_ms, t.reason = _bench(timer, lambda b=b, c=t.config: b.run(problem, timed, c))
+            if t.reason:
+                reset_cuda_error(problem.device)
+        seconds[phase] += time.perf_counter() - t0
+
+    final = correct
+    if screen is not None and search.keep and len(correct) > 1:
+        run_timer("screen", screen, correct)
+        ranked = sorted((p for p in correct if p[0].ok), key=lambda p: p[0].time_ms)
+        best = ranked[0][0].time_ms if ranked else math.inf
+        final = [p for p in ranked[:search.keep] if p[0].time_ms <= best * (1 + search.margin)]
+        for t, _ in ranked:
+            t.screened = True
+        for t, _ in final:
+            t.screened = False
+    run_timer("time", do_bench, final)
+    for t in trials:
+        log.debug("tune %s: %s[%s] -> %s", problem, t.backend, config_id(t.config), t.to_json())
+    # fully timed first, then the screened-out ones (their times come from the other timer), then the failures
+    trials.sort(key=lambda t: (not t.ok, t.screened, t.time_ms))
+    return Tuning(trials, seconds)
 
 
-def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> list[Trial]:
+def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> Tuning:
     """Priority order, no timing (``FP4DISPATCH_TUNE=0``, and the CPU, where load would decide): the first config
     of each backend is verified; its rank stands in for a time so that the order survives sorting and the cache."""
+    t0 = time.perf_counter()
     case = make_case(problem, seed, reference_mm)
+    t1 = time.perf_counter()
     trials = []
     for rank, backend in enumerate(candidates):
         cfgs, why = _configs(backend, problem)
@@ -102,4 +238,4 @@ def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> l
         reason = why or check_trial(backend, case, cfg)
         trials.append(Trial(backend.name, cfg, math.inf if reason else float(rank), reason))
     trials.sort(key=lambda t: t.time_ms)
-    return trials
+    return Tuning(trials, {**dict.fromkeys(PHASES, 0.0), "case": t1 - t0, "check": time.perf_counter() - t1})

@@ -22,7 +22,7 @@ from ..problem import GroupedOperands, Operands, Problem
 from ..routing import check_routing
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
-           "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E",
+           "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E", "restore_inputs",
            "make_case", "check_run", "reset_cuda_error"]
 
 REL_TOL = 1e-2
@@ -196,6 +196,15 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
+def restore_inputs(case: CheckCase) -> list[str]:
+    """Put back every input of ``case`` that differs from its pristine copy; their names."""
+    changed = [name for (name, t), p in zip(_inputs(case.ops), case.pristine) if not _same_bytes(t, p)]
+    for (name, t), p in zip(_inputs(case.ops), case.pristine):
+        if name in changed:
+            t.copy_(p)
+    return changed
+
+
 def _tampering(case: CheckCase, out_before: tuple) -> str | None:
     """What the last run did besides writing ``out``, restoring the inputs it changed; None if nothing."""
     out = case.ops.out
@@ -205,11 +214,7 @@ def _tampering(case: CheckCase, out_before: tuple) -> str | None:
     guard = case.frame[[0, -1]]
     if not bool((guard == SENTINEL).all()):
         return "wrote outside out (into the rows just before or after it in the same buffer)"
-    named = _inputs(case.ops)
-    changed = [name for (name, t), p in zip(named, case.pristine) if not _same_bytes(t, p)]
-    for (name, t), p in zip(named, case.pristine):
-        if name in changed:
-            t.copy_(p)
+    changed = restore_inputs(case)
     if changed:
         return f"modified its input{'s' if len(changed) > 1 else ''} {', '.join(changed)} (inputs must stay as given)"
     return None

@@ -59,7 +59,7 @@ def fp4_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: tor
         if hit[1] is None or not _replay(key, hit, ops):
             _run(*ops, config)
         return out
-    if runtime.jit_interpreted() or plan.unplannable(ops):
+    if runtime.jit_interpreted() or runtime.compiling_ahead() or plan.unplannable(ops):
         _run(*ops, config)
         return out
     rec = plan.record(lambda: _run(*ops, config))

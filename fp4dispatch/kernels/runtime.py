@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
            "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
-           "raw_stream", "capturing", "direct_launcher"]
+           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -181,11 +181,55 @@ def note_buffer(t: torch.Tensor, request: tuple) -> None:
         rec.append(("buffer", t.data_ptr(), request))
 
 
+def compiling_ahead() -> bool:
+    """Whether this thread is inside ``compiles_ahead``: ``launch`` then compiles and launches nothing."""
+    return getattr(_tls, "ahead", False)
+
+
+class compiles_ahead:
+    """Within this context, ``launch`` launches nothing: it hands the kernel's compile to Triton's async compile
+    mode (``triton.runtime._async_compile.AsyncCompileMode``) on a pool of ``workers`` threads, so that the configs
+    of one tuning key compile at the same time (the work is in MLIR passes and ptxas, which run without the GIL).
+    Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
+    ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
+    async compile. Callers run each candidate once inside, on operands whose values do not matter."""
+
+    def __init__(self, workers: int):
+        self.workers, self.active, self._mode, self._pool = workers, False, None, None
+
+    def __enter__(self) -> "compiles_ahead":
+        if jit_interpreted() or compiling_ahead():
+            return self
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:  # a Triton before async compile: every compile happens at the first launch
+            return self
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self.workers), thread_name_prefix="fp4dispatch-compile")
+        self._mode = AsyncCompileMode(self._pool, ignore_errors=True)
+        self._mode.__enter__()
+        self.active = _tls.ahead = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.active:
+            return
+        _tls.ahead = False
+        try:
+            self._mode.__exit__(None, None, None)
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``; from the second call with the same key on, without Triton's argument binding.
     ``args`` are the leading parameters; ``kwargs`` the keyword parameters (constexprs) and launch options
-    (``num_warps``, ``launch_pdl``, ...)."""
+    (``num_warps``, ``launch_pdl``, ...). Inside ``compiles_ahead``: only start the compile."""
     grid = (*grid, *(1,) * (3 - len(grid)))  # the compiled kernel's launcher reads three grid dims
+    if getattr(_tls, "ahead", False):
+        fn.warmup(*args, grid=grid, **kwargs)
+        return
     hit = _launch(fn, grid, args, kwargs)
     rec = getattr(_tls, "rec", None)
     if rec is not None:

@@ -1,0 +1,200 @@
+"""Cold-start cuts of the tuner (issue 34), on the CPU with fake backends and fake timers: the screen that keeps only
+the few candidates worth a full timing, the phase seconds of each tuned key, the neighbour shortcut for a new M bucket
+next to tuned ones, and the compile-ahead switch of the kernel launcher."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4dispatch.backends.base import config_id
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.dispatch.neighbours import neighbour_keys, neighbour_picks
+from fp4dispatch.dispatch.records import key_str
+from fp4dispatch.dispatch.tuner import FULL, PHASES, Search, tune
+from fp4dispatch.errors import InvalidInputError
+from fp4dispatch.kernels import runtime
+from fp4dispatch.problem import Problem
+from fp4dispatch.settings import RELEVANT_ENV, read_settings
+from fp4dispatch.testing import FakeBackend, fake_do_bench
+
+CPU = torch.device("cpu")
+
+
+def problem(m: int, n: int = 32, k: int = 64) -> Problem:
+    return Problem(m, n, k, torch.float32, CPU)
+
+
+def configs(*factors: float) -> list[dict]:
+    return [{"cost_factor": f} for f in factors]
+
+
+class CountingBench:
+    """fake_do_bench that counts the candidates it times."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, fn) -> float:
+        self.calls += 1
+        return fake_do_bench(fn)
+
+
+def test_search_is_validated_when_built():
+    with pytest.raises(InvalidInputError, match=r"Search: keep must be an int >= 0 \(0: time every candidate\); "
+                                                r"got -1"):
+        Search(keep=-1)
+    with pytest.raises(InvalidInputError, match=r"Search: margin must be a finite number >= 0 .*; got inf"):
+        Search(margin=float("inf"))
+
+
+def test_the_screen_sends_only_the_best_few_to_the_full_timer():
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 1.1, 1.2, 3.0, 4.0))
+    full, screen = CountingBench(), CountingBench()
+    tuning = tune(problem(4), [b], full, screen=screen, search=Search(keep=3, margin=0.25))
+    assert screen.calls == 5  # every correct candidate, briefly
+    assert full.calls == 3  # the three fastest, all within 25 % of the fastest
+    factors = [t.config["cost_factor"] for t in tuning.trials]
+    assert factors == [1.0, 1.1, 1.2, 3.0, 4.0]
+    assert [t.to_json().get("timed") for t in tuning.trials] == [None, None, None, "screen", "screen"]
+    assert set(tuning.seconds) == set(PHASES) and all(v >= 0 for v in tuning.seconds.values())
+
+
+def test_the_margin_drops_a_kept_candidate_that_is_far_behind():
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 2.0, 2.5))
+    full = CountingBench()
+    tune(problem(4), [b], full, screen=fake_do_bench, search=Search(keep=3, margin=0.5))
+    assert full.calls == 1
+
+
+def test_full_search_times_every_correct_candidate_and_failures_stay_last():
+    ok = FakeBackend("ok", cost=1e-5, configs=configs(1.0, 2.0, 3.0, 4.0))
+    bad = FakeBackend("bad", cost=1e-9, result="zeros")
+    full = CountingBench()
+    tuning = tune(problem(4), [bad, ok], full, screen=fake_do_bench, search=FULL)
+    assert full.calls == 4
+    assert [t.backend for t in tuning.trials] == ["ok"] * 4 + ["bad"]
+    assert tuning.trials[-1].reason.startswith("incorrect")
+
+
+def test_a_screened_out_candidate_ranks_behind_every_fully_timed_one():
+    # the screen and the full timer disagree: the screened-out config is not ranked by a time of another timer
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 5.0))
+    tuning = tune(problem(4), [b], lambda fn: 100 * fake_do_bench(fn), screen=fake_do_bench,
+                  search=Search(keep=1))
+    assert [t.config["cost_factor"] for t in tuning.trials] == [1.0, 5.0]
+    assert tuning.trials[0].time_ms > tuning.trials[1].time_ms and tuning.trials[1].screened
+
+
+def test_the_dispatcher_screens_with_its_screen_timer_and_records_the_phase_seconds(tmp_path):
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 1.1, 2.0, 3.0))
+    full = CountingBench()
+    d = Dispatcher([b], cache_dir=tmp_path, do_bench=full, screen_bench=fake_do_bench)
+    d.choose(problem(16))
+    entry = d.cache_for(CPU).decisions["m16-n32-k64-float32"]
+    assert full.calls == 2 and entry["mode"] == "tuned"
+    assert set(entry["tune_s"]) == set(PHASES)
+    assert [t.get("timed") for t in entry["ranking"]] == [None, None, "screen", "screen"]
+
+
+def test_a_given_do_bench_times_every_candidate_unless_a_screen_is_given(tmp_path):
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 1.1, 2.0, 3.0))
+    full = CountingBench()
+    Dispatcher([b], cache_dir=tmp_path, do_bench=full).choose(problem(16))
+    assert full.calls == 4
+
+
+def test_fp4dispatch_search_is_read_and_validated(monkeypatch, tmp_path):
+    assert "FP4DISPATCH_SEARCH" not in RELEVANT_ENV  # both searches time alike: their decisions are interchangeable
+    monkeypatch.setenv("FP4DISPATCH_SEARCH", "Full")
+    assert read_settings().search == "full"
+    b = FakeBackend("fake", cost=1e-5, configs=configs(1.0, 1.1, 2.0, 3.0))
+    full = CountingBench()
+    d = Dispatcher([b], cache_dir=tmp_path, do_bench=full, screen_bench=fake_do_bench)
+    d.choose(problem(16))
+    d.choose(problem(8))  # next to a tuned bucket, but a full search tunes in full
+    assert full.calls == 8
+    assert d.cache_for(CPU).decisions["m8-n32-k64-float32"]["mode"] == "tuned"
+    monkeypatch.setenv("FP4DISPATCH_SEARCH", "quick")
+    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_SEARCH='quick' is not valid; accepted: fast or full\. "
+                                                r"Unset it for the default 'fast'"):
+        read_settings()
+
+
+def test_neighbour_keys_are_the_buckets_below_and_above():
+    key = problem(16).key
+    assert [k[1] for k in neighbour_keys(key)] == [8, 32]
+    assert [k[1] for k in neighbour_keys(problem(1).key)] == [2]
+    assert [k[1] for k in neighbour_keys(problem(9000).key)] == [4096]
+
+
+def test_a_bucket_next_to_a_tuned_one_tries_that_ones_best_configs_only(tmp_path):
+    fast = FakeBackend("fast", cost=1e-5, configs=configs(1.0, 1.2, 1.5, 2.0, 3.0))
+    other = FakeBackend("other", cost=5e-5, configs=configs(1.0, 2.0, 3.0))
+    full = CountingBench()
+    d = Dispatcher([fast, other], cache_dir=tmp_path, do_bench=full)
+    d.choose(problem(16))
+    assert full.calls == 8
+    c = d.choose(problem(8))
+    entry = d.cache_for(CPU).decisions["m8-n32-k64-float32"]
+    assert entry["mode"] == "neighbours" and entry["from"] == ["m16-n32-k64-float32"]
+    tried = [(t["backend"], t["config"]["cost_factor"]) for t in entry["ranking"]]
+    assert sorted(tried) == [("fast", 1.0), ("fast", 1.2), ("other", 1.0), ("other", 2.0)]  # two each
+    assert full.calls == 12 and (c.backend.name, c.config["cost_factor"]) == ("fast", 1.0)
+    assert 8 in c.verified  # tuned at this M: proven there
+    # a neighbours entry is no neighbour itself: bucket 4 (next to 8 only) is tuned in full
+    d.choose(problem(4))
+    assert d.cache_for(CPU).decisions["m4-n32-k64-float32"]["mode"] == "tuned"
+
+
+def test_a_backend_that_did_not_run_right_next_door_has_every_config_tried():
+    offered = {"a": configs(1.0, 2.0, 3.0), "b": configs(1.0, 2.0, 3.0)}
+    key = problem(8).key
+    ranking = [{"backend": "a", "config": {"cost_factor": 2.0}, "time_us": 1.0},
+               {"backend": "a", "config": {"cost_factor": 3.0}, "time_us": 2.0},
+               {"backend": "a", "config": {"cost_factor": 1.0}, "time_us": 3.0},
+               {"backend": "b", "config": {}, "time_us": None, "reason": "incorrect: zeros"}]
+    decisions = {key_str(problem(16).key): {"mode": "tuned", "ranking": ranking}}
+    only, sources = neighbour_picks(key, decisions, offered)
+    ids = {n: sorted(c for b, c in only if b == n) for n in offered}
+    assert ids["a"] == sorted(config_id(c) for c in configs(2.0, 3.0))
+    assert ids["b"] == sorted(config_id(c) for c in offered["b"])
+    assert sources == [key_str(problem(16).key)]
+    # a neighbour that is not a full tune, or none at all: no shortcut
+    assert neighbour_picks(key, {key_str(problem(16).key): {"mode": "neighbours", "ranking": ranking}},
+                           offered) == (set(), [])
+
+
+def test_a_neighbours_pick_that_fails_at_the_new_m_sends_the_key_to_a_full_tune(tmp_path):
+    b = FakeBackend("b", cost=1e-5, configs=configs(1.0, 2.0, 3.0, 4.0), wrong_for_m=(7,))
+    good = FakeBackend("good", cost=1e-3)
+    d = Dispatcher([b, good], cache_dir=tmp_path, do_bench=fake_do_bench)
+    d.choose(problem(16))
+    c = d.choose(problem(7))
+    entry = d.cache_for(CPU).decisions["m8-n32-k64-float32"]
+    assert entry["mode"] == "tuned" and "from" not in entry
+    assert c.backend.name == "good"
+
+
+def test_launch_inside_compiles_ahead_only_starts_the_compile(monkeypatch):
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)
+    calls = []
+
+    class FakeKernel:
+        def warmup(self, *args, grid, **kwargs):
+            calls.append(("warmup", args, grid, kwargs))
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("launch", a, grid, k))
+
+    assert not runtime.compiling_ahead()
+    with runtime.compiles_ahead(2) as ctx:
+        assert ctx.active and runtime.compiling_ahead()
+        runtime.launch(FakeKernel(), (3,), 1, 2, BLOCK=16)
+    assert not runtime.compiling_ahead()
+    assert calls == [("warmup", (1, 2), (3, 1, 1), {"BLOCK": 16})]
+
+
+def test_compiles_ahead_does_nothing_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: True)
+    with runtime.compiles_ahead(2) as ctx:
+        assert not ctx.active and not runtime.compiling_ahead()
