@@ -66,8 +66,14 @@ def run_cells(cells: list[tuple[int, int, int]]) -> None:
 
 
 def _subprocess(args: list[str], env: dict, timeout: float) -> tuple[float, subprocess.CompletedProcess]:
+    """Wall seconds and the finished process; one that runs past ``timeout`` is killed and keeps what it printed
+    (returncode -9)."""
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        p = subprocess.CompletedProcess(e.cmd, -9, text[0], text[1] + f"\n(killed after {timeout:.0f} s)")
     return time.perf_counter() - t0, p
 
 
