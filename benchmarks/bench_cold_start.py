@@ -1,8 +1,8 @@
 """Cold start (issue 34): how long until a new key's first result, and where that time goes.
 
 Every part runs in a fresh process with its own empty decision cache; the device probe is measured once (part
-``probe``) and its verdicts are copied into the other parts' caches, since a device is probed once and a new key
-meets an already probed device.
+``probe``: in-process, as on fp4_mm's first call) and its verdicts are copied into the cell parts' caches, since a
+device is probed once and a new key meets an already probed device.
 - ``fast``: the 30 cells of the Hopper table (6 layer shapes x M 1, 16, 128, 1024, 4096) one after another in one
   process with an empty Triton cache, then the cells at M 8 and 2048 (next to tuned buckets: ``neighbours.py``).
   Per cell: the wall time of the first ``fp4_mm`` call and the seconds of each tuning phase (``tune_s``).
@@ -49,8 +49,10 @@ def run_cells(cells: list[tuple[int, int, int]]) -> None:
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     d = Dispatcher()
-    cache = d.cache_for(dev)
-    print(json.dumps({"state_s": round(time.perf_counter() - t0, 3)}), flush=True)
+    cache = d.cache_for(dev)  # the device probe, unless the cache holds its verdicts
+    print(json.dumps({"state_s": round(time.perf_counter() - t0, 3),
+                      "health": {n: v.get("seconds") for n, v in cache.health.items() if v.get("status") == "ok"}}),
+          flush=True)
     for m, n, k in cells:
         ops = make_nvfp4_inputs(m, n, k, device=dev)
         torch.cuda.synchronize()
@@ -136,8 +138,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds each part's process may take")
     ap.add_argument("--run-cells", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.run_cells:
-        run_cells([tuple(int(x) for x in c.split(",")) for c in args.run_cells.split(";")])
+    if args.run_cells is not None:
+        run_cells([tuple(int(x) for x in c.split(",")) for c in args.run_cells.split(";") if c])
         return 0
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - set(PARTS):
@@ -149,15 +151,12 @@ def main() -> int:
     me = os.path.abspath(__file__)
     report: dict = {"cells": cells}
     lines: list[str] = []
-    if "probe" in parts:
-        wall, p = _subprocess(["-m", "fp4dispatch.tune", "--self-test", "--json"],
-                              _env(root, "probe", "triton-probe"), args.timeout)
-        report["probe"] = {"wall_s": round(wall, 2), "rc": p.returncode}
-        try:
-            report["probe"]["backends"] = json.loads(p.stdout).get("backends")
-        except ValueError:
-            print(p.stdout[-2000:], p.stderr[-2000:], file=sys.stderr)
-        lines.append(f"probe (fresh process, empty caches, `tune --self-test`): {wall:.1f} s wall")
+    if "probe" in parts:  # in this part's cache, which the cell parts copy (tune --self-test would not keep it)
+        wall, p = _subprocess([me, "--run-cells", ""], _env(root, "probe", "triton-probe"), args.timeout)
+        got = _lines(p)
+        report["probe"] = {"wall_s": round(wall, 2), "rc": p.returncode, **(got[0] if got else {})}
+        lines.append(f"probe (fresh process, empty caches, in-process as fp4_mm's first call): "
+                     f"{report['probe'].get('state_s')} s, per backend {report['probe'].get('health')}")
     for part, extra in (("fast", {}), ("full", {"FP4DISPATCH_SEARCH": "full"})):
         if part not in parts:
             continue

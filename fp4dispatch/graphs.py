@@ -44,7 +44,8 @@ def _check_shapes(shapes) -> list[tuple[int, int, int]]:
 def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = torch.bfloat16, device=None,
            run: bool = True, dispatcher=None, activations: torch.dtype | None = None, experts: int = 0
            ) -> dict[tuple[int, int, int], str]:
-    """Decide every ``(M, N, K)`` of ``shapes`` now (probe the device once, tune each new key), before capture.
+    """Decide every ``(M, N, K)`` of ``shapes`` now (probe the device once, compile the kernels of all new keys at
+    once, then tune each new key), before capture.
 
     Args:
         shapes: the (M, N, K) of every call the graph will contain (every M bucket a graph uses).

@@ -198,3 +198,25 @@ def test_compiles_ahead_does_nothing_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(runtime, "jit_interpreted", lambda: True)
     with runtime.compiles_ahead(2) as ctx:
         assert not ctx.active and not runtime.compiling_ahead()
+
+
+def test_compile_keys_does_nothing_without_cuda_and_decides_nothing(tmp_path):
+    b = FakeBackend("fake", cost=1e-5)
+    d = Dispatcher([b], cache_dir=tmp_path, do_bench=fake_do_bench)
+    d.compile_keys([problem(1), problem(16)])
+    assert b.calls == 0 and not d._choices
+    assert set(d.warmup([(1, 32, 64), (16, 32, 64)], out_dtype=torch.float32)) == {(1, 32, 64), (16, 32, 64)}
+
+
+def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library():
+    from fp4dispatch.dispatch.precompile import _split
+
+    class Ahead(FakeBackend):
+        compiles_ahead = True
+
+    class FirstRun(FakeBackend):
+        compiles_on_first_run = True
+
+    a, f, plain = Ahead("a"), FirstRun("f"), FakeBackend("plain")
+    ahead, first = _split([(a, {"x": 1}), (a, {"x": 2}), (f, {"y": 1}), (f, {"y": 2}), (plain, {})])
+    assert ahead == [(a, {"x": 1}), (a, {"x": 2})] and first == [(f, {"y": 1})]

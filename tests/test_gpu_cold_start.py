@@ -49,3 +49,33 @@ def test_every_kernel_compiles_ahead_and_the_checks_pass(tmp_path, m, adt, backe
     assert got["trials"] and all(reason == "" for _, reason in got["trials"]), got["trials"]
     assert got["ahead"] >= 1  # configs may share kernels (a pre-decode of A, one kernel for two K splits)
     assert got["check"] == 0, got
+
+
+_WARMUP = r"""
+import json, sys, torch
+from triton import knobs
+from fp4dispatch.backends.triton_fused import TritonFusedBackend
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+
+phase, seen = ["ahead"], []
+knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(phase[0])
+d = Dispatcher([TritonFusedBackend()], cache_dir=sys.argv[1])
+compile_keys = d.compile_keys
+def marked(problems):
+    compile_keys(problems)
+    phase[0] = "decide"
+d.compile_keys = marked
+choices = d.warmup([(1, 3072, 4096), (16, 3072, 4096), (300, 3072, 4096)])
+print(json.dumps({"ahead": seen.count("ahead"), "decide": seen.count("decide"),
+                  "modes": [e["mode"] for e in d.cache_for("cuda").decisions.values()]}))
+"""
+
+
+def test_warmup_compiles_every_key_before_deciding_any(tmp_path):
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    p = subprocess.run([sys.executable, "-c", _WARMUP, str(tmp_path / "cache")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["ahead"] >= 3 and got["decide"] == 0, got
+    assert got["modes"] == ["tuned"] * 3

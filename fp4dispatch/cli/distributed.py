@@ -99,11 +99,14 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
         print(f"probing {len(d.backends)} backends on {device} ...", file=sys.stderr)
     cache = d.cache_for(device)  # probes every backend on this device once
+    problems = [Problem(s.m, s.n, s.k, dt, device, adt, s.experts) for s in shapes]
+    if opts.progress and sys.stderr.isatty() and device.type == "cuda":
+        print(f"compiling the kernels of {len(problems)} keys at once ...", file=sys.stderr)
+    d.compile_keys(problems)  # every new key's kernels together; each key is then checked and timed alone
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
-    for s in bar:
-        problem = Problem(s.m, s.n, s.k, dt, device, adt, s.experts)
+    for s, problem in zip(bar, problems):
         ks = key_str(problem.key)
         row = {"key": ks, "op": opts.op if not s.experts else problem.call, "experts": s.experts, "m": s.m,
                "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,

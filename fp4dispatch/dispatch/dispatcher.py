@@ -40,6 +40,7 @@ from .report import BackendRecord, Report, build_report
 from .timer import DoBench, for_device, screen_for_device
 from .neighbours import neighbour_picks, offered_configs
 from .tuner import FULL, Search, tune, verify_only
+from .warmup import Warmup
 from .verify import check_run, make_case
 
 __all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device"]
@@ -48,7 +49,7 @@ log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-class Dispatcher(FaultRecovery, UntunedChoices):
+class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
@@ -236,9 +237,9 @@ class Dispatcher(FaultRecovery, UntunedChoices):
             return self._screen_bench
         return screen_for_device(problem.device, self.settings.timer)
 
-    def _tune_key(self, key: tuple, problem: Problem) -> Choice:
-        cache, _ = self._states[key[0]]
-        ks = key_str(key)
+    def _candidates(self, key: tuple, problem: Problem) -> tuple[list[Backend], dict[str, str]]:
+        """The backends that may serve ``key`` (its op's, usable, accepting the bucket's largest M too), and why
+        each other backend of its op may not."""
         reasons: dict[str, str] = {}
         candidates = []
         for b in self.backends:
@@ -252,6 +253,12 @@ class Dispatcher(FaultRecovery, UntunedChoices):
                 candidates.append(b)
             else:
                 reasons[b.name] = why
+        return candidates, reasons
+
+    def _tune_key(self, key: tuple, problem: Problem) -> Choice:
+        cache, _ = self._states[key[0]]
+        ks = key_str(key)
+        candidates, reasons = self._candidates(key, problem)
         if not candidates:
             raise self._no_backend(problem, reasons)
         timer = self._timer(problem)
@@ -349,15 +356,6 @@ class Dispatcher(FaultRecovery, UntunedChoices):
         return st
 
     # -- public helpers ------------------------------------------------------------------------------------------
-    def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None,
-               activations: torch.dtype = torch.uint8, experts: int = 0) -> dict[tuple, Choice]:
-        """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys;
-        ``experts`` E > 0: fp4_grouped_mm's keys (w4a16_grouped_mm's with bf16/fp16 ``activations``; M is then T,
-        the routed rows of all E experts)."""
-        dev = resolve_device(device)
-        return {(m, n, k): self.choose(Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts)))
-                for m, n, k in shapes}
-
     def report(self, device=None) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
         table."""

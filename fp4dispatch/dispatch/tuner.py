@@ -5,10 +5,8 @@ inputs are the hostile check inputs of :mod:`fp4dispatch.dispatch.verify`, so a 
 proven right on them. The phases, each timed into ``Tuning.seconds`` (docs/tuning.md, "Cold start"):
 
 1. ``case``: the hostile inputs and their exact result;
-2. ``compile``: the kernels of every candidate whose backend ``compiles_ahead``, compiled at once on a thread pool
-   (a Triton compile is mostly MLIR passes and ptxas, outside the GIL) instead of one after another in the checks,
-   while the backends that compile a new shape's kernels on their first run (``compiles_on_first_run``: Humming) run
-   once in another thread;
+2. ``compile``: the candidates' kernels compiled at once instead of one after another in the checks
+   (``precompile.compile_ahead``);
 3. ``check``: each candidate once against the exact result;
 4. ``screen``: with a ``screen`` timer, each correct candidate timed briefly; only the ``Search.keep`` fastest, and of
    those only the ones within ``Search.margin`` of the fastest, go on to
@@ -19,12 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from ..backends.base import Backend, Config, config_id, config_json
 from ..backends.reference import reference_mm
@@ -32,9 +26,10 @@ from ..errors import InvalidInputError, describe_exception
 from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
-from .verify import CheckCase, check_run, make_case, reset_cuda_error, restore_inputs
+from .precompile import compile_ahead, compile_keys_ahead
+from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
-__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES"]
+__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES", "compile_keys_ahead"]
 
 log = logging.getLogger("fp4dispatch")
 PHASES = ("case", "compile", "check", "screen", "time")
@@ -104,56 +99,6 @@ def _configs(backend: Backend, problem: Problem) -> tuple[list, str]:
     except Exception as e:  # noqa: BLE001
         return [], f"failed: configs() raised {describe_exception(e)}"
     return cfgs, "" if cfgs else "failed: configs() offered none"
-
-
-def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
-    """Compile the candidates' kernels at once instead of in their checks: the Triton kernels of every (backend,
-    config) whose backend ``compiles_ahead`` on a thread pool (each runs once inside ``runtime.compiles_ahead``,
-    which launches nothing, on copies of the case's operands), while one thread runs the first config of each backend
-    that ``compiles_on_first_run`` (a library that JIT-compiles a new shape's kernels on its first call) once on the
-    case itself. A run that raises here raises again in its check, which reports it; inputs that such a run changed
-    are put back (its check finds it out)."""
-    ahead = [(b, c) for b, c in pairs if getattr(b, "compiles_ahead", False)]
-    first, seen = [], set()
-    for b, c in pairs:
-        if getattr(b, "compiles_on_first_run", False) and b.name not in seen:
-            first.append((b, c))
-            seen.add(b.name)
-    if problem.device.type != "cuda" or not (ahead or first):
-        return
-    from ..kernels import runtime
-
-    worker = threading.Thread(target=_first_runs, args=(problem, case, first), name="fp4dispatch-first-run",
-                              daemon=True) if first else None
-    if worker is not None:
-        worker.start()
-    try:
-        with runtime.compiles_ahead(min(len(ahead), os.cpu_count() or 1, 16)) as ctx:
-            if ctx.active and ahead:
-                ops = case.ops._replace(**{f: t.clone() for f, t in zip(case.ops._fields, case.ops) if f != "out"},
-                                        out=case.frame.clone()[1:problem.m + 1])
-                _runs(problem, ops, ahead)
-    finally:
-        if worker is not None:
-            worker.join()
-        reset_cuda_error(problem.device)
-        restore_inputs(case)
-
-
-def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
-    for b, cfg in pairs:
-        try:
-            b.run(problem, ops, cfg)
-        except Exception as e:  # noqa: BLE001 - its check runs it again and reports the failure
-            log.debug("compile ahead %s[%s]: %s", b.name, config_id(cfg), describe_exception(e))
-
-
-def _first_runs(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
-    _runs(problem, case.ops, pairs)
-    try:
-        torch.cuda.synchronize(problem.device)
-    except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
-        pass
 
 
 def _bench(do_bench: DoBench, fn) -> tuple[float, str]:

@@ -1,0 +1,134 @@
+"""Compile the candidates' kernels before they are checked: all at once instead of one after another.
+
+Two kinds of backend compile on their first run. A Triton backend (``compiles_ahead``) runs each config inside
+``runtime.compiles_ahead``, which launches nothing and hands each kernel's compile to Triton's async compile mode on a
+thread pool (a Triton compile is mostly MLIR passes and ptxas, outside the GIL); those runs take scratch operands whose
+values do not matter. A library that compiles a new shape's kernels in its first call (``compiles_on_first_run``:
+Humming, whose compiler runs in subprocesses) is run once, for real, in threads beside them. A run that raises here
+raises again in its check, which reports it.
+
+``compile_ahead`` does this for one key (the tuner's compile phase); ``compile_keys_ahead`` for many keys at once
+(``Dispatcher.compile_keys``: ``warmup`` and ``python -m fp4dispatch.tune``), so that a model's keys compile together
+and are then timed one by one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from ..backends.base import Backend, Config, config_id
+from ..errors import describe_exception
+from ..problem import Problem
+from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
+
+__all__ = ["compile_ahead", "compile_keys_ahead", "FIRST_RUN_THREADS"]
+
+log = logging.getLogger("fp4dispatch")
+FIRST_RUN_THREADS = 4  # shapes a first-run library compiles at once (each of its compiles is parallel already)
+
+
+def _workers() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))
+
+
+def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
+    for b, cfg in pairs:
+        try:
+            b.run(problem, ops, cfg)
+        except Exception as e:  # noqa: BLE001 - its check runs it again and reports the failure
+            log.debug("precompile %s[%s] for %s: %s", b.name, config_id(cfg), problem, describe_exception(e))
+
+
+def _first_run(problem: Problem, ops, pair: tuple[Backend, Config]) -> None:
+    _runs(problem, ops, [pair])
+    try:
+        torch.cuda.synchronize(problem.device)
+    except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
+        pass
+
+
+def _compile(ahead: list[tuple[Problem, Callable[[], object], list]], first: list[tuple[Problem, object, tuple]]):
+    """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
+    ((problem, operands, pair)) run in threads."""
+    from ..kernels import runtime
+
+    pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
+    futures = [pool.submit(_first_run, *job) for job in first] if pool else []
+    try:
+        with runtime.compiles_ahead(_workers()) as ctx:
+            for problem, make_ops, pairs in ahead if ctx.active else ():
+                _runs(problem, make_ops(), pairs)
+    finally:
+        if pool is not None:
+            for f in futures:
+                f.result()
+            pool.shutdown()
+
+
+def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
+    """(the pairs whose backend compiles ahead, the first pair of each backend that compiles on its first run)"""
+    ahead = [(b, c) for b, c in pairs if getattr(b, "compiles_ahead", False)]
+    first, seen = [], set()
+    for b, c in pairs:
+        if getattr(b, "compiles_on_first_run", False) and b.name not in seen:
+            first.append((b, c))
+            seen.add(b.name)
+    return ahead, first
+
+
+def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
+    """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
+    (inputs that such a run changed are put back; its check finds it out)."""
+    ahead, first = _split(pairs)
+    if problem.device.type != "cuda" or not (ahead or first):
+        return
+
+    def copies():
+        ops = case.ops
+        return ops._replace(**{f: t.clone() for f, t in zip(ops._fields, ops) if f != "out"},
+                            out=case.frame.clone()[1:problem.m + 1])
+
+    try:
+        _compile([(problem, copies, ahead)] if ahead else [], [(problem, case.ops, p) for p in first])
+    finally:
+        reset_cuda_error(problem.device)
+        restore_inputs(case)
+
+
+def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
+    """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
+    once per shape (N, K, dtypes, experts) at that shape's smallest M, all at once. Scratch operands are made per
+    key as its compiles are handed out, so only the first-run shapes' stay alive meanwhile."""
+    ahead, first, shapes = [], [], {}
+    for problem, candidates in sorted(jobs, key=lambda j: j[0].m):
+        if problem.device.type != "cuda":
+            continue
+        pairs = []
+        for b in candidates:
+            try:
+                pairs += [(b, c) for c in b.configs(problem)]
+            except Exception:  # noqa: BLE001 - the key's own tune reports it
+                continue
+        a, f = _split(pairs)
+        if a:
+            ahead.append((problem, lambda p=problem: make_case(p, 0, _no_reference).ops, a))
+        for b, c in f:
+            shape = (b.name, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts)
+            if shape not in shapes:
+                shapes[shape] = (problem, make_case(problem, 0, _no_reference).ops, (b, c))
+    first = list(shapes.values())
+    if not (ahead or first):
+        return
+    try:
+        _compile(ahead, first)
+    finally:
+        for dev in {j[0].device for j in jobs}:
+            reset_cuda_error(dev)
+
+
+def _no_reference(problem, ops):
+    return None  # scratch operands: nothing is checked against them
