@@ -26,10 +26,10 @@ from ..errors import InvalidInputError, describe_exception
 from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
-from .precompile import compile_ahead, compile_keys_ahead
+from .precompile import compile_ahead
 from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
-__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES", "compile_keys_ahead"]
+__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES"]
 
 log = logging.getLogger("fp4dispatch")
 PHASES = ("case", "compile", "check", "screen", "time")

@@ -8,7 +8,7 @@ import torch
 from ..problem import Problem
 from .choice import Choice, resolve_device
 from .records import key_str
-from .tuner import compile_keys_ahead
+from .precompile import compile_keys_ahead
 
 __all__ = ["Warmup"]
 
