@@ -20,6 +20,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
                                                          "cutedsl_low_latency")],
     ("flashinfer_trtllm", "FlashInferTrtllmBackend", ()),
     ("sgl_kernel", "SglKernelBackend", ()),
+    ("sgl_kernel_grouped", "SglKernelGroupedBackend", ()),  # fp4_grouped_mm only
     ("torch_scaled_mm", "TorchScaledMmBackend", ()),
     ("torch_scaled_grouped_mm", "TorchScaledGroupedMmBackend", ()),  # fp4_grouped_mm only (SM100)
     ("flashinfer_grouped", "FlashInferGroupGemmBackend", ()),  # fp4_grouped_mm only (SM120/SM121)

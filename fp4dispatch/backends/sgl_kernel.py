@@ -38,6 +38,7 @@ class SglKernelBackend(NativeBackend):
 
     name = "sgl_kernel:cutlass"
     library, install_hint = "sgl_kernel", INSTALL_HINT
+    function = "cutlass_scaled_fp4_mm"  # what run calls (named in the reasons)
 
     def unavailable(self, device: torch.device) -> str | None:
         cc = self.device_capability(device)
@@ -48,11 +49,11 @@ class SglKernelBackend(NativeBackend):
             if "import failed" in (why or ""):
                 why += f" (sgl-kernel wheels are built against one torch; this is torch {torch.__version__})"
             return why
-        if not callable(getattr(sk, "cutlass_scaled_fp4_mm", None)):
-            return (f"sgl_kernel has no cutlass_scaled_fp4_mm ({_dist_version()} installed; sglang-kernel >= 0.4.1 "
+        if not callable(getattr(sk, self.function, None)):
+            return (f"sgl_kernel has no {self.function} ({_dist_version()} installed; sglang-kernel >= 0.4.1 "
                     "dropped it; only sgl-kernel==0.3.21 has it)")
         if cc not in _CUBIN_SMS:
-            return f"sgl_kernel's cutlass_scaled_fp4_mm ships sm_100a/sm_120a kernels only; this is SM{cc}"
+            return f"sgl_kernel's {self.function} ships sm_100a/sm_120a kernels only; this is SM{cc}"
         self._lib = sk
         return None
 
