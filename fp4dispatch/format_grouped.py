@@ -22,7 +22,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, swizzle_scales, unswizzle_scales
 
 __all__ = ["grouped_scale_rows", "scale_starts", "swizzle_grouped_scales", "unswizzle_grouped_scales",
-           "swizzle_expert_scales", "unswizzle_expert_scales", "expert_of_rows", "dequantize_grouped"]
+           "swizzle_expert_scales", "unswizzle_expert_scales", "expert_of_rows", "padded_rows", "dequantize_grouped"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -48,7 +48,7 @@ def expert_of_rows(offs: torch.Tensor, t: int) -> torch.Tensor:
     return torch.searchsorted(offs.long(), torch.arange(t, device=offs.device), right=True)
 
 
-def _padded_rows(offs: torch.Tensor, t: int) -> torch.Tensor:
+def padded_rows(offs: torch.Tensor, t: int) -> torch.Tensor:
     """Row of each token row's scales in the swizzled layout: P[expert] + its row inside the expert."""
     ends = offs.long()
     # clamped: rows past offs[-1] (a wrong table, refused by fp4_grouped_mm unless offs is not read) stay in bounds
@@ -69,7 +69,7 @@ def swizzle_grouped_scales(linear: torch.Tensor, offs: torch.Tensor, rows: int |
         raise InvalidInputError(f"swizzle_grouped_scales: rows must be a multiple of 128; got {rows}")
     u8 = linear.view(torch.uint8) if linear.dtype != torch.uint8 else linear
     padded = torch.zeros((max(rows, 128), cols), dtype=torch.uint8, device=linear.device)
-    padded.index_copy_(0, _padded_rows(offs, t).clamp_(0, padded.shape[0] - 1), u8)
+    padded.index_copy_(0, padded_rows(offs, t).clamp_(0, padded.shape[0] - 1), u8)
     # every expert's block starts at a multiple of 128, and the swizzle permutes within 128-row tiles: swizzling the
     # padded matrix whole swizzles each block as its own matrix
     out = swizzle_scales(padded)[:rows]
@@ -80,7 +80,7 @@ def unswizzle_grouped_scales(swizzled: torch.Tensor, offs: torch.Tensor, t: int,
     """Inverse of :func:`swizzle_grouped_scales`: [S, round_up(cols,4)] -> linear [t, cols]."""
     s = swizzled.shape[0]
     lin = unswizzle_scales(swizzled, s, _round_up(cols, 4))[:, :cols] if s else swizzled[:, :cols]
-    return lin[_padded_rows(offs, t)] if t else lin[:0]
+    return lin[padded_rows(offs, t)] if t else lin[:0]
 
 
 def swizzle_expert_scales(linear: torch.Tensor) -> torch.Tensor:

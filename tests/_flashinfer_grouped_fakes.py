@@ -76,3 +76,65 @@ def fake_flashinfer_with_group_gemm(calls: list, version: str = "0.7.4") -> type
     mod.gemm = types.ModuleType("flashinfer.gemm")
     mod.gemm.group_gemm_nvfp4_nt_groupwise = fake_group_gemm(calls)
     return mod
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grouped_mm.grouped_mm_fp4 (cuDNN's block-scaled MoE grouped GEMM)
+# ---------------------------------------------------------------------------------------------------------------
+CUDNN_CCS = (100, 103, 107, 110, 120, 121)  # @supported_compute_capability of _check_grouped_mm_fp4
+
+
+def fake_grouped_mm_fp4(calls: list):
+    """As ``_check_grouped_mm_fp4`` checks a call and tests/grouped_mm/test_grouped_mm_fp4.py builds one: ``a_descale``
+    one 128x4-swizzled matrix over all of a's rows, weight scales swizzled per expert, every segment a multiple of
+    128 rows (all the tests use; other segments are not known to be right), the last expert running to cum_m
+    (``_cudnn_moe_first_token_offset``), alpha None or float32 (1,)."""
+    def grouped_mm_fp4(a, b, a_descale, b_descale, m_indptr, alpha=None, out=None, out_dtype=torch.bfloat16,
+                       block_size=16, *, backend="cudnn", tactic=-1):
+        calls.append({"alpha": None if alpha is None else tuple(alpha.shape), "out_dtype": out_dtype})
+        _need(backend == "cudnn" and block_size == 16, "backend must be cudnn and block_size 16 (NVFP4)")
+        _need(a.dtype == torch.uint8 and b.dtype == torch.uint8 and a.dim() == 2 and b.dim() == 3,
+              "a must be 2D (cum_m, k) and b 3D (num_experts, n, k), uint8")
+        _need(out_dtype in (torch.float16, torch.bfloat16, torch.float32), f"out_dtype: got {out_dtype}")
+        _need(a_descale.dtype == torch.float8_e4m3fn and b_descale.dtype == torch.float8_e4m3fn,
+              f"a_descale and b_descale must be float8_e4m3fn, got {a_descale.dtype} and {b_descale.dtype}")
+        e, n, k = b.shape[0], b.shape[1], b.shape[2] * 2
+        _need(m_indptr.dtype == torch.int32 and tuple(m_indptr.shape) == (e + 1,), "m_indptr: int32 [E+1]")
+        _need(a.shape[1] == b.shape[2], f"K mismatch: a has {a.shape[1]}, b has {b.shape[2]}")
+        _need(alpha is None or (alpha.dtype == torch.float32 and tuple(alpha.shape) == (1,)),
+              f"alpha must be a scalar, got {None if alpha is None else tuple(alpha.shape)}")
+        cum_m = a.shape[0]
+        _need(tuple(a_descale.shape) == (rup(cum_m, 128), k // 16), f"a_descale must be [{rup(cum_m, 128)}, {k // 16}]")
+        _need(tuple(b_descale.shape) == (e, rup(n, 128), k // 16), f"b_descale must be [E, {rup(n, 128)}, {k // 16}]")
+        ind = m_indptr.tolist()
+        _need(ind[0] == 0 and all(x <= y for x, y in zip(ind, ind[1:])) and ind[-1] <= cum_m, "m_indptr must rise")
+        _need(all(x % 128 == 0 for x in ind), f"segments must be multiples of 128 rows (the tests'); got {ind}")
+        sa = unswizzle_flat(a_descale, cum_m, k // 16)
+        out = torch.zeros((cum_m, n), dtype=out_dtype) if out is None else out
+        for i in range(e):
+            m0, m1 = ind[i], (ind[i + 1] if i < e - 1 else cum_m)
+            if m1 > m0:
+                acc = dequant(a[m0:m1], sa[m0:m1]) @ dequant(b[i], unswizzle_flat(b_descale[i], n, k // 16)).T
+                out[m0:m1] = (acc * (alpha.float() if alpha is not None else 1.0)).to(out_dtype)
+        return out
+
+    grouped_mm_fp4.is_compute_capability_supported = lambda cc: cc in CUDNN_CCS
+    return grouped_mm_fp4
+
+
+def fake_flashinfer_with_grouped_mm(calls: list, cudnn_error: str | None = None) -> dict[str, types.ModuleType]:
+    """The modules to install as ``flashinfer``, ``flashinfer.grouped_mm`` and ``flashinfer.grouped_mm.core``;
+    ``cudnn_error``: what FlashInfer's cuDNN version check raises (None: it passes)."""
+    mod = types.ModuleType("flashinfer")
+    mod.__version__ = "0.7.4"
+    gm = types.ModuleType("flashinfer.grouped_mm")
+    gm.grouped_mm_fp4 = fake_grouped_mm_fp4(calls)
+    core = types.ModuleType("flashinfer.grouped_mm.core")
+    core._cudnn_moe_block_scale_min_version = lambda arch: 92200 if arch in (120, 121) else 92100
+
+    def check(min_ver, feature):
+        if cudnn_error:
+            raise RuntimeError(cudnn_error)
+    core._check_cudnn_version = check
+    mod.grouped_mm = gm
+    return {"flashinfer": mod, "flashinfer.grouped_mm": gm, "flashinfer.grouped_mm.core": core}

@@ -157,3 +157,92 @@ def test_it_is_registered_for_fp4_grouped_mm_only_and_runs_on_fp4_tensor_cores()
     assert "flashinfer:group_gemm" in names()
     b = next(b for b in default_backends() if b.name == "flashinfer:group_gemm")
     assert b.ops == ("grouped",) and b.fp4_tensor_cores and b.risky
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flashinfer:cudnn_grouped (grouped_mm_fp4, cuDNN)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def cudnn_grouped(monkeypatch, cc):
+    def install(cap: int = 100, cudnn_error: str | None = None):
+        calls: list = []
+        for name, mod in gfakes.fake_flashinfer_with_grouped_mm(calls, cudnn_error).items():
+            monkeypatch.setitem(sys.modules, name, mod)
+        cc(cap)
+        return calls
+    return install
+
+
+@pytest.mark.parametrize("one_alpha", [False, True], ids=["alpha-per-expert", "one-alpha"])
+@pytest.mark.parametrize("seed", [0, 3], ids=["empty-expert", "one-expert"])
+@pytest.mark.parametrize("t, e, dt", [(1, 4, BF16), (37, 5, FP16), (300, 3, torch.float32)])
+def test_cudnn_grouped_computes_the_hostile_case_exactly(cudnn_grouped, t, e, dt, seed, one_alpha):
+    from fp4dispatch.backends.flashinfer_cudnn_grouped import FlashInferCudnnGroupedBackend
+    from fp4dispatch.problem import GroupedOperands
+
+    calls = cudnn_grouped(120)
+    b = FlashInferCudnnGroupedBackend()
+    assert b.unavailable(torch.device("cuda", 0)) is None
+    problem, case = _case(t, e, 128, 256, seed, dt)
+    assert b.unsupported(problem) is None
+    ops = case.ops
+    if one_alpha:  # the reference of one alpha for every expert
+        ops = GroupedOperands(*ops[:4], ops.alpha[:1].clone(), ops.out, ops.offs)
+        case.ref = reference_mm(problem, ops)
+    b.run(problem, ops, {})
+    assert check_output(ops.out, case.ref, problem) is None
+    finite = torch.isfinite(case.ref)
+    torch.testing.assert_close(ops.out.float()[finite], case.ref.to(dt).float()[finite], rtol=2 ** -7,
+                               atol=1e-3 * float(case.ref[finite].abs().max()))
+    assert calls == [{"alpha": (1,), "out_dtype": dt} if one_alpha else {"alpha": None, "out_dtype": torch.float32}]
+
+
+def test_cudnn_grouped_reasons(cudnn_grouped, monkeypatch, cc):
+    from fp4dispatch.backends.flashinfer_cudnn_grouped import FlashInferCudnnGroupedBackend
+
+    b = FlashInferCudnnGroupedBackend()
+    assert b.unavailable(CPU) == "needs CUDA (cuDNN's grouped GEMM runs on NVIDIA GPUs only)"
+    cudnn_grouped(90)
+    assert b.unavailable(torch.device("cuda", 0)) == "FlashInfer's grouped_mm_fp4 (cuDNN) does not support SM90"
+    cudnn_grouped(120, cudnn_error="cuDNN grouped_mm_fp4 requires backend version >= 92200, found 91000.")
+    assert b.unavailable(torch.device("cuda", 0)) == ("cudnn: RuntimeError: cuDNN grouped_mm_fp4 requires backend "
+                                                      "version >= 92200, found 91000.")
+    assert b.unsupported(Problem(4, 128, 192, BF16, CPU, torch.uint8, 2)) == (
+        "cuDNN's grouped GEMM (whole 128-row scale tiles) needs N % 128 == 0 and K % 128 == 0; K=192 is not a "
+        "multiple of 128 (not padded: the triton/reference backends take any N, K multiple of 16)")
+    assert "flashinfer:cudnn_grouped" in names()
+
+
+def test_cudnn_grouped_wrong_adapters_are_caught(cudnn_grouped):
+    from fp4dispatch.backends.flashinfer_cudnn_grouped import FlashInferCudnnGroupedBackend
+    from fp4dispatch.format_grouped import grouped_scale_rows
+
+    class Unaligned(FlashInferCudnnGroupedBackend):
+        """Passes the rows as they are, with offs as the segment table."""
+
+        def run(self, problem, ops, config):
+            fn = self._function(self._lib or self._load())
+            rows = grouped_scale_rows(problem.m, problem.experts)
+            a = ops.a.new_zeros((rows, problem.k // 2))
+            a[:problem.m] = ops.a
+            fn(a, ops.b, ops.a_scale[:rows], ops.b_scale.reshape(problem.experts, -1, problem.k // 16),
+               torch.cat((ops.offs.new_zeros(1), ops.offs)), alpha=ops.alpha[:1], out_dtype=problem.out_dtype)
+
+    class AlphaPerExpert(FlashInferCudnnGroupedBackend):
+        """Passes the per-expert alpha to a call that takes one."""
+
+        def run(self, problem, ops, config):
+            from fp4dispatch.format_grouped import padded_rows, scale_starts
+
+            fn = self._function(self._lib or self._load())
+            rows = grouped_scale_rows(problem.m, problem.experts)
+            a = ops.a.new_zeros((rows, problem.k // 2)).index_copy_(0, padded_rows(ops.offs, problem.m), ops.a)
+            fn(a, ops.b, ops.a_scale[:rows], ops.b_scale.reshape(problem.experts, -1, problem.k // 16),
+               scale_starts(ops.offs).to(torch.int32), alpha=ops.alpha, out_dtype=problem.out_dtype)
+
+    cudnn_grouped(100)
+    problem, case = _case(37, 5, 128, 256, 0)
+    with pytest.raises(fakes.ContractError, match="segments must be multiples of 128 rows"):
+        Unaligned().run(problem, case.ops, {})
+    with pytest.raises(fakes.ContractError, match=r"alpha must be a scalar, got \(5,\)"):
+        AlphaPerExpert().run(problem, case.ops, {})

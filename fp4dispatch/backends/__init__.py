@@ -24,6 +24,7 @@ _REGISTRY: list[tuple[str, str, tuple]] = [
     ("torch_scaled_mm", "TorchScaledMmBackend", ()),
     ("torch_scaled_grouped_mm", "TorchScaledGroupedMmBackend", ()),  # fp4_grouped_mm only (SM100)
     ("flashinfer_grouped", "FlashInferGroupGemmBackend", ()),  # fp4_grouped_mm only (SM120/SM121)
+    ("flashinfer_cudnn_grouped", "FlashInferCudnnGroupedBackend", ()),  # fp4_grouped_mm only (cuDNN, SM100+)
     ("flashinfer", "FlashInferCakeBackend", ()),
     ("flashinfer_bf16_fp4", "FlashInferBf16Fp4Backend", ()),
     ("humming", "HummingW4A4Backend", ()),  # FP4 activations on block-scaled MMA (SM100+)
