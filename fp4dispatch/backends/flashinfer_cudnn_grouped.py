@@ -24,44 +24,26 @@ import torch
 from ..errors import describe_exception
 from ..format_grouped import expert_of_rows, grouped_scale_rows, padded_rows, scale_starts
 from ..problem import GroupedOperands, Problem
-from ._native import NativeBackend, alignment_reason
+from ._native import alignment_reason
 from .base import Config
-from .flashinfer import INSTALL_HINT
+from .flashinfer_function import FlashInferFunctionBackend
 
 __all__ = ["FlashInferCudnnGroupedBackend"]
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class FlashInferCudnnGroupedBackend(NativeBackend):
+class FlashInferCudnnGroupedBackend(FlashInferFunctionBackend):
     """``flashinfer.grouped_mm.grouped_mm_fp4(backend="cudnn")`` on 128-row-aligned expert segments."""
 
     name = "flashinfer:cudnn_grouped"
     ops = ("grouped",)
-    library, install_hint = "flashinfer", INSTALL_HINT
+    function, kernel = "grouped_mm.grouped_mm_fp4", "cuDNN's grouped GEMM"
 
-    def _function(self, fi):
-        try:
-            return getattr(importlib.import_module(f"{fi.__name__}.grouped_mm"), "grouped_mm_fp4", None)
-        except Exception:  # noqa: BLE001 - an older FlashInfer without grouped_mm
-            return None
+    def _refused(self, cc: int) -> str:
+        return f"FlashInfer's grouped_mm_fp4 (cuDNN) does not support SM{cc}"
 
-    def unavailable(self, device: torch.device) -> str | None:
-        cc = self.device_capability(device)
-        if cc is None:
-            return "needs CUDA (cuDNN's grouped GEMM runs on NVIDIA GPUs only)"
-        fi, why = self._import()
-        if fi is None:
-            return why
-        fn = self._function(fi)
-        if fn is None:
-            return f"flashinfer {getattr(fi, '__version__', '?')} has no grouped_mm.grouped_mm_fp4 (upgrade flashinfer)"
-        check = getattr(fn, "is_compute_capability_supported", None)
-        if check is not None and not check(cc):
-            return f"FlashInfer's grouped_mm_fp4 (cuDNN) does not support SM{cc}"
-        return self._cudnn_gate(fi, cc)
-
-    def _cudnn_gate(self, fi, cc: int) -> str | None:
+    def _gate(self, fi, cc: int) -> str | None:
         """FlashInfer's own cuDNN version check for the block-scaled MoE GEMM, where this FlashInfer has it."""
         try:
             core = importlib.import_module(f"{fi.__name__}.grouped_mm.core")

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import describe_exception
 from ..problem import GroupedOperands, Problem
-from ._native import NativeBackend
 from .base import Config
-from .flashinfer import INSTALL_HINT
+from .flashinfer_function import FlashInferFunctionBackend
 
 __all__ = ["FlashInferGroupGemmBackend", "flashinfer_layout", "flashinfer_scale_rows"]
 
 _HALF = (torch.bfloat16, torch.float16)
-_CCS = (120, 121)  # @supported_compute_capability of its problem-size check
 
 
 def flashinfer_layout(offs: torch.Tensor, t: int, e: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -61,38 +58,15 @@ def flashinfer_scale_rows(offs: torch.Tensor, indptr: torch.Tensor, rows_out: in
     return torch.where(valid, src_start[owner] + j, 0), valid
 
 
-class FlashInferGroupGemmBackend(NativeBackend):
+class FlashInferGroupGemmBackend(FlashInferFunctionBackend):
     """``flashinfer.gemm.group_gemm_nvfp4_nt_groupwise`` on padded copies of the rows and moved scale blocks."""
 
     name = "flashinfer:group_gemm"
     ops = ("grouped",)
-    library, install_hint = "flashinfer", INSTALL_HINT
+    function, kernel = "gemm.group_gemm_nvfp4_nt_groupwise", "FlashInfer's NVFP4 grouped GEMM"
 
-    def _function(self, fi):
-        gemm = getattr(fi, "gemm", None)
-        return getattr(gemm, "group_gemm_nvfp4_nt_groupwise", None)
-
-    def unavailable(self, device: torch.device) -> str | None:
-        cc = self.device_capability(device)
-        if cc is None:
-            return "needs CUDA (FlashInfer's NVFP4 grouped GEMM runs on NVIDIA GPUs only)"
-        fi, why = self._import()
-        if fi is None:
-            return why
-        fn = self._function(fi)
-        if fn is None:
-            return (f"flashinfer {getattr(fi, '__version__', '?')} has no gemm.group_gemm_nvfp4_nt_groupwise "
-                    "(upgrade flashinfer)")
-        check = getattr(fn, "is_compute_capability_supported", None)
-        try:
-            ok = check(cc) if check is not None else cc in _CCS
-        except Exception as e:  # noqa: BLE001 - a broken check is a reason, not a crash
-            return f"flashinfer group_gemm_nvfp4_nt_groupwise.is_compute_capability_supported({cc}) raised " \
-                   f"{describe_exception(e)}"
-        if not ok:
-            return f"FlashInfer's NVFP4 grouped GEMM runs on SM120/SM121 only; this is SM{cc}"
-        self._lib = fi
-        return None
+    def _refused(self, cc: int) -> str:
+        return f"{self.kernel} runs on SM120/SM121 only; this is SM{cc}"
 
     def unsupported(self, problem: Problem) -> str | None:
         if problem.out_dtype not in _HALF:
