@@ -220,3 +220,15 @@ def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library(
     a, f, plain = Ahead("a"), FirstRun("f"), FakeBackend("plain")
     ahead, first = _split([(a, {"x": 1}), (a, {"x": 2}), (f, {"y": 1}), (f, {"y": 2}), (plain, {})])
     assert ahead == [(a, {"x": 1}), (a, {"x": 2})] and first == [(f, {"y": 1})]
+
+
+def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch):
+    from fp4dispatch.dispatch import warmup
+
+    seen = []
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: seen.append([p.m for p, _ in jobs]))
+    d = Dispatcher([FakeBackend("fake", cost=1e-5)], cache_dir=tmp_path, do_bench=fake_do_bench)
+    state = d._state(CPU)  # this machine's verdicts stand in for a GPU's: only the bookkeeping is under test
+    monkeypatch.setattr(d, "_state", lambda dev: d._states.setdefault(dev, state))
+    gpu = [p._replace(device=torch.device("cuda", 0)) for p in (problem(1), problem(16), problem(16))]
+    assert d.compile_keys(gpu) == 2 and seen == [[1, 16]]  # one job per key, not per problem

@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -100,9 +101,11 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
         print(f"probing {len(d.backends)} backends on {device} ...", file=sys.stderr)
     cache = d.cache_for(device)  # probes every backend on this device once
     problems = [Problem(s.m, s.n, s.k, dt, device, adt, s.experts) for s in shapes]
-    if opts.progress and sys.stderr.isatty() and device.type == "cuda":
-        print(f"compiling the kernels of {len(problems)} keys at once ...", file=sys.stderr)
-    d.compile_keys(problems)  # every new key's kernels together; each key is then checked and timed alone
+    t0 = time.perf_counter()
+    compiled = d.compile_keys(problems)  # every new key's kernels together; each key is then checked and timed alone
+    if compiled and opts.progress and sys.stderr.isatty():
+        print(f"compiled the kernels of {compiled} new keys at once in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)

@@ -25,11 +25,11 @@ class Warmup:
         self.compile_keys(problems.values())
         return {s: self.choose(p) for s, p in problems.items()}
 
-    def compile_keys(self, problems) -> None:
+    def compile_keys(self, problems) -> int:
         """Compile at once, before they are decided one by one, the kernels that the undecided keys of ``problems``
-        will try (``tuner.compile_keys_ahead``: every Triton config of every key on one thread pool, and each new
-        shape of a library that compiles on its first run in threads beside it). Nothing is decided or timed here;
-        without CUDA, or with a backend forced, it does nothing."""
+        will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and each
+        new shape of a library that compiles on its first run in threads beside it); returns how many keys that was.
+        Nothing is decided or timed here; without CUDA, or with a backend forced, it does nothing."""
         jobs, seen = [], set()
         with self._lock:
             for p in problems:
@@ -42,3 +42,4 @@ class Warmup:
                     if candidates:
                         jobs.append((p, candidates))
         compile_keys_ahead(jobs)
+        return len(jobs)
