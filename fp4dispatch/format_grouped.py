@@ -22,7 +22,8 @@ from .errors import InvalidInputError
 from .format import BLOCK, swizzle_scales, unswizzle_scales
 
 __all__ = ["grouped_scale_rows", "scale_starts", "swizzle_grouped_scales", "unswizzle_grouped_scales",
-           "swizzle_expert_scales", "unswizzle_expert_scales", "expert_of_rows", "padded_rows", "dequantize_grouped"]
+           "swizzle_expert_scales", "unswizzle_expert_scales", "expert_of_rows", "padded_rows", "rows_per_expert",
+           "dequantize_grouped"]
 
 
 def _round_up(x: int, m: int) -> int:
@@ -35,12 +36,16 @@ def grouped_scale_rows(t: int, e: int) -> int:
     return (t + 127 * min(e, t)) // 128 * 128
 
 
+def rows_per_expert(offs: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows (int64 [E]) of the routing ``offs`` (cumulative end rows)."""
+    ends = offs.long()
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
 def scale_starts(offs: torch.Tensor) -> torch.Tensor:
     """``P`` (int64 [E+1]): expert e's activation scales start at row P[e] of a swizzled ``a_scale``; P[E] is the
     rows the routing needs."""
-    ends = offs.long()
-    rows = torch.diff(ends, prepend=ends.new_zeros(1))
-    return torch.nn.functional.pad(torch.cumsum((rows + 127) // 128 * 128, 0), (1, 0))
+    return torch.nn.functional.pad(torch.cumsum((rows_per_expert(offs) + 127) // 128 * 128, 0), (1, 0))
 
 
 def expert_of_rows(offs: torch.Tensor, t: int) -> torch.Tensor:

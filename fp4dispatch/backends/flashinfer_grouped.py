@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..format_grouped import expert_of_rows, rows_per_expert, scale_starts
 from ..problem import GroupedOperands, Problem
 from .base import Config
 from .flashinfer_function import FlashInferFunctionBackend
@@ -33,23 +34,20 @@ def flashinfer_layout(offs: torch.Tensor, t: int, e: int) -> tuple[torch.Tensor,
     """(``m_indptr`` int32 [E+1] with each expert's rows padded to a multiple of 4, the padded row of each of the T
     rows, the rows a padded ``a`` needs for any routing: T + 3E) of the routing ``offs``. Fixed shapes, no host
     read."""
-    ends = offs.long()
-    rows = ends - torch.cat((ends.new_zeros(1), ends[:-1]))
-    indptr = torch.cat((ends.new_zeros(1), ((rows + 3) // 4 * 4).cumsum(0)))
-    r = torch.arange(t, device=offs.device)
-    expert = torch.searchsorted(ends, r, right=True).clamp(max=e - 1)
-    return indptr.to(torch.int32), r - (ends - rows)[expert] + indptr[expert], t + 3 * e
+    rows = rows_per_expert(offs)
+    indptr = torch.nn.functional.pad(((rows + 3) // 4 * 4).cumsum(0), (1, 0))
+    expert = expert_of_rows(offs, t).clamp(max=e - 1)
+    first = offs.long()[expert] - rows[expert]
+    return indptr.to(torch.int32), torch.arange(t, device=offs.device) - first + indptr[expert], t + 3 * e
 
 
 def flashinfer_scale_rows(offs: torch.Tensor, indptr: torch.Tensor, rows_out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(source row in fp4dispatch's grouped scale layout of each of ``rows_out`` FlashInfer scale rows, whether that
-    row holds one): expert e's block of ``round_up(rows_e, 128)`` rows moves from ``sum_{j<e} round_up(rows_j, 128)``
-    to ``(indptr[e] + 127 e) // 128 * 128``."""
-    ends = offs.long()
-    rows = ends - torch.cat((ends.new_zeros(1), ends[:-1]))
-    block = (rows + 127) // 128 * 128
-    src_start = block.cumsum(0) - block
-    e = torch.arange(ends.numel(), device=offs.device)
+    row holds one): expert e's block of ``round_up(rows_e, 128)`` rows moves from ``scale_starts(offs)[e]`` to
+    ``(indptr[e] + 127 e) // 128 * 128``."""
+    src_start = scale_starts(offs)
+    block = src_start[1:] - src_start[:-1]
+    e = torch.arange(offs.numel(), device=offs.device)
     dst_start = (indptr[:-1].long() + 127 * e) // 128 * 128
     i = torch.arange(rows_out, device=offs.device)
     owner = (torch.searchsorted(dst_start, i, right=True) - 1).clamp(min=0)

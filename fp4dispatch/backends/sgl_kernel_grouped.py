@@ -17,6 +17,7 @@ import inspect
 
 import torch
 
+from ..format_grouped import rows_per_expert, scale_starts
 from ..problem import GroupedOperands, Problem
 from ._native import alignment_reason
 from .base import Config
@@ -30,13 +31,12 @@ _SCRATCH = ("a_ptrs", "b_ptrs", "out_ptrs", "a_scales_ptrs", "b_scales_ptrs", "a
 def group_params(offs: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
     """The ``params`` of ``cutlass_fp4_group_mm`` for the routing ``offs`` (int32 [E] end rows) of [N, K] experts."""
     e, dev = offs.numel(), offs.device
-    ends = offs.to(torch.int32)
-    rows = ends - torch.cat((ends.new_zeros(1), ends[:-1]))
-    block = (rows + 127) // 128 * 128
+    rows = rows_per_expert(offs).to(torch.int32)
     params = {"ab_strides": torch.full((e,), k, dtype=torch.int64, device=dev),
               "c_strides": torch.full((e,), n, dtype=torch.int64, device=dev),
               "problem_sizes": torch.stack((rows, torch.full_like(rows, n), torch.full_like(rows, k)), dim=1),
-              "expert_offsets": ends - rows, "blockscale_offsets": block.cumsum(0, dtype=torch.int32) - block}
+              "expert_offsets": offs.to(torch.int32) - rows,
+              "blockscale_offsets": scale_starts(offs)[:-1].to(torch.int32)}
     params.update({name: torch.empty((e,), dtype=torch.int64, device=dev) for name in _SCRATCH})
     params.update({name: torch.empty((e, 5), dtype=torch.int64, device=dev) for name in ("layout_sfa", "layout_sfb")})
     return params
