@@ -177,6 +177,7 @@ def test_a_neighbours_pick_that_fails_at_the_new_m_sends_the_key_to_a_full_tune(
 
 def test_launch_inside_compiles_ahead_only_starts_the_compile(monkeypatch):
     monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)
+    monkeypatch.setattr(runtime.torch.cuda, "current_device", lambda: 0)  # part of the compiled-kernel key
     calls = []
 
     class FakeKernel:

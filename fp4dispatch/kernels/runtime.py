@@ -187,9 +187,11 @@ def compiling_ahead() -> bool:
 
 
 class compiles_ahead:
-    """Within this context, ``launch`` launches nothing: it hands the kernel's compile to Triton's async compile
-    mode (``triton.runtime._async_compile.AsyncCompileMode``) on a pool of ``workers`` threads, so that the configs
-    of one tuning key compile at the same time (the work is in MLIR passes and ptxas, which run without the GIL).
+    """Within this context, ``launch`` of a kernel not yet compiled for its arguments launches nothing: it hands the
+    compile to Triton's async compile mode (``triton.runtime._async_compile.AsyncCompileMode``) on a pool of
+    ``workers`` threads, so that the configs of one tuning key compile at the same time (the work is in MLIR passes
+    and ptxas, which run without the GIL). A kernel already compiled is launched as usual (the hot path reads no
+    flag), which is why callers pass scratch operands.
     Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
     async compile. Callers run each candidate once inside, on operands whose values do not matter."""
@@ -225,11 +227,8 @@ class compiles_ahead:
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``; from the second call with the same key on, without Triton's argument binding.
     ``args`` are the leading parameters; ``kwargs`` the keyword parameters (constexprs) and launch options
-    (``num_warps``, ``launch_pdl``, ...). Inside ``compiles_ahead``: only start the compile."""
+    (``num_warps``, ``launch_pdl``, ...). Inside ``compiles_ahead``: only start the compile of a new kernel."""
     grid = (*grid, *(1,) * (3 - len(grid)))  # the compiled kernel's launcher reads three grid dims
-    if getattr(_tls, "ahead", False):
-        fn.warmup(*args, grid=grid, **kwargs)
-        return
     hit = _launch(fn, grid, args, kwargs)
     rec = getattr(_tls, "rec", None)
     if rec is not None:
@@ -256,7 +255,10 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
     global _fast
     if not _fast or jit_interpreted():
-        fn[grid](*args, **kwargs)
+        if getattr(_tls, "ahead", False):
+            fn.warmup(*args, grid=grid, **kwargs)
+        else:
+            fn[grid](*args, **kwargs)
         return None
     # kwargs in call order: a call site passes them in one order (another order only misses the cache)
     key = (id(fn), torch.cuda.current_device(), grid, tuple(kwargs.items()),
@@ -264,6 +266,9 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
              else _desc_key(a) for a in args])
     hit = _COMPILED.get(key)
     if hit is None:
+        if getattr(_tls, "ahead", False):  # compiles_ahead: start the compile only (read on a miss, not per launch)
+            fn.warmup(*args, grid=grid, **kwargs)
+            return None
         compiled = fn[grid](*args, **kwargs)
         if compiled is not None and hasattr(compiled, "run"):
             names, defaults = _params(fn)
