@@ -18,7 +18,7 @@ from .records import key_str
 
 __all__ = ["NEIGHBOUR_TOP", "neighbour_keys", "neighbour_picks", "offered_configs"]
 
-NEIGHBOUR_TOP = 2  # fully timed entries of each neighbour's ranking that the new key tries
+NEIGHBOUR_TOP = 2  # configs per backend that the new key takes from each neighbour's ranking (its best: timed first)
 
 
 def neighbour_keys(key: tuple) -> list[tuple]:

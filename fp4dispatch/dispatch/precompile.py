@@ -25,7 +25,7 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["compile_ahead", "compile_keys_ahead", "FIRST_RUN_THREADS"]
+__all__ = ["compile_ahead", "compile_keys_ahead", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 4  # shapes a first-run library compiles at once (each of its compiles is parallel already)
@@ -115,11 +115,11 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
                 continue
         a, f = _split(pairs)
         if a:
-            ahead.append((problem, lambda p=problem: make_case(p, 0, _no_reference).ops, a))
+            ahead.append((problem, lambda p=problem: scratch_ops(p), a))
         for b, c in f:
             shape = (b.name, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts)
             if shape not in shapes:
-                shapes[shape] = (problem, make_case(problem, 0, _no_reference).ops, (b, c))
+                shapes[shape] = (problem, scratch_ops(problem), (b, c))
     first = list(shapes.values())
     if not (ahead or first):
         return
@@ -130,5 +130,6 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
             reset_cuda_error(dev)
 
 
-def _no_reference(problem, ops):
-    return None  # scratch operands: nothing is checked against them
+def scratch_ops(problem: Problem, seed: int = 0):
+    """Operands of ``problem`` for a run whose result nothing checks (no exact result is computed)."""
+    return make_case(problem, seed, lambda p, ops: None).ops

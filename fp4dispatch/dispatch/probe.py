@@ -16,6 +16,7 @@ from ..backends.base import Backend, probe_op
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
+from .precompile import scratch_ops
 from .records import STATUSES, Verdict
 from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
@@ -95,7 +96,7 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int) -> None:
                 problem = probe_problem(backend, m, device)
                 configs = [] if backend.unsupported(problem) else backend.configs(problem)
                 if configs:
-                    backend.run(problem, make_case(problem, seed + i, reference_mm).ops, configs[0])
+                    backend.run(problem, scratch_ops(problem, seed + i), configs[0])
             except Exception as e:  # noqa: BLE001
                 log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
     reset_cuda_error(device)
