@@ -265,13 +265,14 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         only, sources = set(), []
         if timer and self.settings.search == "fast":  # next to tuned buckets: their best few only (neighbours.py)
             only, sources = neighbour_picks(key, cache.decisions, offered_configs(candidates, problem))
-        search = FULL if self.settings.search == "full" else Search()
-        tuning = tune(problem, candidates, timer, screen=self._screen(problem), search=search,
-                      only=only or None) if timer else verify_only(problem, candidates)
+        if timer:
+            search, screen = FULL if self.settings.search == "full" else Search(), self._screen(problem)
+            tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None)
+            if only and not all(t.ok for t in tuning.trials):  # a neighbours' pick fails here: every candidate
+                tuning, sources = tune(problem, candidates, timer, screen=screen, search=search), []
+        else:
+            tuning = verify_only(problem, candidates)
         trials = tuning.trials
-        if only and not all(t.ok for t in trials):  # a neighbours' pick fails here: every candidate, as usual
-            tuning = tune(problem, candidates, timer, screen=self._screen(problem))
-            trials, sources = tuning.trials, []
         best: dict[str, object] = {}
         for t in trials:  # sorted: the first trial of a backend is its best config
             best.setdefault(t.backend, t)
