@@ -14,8 +14,8 @@ A backend is a small object with a ``name`` that
     ``"w4a16_grouped"`` is ``w4a16_grouped_mm``, the same with ``a`` bf16/fp16 as given (``a_scale`` empty).
 
 ``compiles_ahead`` marks a backend whose ``run`` launches only through ``kernels.runtime.launch`` (Triton kernels):
-inside ``runtime.compiles_ahead`` such a run starts its kernels' compiles and launches nothing, so that the tuner
-compiles all of a key's configs at once (``tuner.compile_ahead``). A backend whose run does other work (a library's
+inside ``runtime.compiles_ahead`` such a run starts the compiles of its kernels not yet compiled instead of launching
+them, so that the tuner compiles all of a key's configs at once (``dispatch/precompile.py``). A backend whose run does other work (a library's
 kernels, a cache filled from its operands) leaves it False. ``compiles_on_first_run`` marks a library that
 compiles a new shape's kernels in its first call (Humming): the tuner runs it once in a thread meanwhile.
 

@@ -62,7 +62,7 @@ class FlashInferCudnnGroupedBackend(FlashInferFunctionBackend):
         return alignment_reason(problem, 128, 128, "cuDNN's grouped GEMM (whole 128-row scale tiles)")
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
-        fn = self._function(self._lib or self._load())
+        fn = self._call()
         t, e, kb = problem.m, problem.experts, problem.k // 16
         rows = grouped_scale_rows(t, e)
         row_map = padded_rows(ops.offs, t)

@@ -19,6 +19,20 @@ class FlashInferFunctionBackend(NativeBackend):
     library, install_hint = "flashinfer", INSTALL_HINT
     function = ""  # its dotted path under flashinfer, as reasons name it: "gemm.group_gemm_nvfp4_nt_groupwise"
     kernel = ""  # what it runs, as reasons name it: "FlashInfer's NVFP4 grouped GEMM"
+    _transient = ("_lib", "_fn")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fn = None  # the function, found once for run
+
+    def _reset_transient(self) -> None:
+        self._fn = None
+
+    def _call(self):
+        """The function ``run`` calls, looked up once (raises with the reason when FlashInfer cannot be imported)."""
+        if self._fn is None:
+            self._fn = self._function(self._lib or self._load())
+        return self._fn
 
     def _function(self, fi):
         """The function in ``fi``, or None: its module as an attribute of ``fi``, else imported."""

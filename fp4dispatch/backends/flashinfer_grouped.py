@@ -81,7 +81,7 @@ class FlashInferGroupGemmBackend(FlashInferFunctionBackend):
                 for tk in tiles_k]
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
-        fn = self._function(self._lib or self._load())
+        fn = self._call()
         t, e, k2 = problem.m, problem.experts, problem.k // 2
         indptr, row_map, rows = flashinfer_layout(ops.offs, t, e)
         a = ops.a.new_zeros((rows, k2)).index_copy_(0, row_map, ops.a)
