@@ -197,7 +197,10 @@ for m, n, k in [(1, 40, 96), (3, 64, 256), (17, 33, 272), (70, 48, 160)]:
         for odt in (torch.float32, adt):
             p = Problem(m, n, k, odt, cpu, adt)
             case = make_case(p, m + n, reference_mm)
-            extra_w4 = [C.MmaW4A16Config(16, 16, 2, 3, 4, 3), C.CudaCoreW4A16Config(2, 16, 4, 2, 4)]
+            # several M and N tiles, split-K, the activations gathered and permuted in registers
+            extra_w4 = [C.MmaW4A16Config(16, 16, 2, 3, 4, 3), C.CudaCoreW4A16Config(2, 16, 4, 2, 4),
+                        C.WgmmaRegisterAW4A16Config(16, 16, 4, 2, 4, 3),
+                        C.WgmmaRegisterAW4A16Config(16, 32, 8, 3, 4, 3, gather_a=False)]
             for b in w4:
                 cfgs = b.configs(p) + (extra_w4 if b is w4[0] else [])
                 for cfg in cfgs:
@@ -449,7 +452,8 @@ def test_dequant_backend_asks_once_whether_mm_takes_out_dtype(monkeypatch):
 
 def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
     rows = child["w4a16"]
-    assert {r["cfg"] for r in rows if r["backend"] == "triton:w4a16"} == {"w4a16_gemv_cuda_core", "w4a16_mma"}
+    assert {r["cfg"] for r in rows if r["backend"] == "triton:w4a16"} == {"w4a16_gemv_cuda_core", "w4a16_mma",
+                                                                         "w4a16_wgmma_register_a"}
     assert {r["backend"] for r in rows} == {"triton:w4a16", "triton:dequant+matmul"}
     assert {(r["a"], r["out"]) for r in rows} >= {("torch.bfloat16", "torch.float32"), ("torch.float16",
                                                                                        "torch.float16")}

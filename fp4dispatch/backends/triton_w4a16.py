@@ -1,7 +1,7 @@
 """``triton:w4a16``: ``w4a16_mm`` in one Triton kernel, for GPUs without FP4 tensor cores: the bf16/fp16
-activations are read as they are and the NVFP4 weight is decoded in registers (a CUDA-core GEMV for M <= 8,
-16-bit tensor-core tiles otherwise); fp32 sums, alpha in fp32 at the end. Runs on CPU tensors under
-``TRITON_INTERPRET=1``.
+activations are read as they are and the NVFP4 weight is decoded in registers (from SM89 straight into the
+register operand of a 16-bit tensor-core tile; a CUDA-core GEMV for M <= 8; ``tl.dot`` tiles); fp32 sums, alpha in
+fp32 at the end. Runs on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
            "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
-           "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig", "MmaW4A16GroupedConfig", "FAMILIES",
+           "WgmmaRegisterAW4A16Config", "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig",
+           "MmaW4A16GroupedConfig", "FAMILIES",
            "from_json", "register_a_resident", "decode_warps_work"]
 
 
@@ -285,6 +286,30 @@ class CudaCoreW4A16Config(KernelConfig):
 
 
 @dataclass(frozen=True)
+class WgmmaRegisterAW4A16Config(KernelConfig):
+    """``gemm/wgmma_register_a_w4a16`` (SM89+): ``w4a16_mm`` on ``WgmmaRegisterAConfig``'s tile, the weight decoded in
+    registers as the first dot operand in the activations' dtype, the activations read as they are: gathered in the
+    decode's K order (``gather_a``) or loaded in K order and permuted in registers."""
+
+    family: ClassVar[str] = "w4a16_wgmma_register_a"
+    block_m: int
+    block_n: int
+    k_blocks: int
+    split_k: int
+    warps: int
+    stages: int
+    gather_a: bool = True
+    max_registers: int | None = None
+    pdl: bool = True
+
+    def check(self) -> None:
+        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
+        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
+        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
+        _check_regs(self)
+
+
+@dataclass(frozen=True)
 class MmaW4A16Config(KernelConfig):
     """``gemm/mma_w4a16``: ``w4a16_mm`` on 16-bit tensor cores, any M: the activations as they are, the weight
     decoded in registers to the activations' dtype (exact); ``group_m`` M tiles per L2 group."""
@@ -363,8 +388,8 @@ def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> t
 
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
-    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, MmaW4A16Config, MmaGroupedConfig,
-    GemvGroupedConfig, MmaW4A16GroupedConfig)}
+    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, WgmmaRegisterAW4A16Config,
+    MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig, MmaW4A16GroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

@@ -16,8 +16,8 @@ import torch
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
                      GemvGroupedConfig, MmaGroupedConfig, MmaW4A16Config, MmaW4A16GroupedConfig, TmaGemvConfig,
-                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaWarpSpecializedConfig, decode_warps_work,
-                     register_a_resident)
+                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config,
+                     WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
            "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",
@@ -222,7 +222,8 @@ def _fill_split(tiles: int, steps: int, sms: int) -> int:
 
 def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
-    first: the CUDA-core GEMV for M <= 8, then tensor-core tiles."""
+    first: on SM90 the weight-as-register-operand tiles, then the CUDA-core GEMV for M <= 8 and the ``tl.dot``
+    tiles (elsewhere from SM89 those first and the register-operand tiles after them)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     if m <= 8:
@@ -233,7 +234,22 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     for bm, bn, bkb, warps, stages in tiles:
         split = _fill_split(cdiv(m, bm) * cdiv(n, bn), cdiv(kb, bkb), sms)
         out.append(MmaW4A16Config(bm, bn, bkb, split, warps, stages))
+    rank = target.register_a_rank(device)
+    if rank:
+        register_a = _register_a_w4a16(_Problem(m, n, k, device))
+        out = register_a + out if rank == 2 else out + register_a
     return out[:MAX_CONFIGS]
+
+
+def _register_a_w4a16(p: _Problem) -> list[WgmmaRegisterAW4A16Config]:
+    """``wgmma_register_a``'s tiles of M's range (the same registers and shared memory: its pre-decoded A tile is
+    16-bit too) with their K split, the first also with the activations permuted in registers instead of gathered."""
+    out: list[WgmmaRegisterAW4A16Config] = []
+    for tile in REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if p.m <= b)]:
+        if len(tile) == 6:  # the others differ by where A is decoded, which W4A16 does not do
+            t = p.register_a(*tile)
+            _add(out, WgmmaRegisterAW4A16Config(t.block_m, t.block_n, t.k_blocks, t.split_k, t.warps, t.stages))
+    return out[:1] + [replace(out[0], gather_a=False)] + out[1:]
 
 
 # The grouped kernels' tiles, by the rows an expert with rows gets on average. A decode batch gives each touched expert

@@ -27,6 +27,7 @@ import torch
 from .. import runtime, workspace
 from ..config import WgmmaRegisterAConfig, register_a_resident
 from ..numerics.e2m1_e4m3 import e4m3_to_f32, swz_row
+from ..numerics.bf16x2 import pair_bf16, scale_bf16x2, scaled_bf16
 from ..numerics.fp16x2 import _cvt4, _halves, _pair
 from ..tiles import cast_store, gdc_launch_dependents, grid_tile, out_tile, pdl_wait, reduce_store, store_out
 
@@ -59,6 +60,26 @@ def _k_order(q, R: tl.constexpr, BKB: tl.constexpr):
 
 
 @triton.jit
+def k_of_column(BKB: tl.constexpr):
+    """K offset, within a K step of BKB blocks, of each of the BKB*16 columns that :func:`_dec16` (without CVT)
+    puts out: column ``g*64 + f*8 + b*2 + h`` holds block ``4g + b``'s half h of pair J (``_pair``: nibbles J%4 + 4h
+    of word J//4), where J is f with its 3 bits reversed (``_join8`` nests joins, and each adds the last axis). A
+    16-bit operand loaded at these offsets lines up with the decoded one."""
+    c = tl.arange(0, BKB * 16)
+    f = (c // 8) % 8
+    return ((c // 64) * 4 + (c // 2) % 4) * 16 + (f % 2) * 8 + (f // 4) + ((f // 2) % 2) * 2 + 4 * (c % 2)
+
+
+@triton.jit
+def to_k_order(x, BKB: tl.constexpr):
+    """[R, BKB*16] values in K order -> the columns of :func:`k_of_column` (a permutation in registers): K within a
+    group of 4 blocks is (block, word, h, j1, j0) with nibble j = 2 j1 + j0, the columns (j0, j1, word, block, h)."""
+    R: tl.constexpr = x.shape[0]
+    q = tl.permute(tl.reshape(x, (R, BKB // 4, 4, 2, 2, 2, 2)), (0, 1, 6, 5, 3, 2, 4))
+    return tl.reshape(q, (R, BKB * 16))
+
+
+@triton.jit
 def _scale_cols(t):
     """Swizzled scale column of block t within a K step that starts on a whole group of 4 blocks."""
     return (t // 4) * 512 + t % 4
@@ -78,14 +99,42 @@ def _scale(s, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr = False):
+def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr = False, BF16: tl.constexpr = False):
     """int64 words [R, BKB] (one 16-block each) and their e4m3 scale bytes -> [R, BKB*16] operand values
-    (e2m1 * e4m3 * 2**-7, with CVT * 2; fp16 when ASM, else fp32) in this kernel's K order (a fixed permutation
-    within each group of 4 blocks; both operands use it, and CVT pairs other nibbles: A and W need the same CVT)."""
+    (e2m1 * e4m3 * 2**-7, with CVT * 2; fp16 when ASM, bf16 with BF16, else fp32) in this kernel's K order (a fixed
+    permutation within each group of 4 blocks, :func:`k_of_column` without CVT; both operands use it, and CVT pairs
+    other nibbles: A and W need the same CVT)."""
+    if ASM and BF16:
+        v = _dec16_bf16(x, s, BKB)
+    else:
+        v = _dec16_f16(x, s, BKB, ASM, CVT)
+    return v
+
+
+@triton.jit
+def _dec16_bf16(x, s, BKB: tl.constexpr):
+    """``_dec16``'s bf16 values (PTX: ``numerics/bf16x2.py``), in the K order of its fp16 decode without CVT."""
     R: tl.constexpr = x.shape[0]
-    sc = _scale(s, ASM)
     lo = x.to(tl.uint32)
     hi = (x >> 32).to(tl.uint32)
+    sb = scale_bf16x2(s)
+    q = _join8(scaled_bf16(pair_bf16(lo, 0), sb), scaled_bf16(pair_bf16(lo, 1), sb),
+               scaled_bf16(pair_bf16(lo, 2), sb), scaled_bf16(pair_bf16(lo, 3), sb),
+               scaled_bf16(pair_bf16(hi, 0), sb), scaled_bf16(pair_bf16(hi, 1), sb),
+               scaled_bf16(pair_bf16(hi, 2), sb), scaled_bf16(pair_bf16(hi, 3), sb))
+    b_lo, b_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [_k_order(q, R, BKB)],
+                                           dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(b_lo.to(tl.bfloat16, bitcast=True), b_hi.to(tl.bfloat16, bitcast=True)),
+                      (R, BKB * 16))
+
+
+@triton.jit
+def _dec16_f16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr):
+    """``_dec16``'s fp16 (ASM) or fp32 values."""
+    R: tl.constexpr = x.shape[0]
+    lo = x.to(tl.uint32)
+    hi = (x >> 32).to(tl.uint32)
+    sc = _scale(s, ASM)
     if ASM:
         if CVT:
             c0, c1, c2, c3 = _cvt4(lo)
