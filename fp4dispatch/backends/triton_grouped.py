@@ -31,8 +31,9 @@ class TritonGroupedBackend(BaseBackend):
     def configs(self, problem: Problem) -> list[Config]:
         from ..kernels.heuristics import grouped_configs_for, w4a16_grouped_configs_for
 
-        pick = w4a16_grouped_configs_for if problem.op == "w4a16_grouped" else grouped_configs_for
-        return pick(problem.m, problem.experts, problem.n, problem.k)
+        if problem.op == "w4a16_grouped":
+            return w4a16_grouped_configs_for(problem.m, problem.experts, problem.n, problem.k, problem.device)
+        return grouped_configs_for(problem.m, problem.experts, problem.n, problem.k)
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
         from ..kernels.grouped_mm import grouped_mm

@@ -368,9 +368,17 @@ class GemvGroupedConfig(KernelConfig):
 @dataclass(frozen=True)
 class MmaW4A16GroupedConfig(MmaGroupedConfig):
     """``gemm/mma_w4a16_grouped``: ``w4a16_grouped_mm`` in one launch, tiles as :class:`MmaGroupedConfig`'s with the
-    activations read as they are (bf16/fp16) and the weight decoded as in ``mma_w4a16``."""
+    activations read as they are (bf16/fp16) and the weight decoded as in ``mma_w4a16`` or, with ``register_a``
+    (SM89+), into the register operand as in ``wgmma_register_a_w4a16`` (``gather_a``: its activation load)."""
 
     family: ClassVar[str] = "gemm_mma_w4a16_grouped"
+    register_a: bool = False
+    gather_a: bool = True
+
+    def check(self) -> None:
+        super().check()
+        self._require("k_blocks", not self.register_a or self.k_blocks % 4 == 0,
+                      "a multiple of 4 with register_a (the K order goes by scale groups of 4)")
 
 
 def register_a_resident(block_m: int, warps: int) -> int:

@@ -276,9 +276,16 @@ def grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
     return out[:MAX_CONFIGS]
 
 
-def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
+def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int,
+                              device: torch.device | None = None) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_grouped_mm``: the grouped tensor-core tiles of ``grouped_configs_for`` (no GEMV
-    family reads 16-bit activations per expert yet), best guess first."""
+    family reads 16-bit activations per expert yet), best guess first; on SM90 each first with the weight as the
+    register operand (``register_a``; elsewhere from SM89 after the plain ones)."""
     per_expert = -(-t // max(1, min(e, t)))
     tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
-    return [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles][:MAX_CONFIGS]
+    plain = [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
+    rank = target.register_a_rank(device) if device is not None else 0
+    if not rank:
+        return plain[:MAX_CONFIGS]
+    register_a = [replace(c, register_a=True) for c in plain if c.k_blocks % 4 == 0]
+    return (register_a + plain if rank == 2 else plain + register_a)[:MAX_CONFIGS]

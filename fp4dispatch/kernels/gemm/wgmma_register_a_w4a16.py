@@ -25,15 +25,14 @@ W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
 
 
 @triton.jit
-def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, KB, CB,
-                      blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
-                      ASM: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False):
-    """Tile [BN, BM] of out.T per CTA over an (N tile, K part, M tile) grid: b viewed as int64 words [N, KB], a the
-    16-bit activations [M, K] (BF16: bfloat16); SPLIT: the tile's last CTA sums (``store_out``). PDL: ``pdl_wait``."""
-    pdl_wait(PDL)
-    pid_k, rn, rm, t = grid_tile(BN, BM, BKB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+def register_a_w4a16_tile(a_ptr, rm, M, K, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM: tl.constexpr,
+                          BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr,
+                          GATHER: tl.constexpr):
+    """out tile [BM, BN] (fp32, before alpha) of activation rows ``rm`` (< M) of the 16-bit a [M, K] by weight rows
+    ``rn`` (< N) of b (int64 words [N, K/16], swizzled scale bytes at ``sb_ptr``), over 16-blocks [kb_lo, kb_hi)
+    (kb_lo a multiple of BKB). Also the tile of ``mma_w4a16_grouped``'s register-operand form."""
+    t = tl.arange(0, BKB)
+    KB = K // 16
     scol = _scale_cols(t)
     brow = swz_row(rn, CB)
     if GATHER:
@@ -54,7 +53,22 @@ def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr,
         if not ASM:
             xa = xa.to(tl.float32)
         acc = tl.dot(_dec16(xb, sb, BKB, ASM, BF16=BF16), tl.trans(xa), acc)
-    store_out(tl.trans(acc * W4A16_UNDO), rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
+    return tl.trans(acc * W4A16_UNDO)
+
+
+@triton.jit
+def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, CB,
+                      blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
+                      ASM: tl.constexpr, BF16: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False):
+    """Tile [BN, BM] of out.T per CTA over an (N tile, K part, M tile) grid: b viewed as int64 words [N, K/16], a the
+    16-bit activations [M, K] (BF16: bfloat16); SPLIT: the tile's last CTA sums (``store_out``). PDL: ``pdl_wait``."""
+    pdl_wait(PDL)
+    pid_k, rn, rm, _ = grid_tile(BN, BM, BKB)
+    kb_lo = pid_k * blocks_per_split
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, K // 16)
+    acc = register_a_w4a16_tile(a_ptr, rm, M, K, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM, BN, BKB, ASM, BF16,
+                                GATHER)
+    store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 
 
 def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
@@ -66,7 +80,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, cfg.block_n), split, runtime.cdiv(m, cfg.block_m))
     ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
-    runtime.launch(wmma_w4a16_kernel, grid, a, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, k, kb,
+    runtime.launch(wmma_w4a16_kernel, grid, a, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, k,
                    runtime.cdiv(kb, 4), per, BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, SPLIT=split > 1,
                    ASM=not runtime.jit_interpreted(), BF16=a.dtype == torch.bfloat16, GATHER=cfg.gather_a,
                    num_warps=cfg.warps, num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers),
