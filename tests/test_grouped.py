@@ -317,13 +317,16 @@ from test_grouped import _inputs, _f64
 from fp4dispatch.backends.triton_grouped import TritonGroupedBackend
 from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.dispatch.verify import SENTINEL, check_run, make_case
-from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig
+from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 
 res = {"exact": [], "hostile": [], "bad_offs": [], "decode": [], "table": [], "w4a16": []}
+# the last two: the tokens decoded first, then w4a16's register-operand tile (activations gathered, permuted)
 cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
-        GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4)]
+        GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4),
+        MmaW4A16GroupedConfig(16, 32, 4, 4, 1, register_a=True),
+        MmaW4A16GroupedConfig(32, 16, 8, 4, 1, register_a=True, gather_a=False)]
 for counts in ([0, 5, 0, 2], [0, 0, 20, 1, 0], [1, 1, 1, 1, 1, 1], [17]):
     a, b, sa, sb, alpha, offs = _inputs(counts, exact=True)
     ref = _f64(a, b, sa, sb, alpha, offs)

@@ -33,7 +33,7 @@ class TritonGroupedBackend(BaseBackend):
 
         if problem.op == "w4a16_grouped":
             return w4a16_grouped_configs_for(problem.m, problem.experts, problem.n, problem.k, problem.device)
-        return grouped_configs_for(problem.m, problem.experts, problem.n, problem.k)
+        return grouped_configs_for(problem.m, problem.experts, problem.n, problem.k, problem.device)
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
         from ..kernels.grouped_mm import grouped_mm

@@ -264,8 +264,9 @@ GROUPED_MMA_TILES = {
 }
 
 
-def grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
-    """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first."""
+def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device | None = None) -> list[KernelConfig]:
+    """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first; from
+    SM89 also ``w4a16_grouped_mm``'s register-operand tiles on the tokens decoded first (on SM90 those first)."""
     per_expert = -(-t // max(1, min(e, t)))
     out: list[KernelConfig] = []
     gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if per_expert <= top), ())
@@ -273,6 +274,10 @@ def grouped_configs_for(t: int, e: int, n: int, k: int) -> list[KernelConfig]:
         out.append(GemvGroupedConfig(rows, bn, bkb, warps, prefetch=bn > 4, max_registers=64 if bkb > 128 else None))
     tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
     out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
+    rank = target.register_a_rank(device) if device is not None else 0
+    if rank:
+        decoded = [c for c in w4a16_grouped_configs_for(t, e, n, k, device) if c.register_a]
+        out = decoded + out if rank == 2 else out + decoded
     return out[:MAX_CONFIGS]
 
 

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, workspace
+from ..dequant import dequantize_grouped_rows
 from ..config import MmaW4A16GroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from ..tiles import store_out
@@ -52,7 +53,14 @@ def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         offs: torch.Tensor, cfg: MmaW4A16GroupedConfig) -> None:
     """Launch ``grouped_w4a16_kernel``: a bf16/fp16 [T, K] (``sa`` unused: the grouped launchers' signature), b
-    uint8 [E, N, K/2], sb the swizzled expert scales as uint8."""
+    uint8 [E, N, K/2], sb the swizzled expert scales as uint8. For ``fp4_grouped_mm`` (a uint8 [T, K/2], sa its
+    grouped swizzled scales) the tokens are first decoded to bf16, exact, by ``dequantize_grouped_rows`` (a second
+    launch, as ``humming:grouped`` does; the global scales stay in alpha)."""
+    if a.dtype == torch.uint8:
+        t, k = a.shape[0], a.shape[1] * 2
+        x = workspace.scratch("grouped_tokens", (t, k), torch.bfloat16, a.device)
+        table = workspace.scratch("grouped_tokens_table", (offs.numel() + 1,), torch.int32, a.device)
+        a = dequantize_grouped_rows(a, sa, offs, x, table)
     t, k = a.shape
     e, n, k2 = b.shape
     kb = k // 16
