@@ -73,7 +73,7 @@ def _pick(entry: dict | None) -> str:
 def _launches(entry: dict | None) -> tuple[int, float | None, float | None]:
     """(launches per call of the pick, its tuned time, the tuned time of the best one-launch candidate): whether a
     pre-decode launch pays, by the tuner's own measurement of the key."""
-    from fp4dispatch.kernels.config import from_json
+    from fp4dispatch.kernels.config_json import from_json
 
     def count(t: dict) -> int:
         cfg = t.get("config") or {}

@@ -317,7 +317,7 @@ from test_grouped import _inputs, _f64
 from fp4dispatch.backends.triton_grouped import TritonGroupedBackend
 from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.dispatch.verify import SENTINEL, check_run, make_case
-from fp4dispatch.kernels.config import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
+from fp4dispatch.kernels.config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp4dispatch.kernels import config as C
+from fp4dispatch.kernels.config_json import from_json
 from fp4dispatch.kernels import runtime, target
 from fp4dispatch.kernels.heuristics import configs_for
 
@@ -126,7 +127,7 @@ def test_configs_refuse_what_cannot_run_naming_the_field():
     from fp4dispatch.errors import InvalidInputError
 
     ok = C.WgmmaDecodeWarpsConfig()
-    assert C.from_json(ok.to_json()) == ok and ok.to_json()["family"] == "gemm_wgmma_decode_warps"
+    assert from_json(ok.to_json()) == ok and ok.to_json()["family"] == "gemm_wgmma_decode_warps"
     bad = [(dict(decoded_stages=1), "decoded_stages must be >= max"), (dict(stages=3), "stages must be a multiple"),
            (dict(block_n=128), "block_n must be 64"), (dict(decode_partitions=3), "decode_partitions must be 1 or 2")]
     for change, msg in bad:
@@ -141,14 +142,14 @@ def test_configs_refuse_what_cannot_run_naming_the_field():
     with pytest.raises(InvalidInputError, match="TmaGemvConfig.rows must be 1 or 2"):
         C.TmaGemvConfig(4, 16, 32, 5)
     with pytest.raises(InvalidInputError, match="family must be one of"):
-        C.from_json({"family": "wgds"})
+        from_json({"family": "wgds"})
 
 
 def test_configs_are_short_and_json():
     for m in (1, 2, 3, 16, 17, 64, 128, 512, 1024, 8192):
         cfgs = configs_for(m, 8192, 8192, torch.device("cpu"))
         assert 1 <= len(cfgs) <= 7
-        assert [C.from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
         assert all(c.k_blocks >= 2 for c in cfgs)  # dot K = 8 * k_blocks must be >= 16
 
 

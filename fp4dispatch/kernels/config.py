@@ -17,9 +17,8 @@ from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
            "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
-           "WgmmaRegisterAW4A16Config", "MmaW4A16Config", "MmaGroupedConfig", "GemvGroupedConfig",
-           "MmaW4A16GroupedConfig", "FAMILIES",
-           "from_json", "register_a_resident", "decode_warps_work"]
+           "WgmmaRegisterAW4A16Config", "MmaW4A16Config",
+           "register_a_resident", "decode_warps_work"]
 
 
 def _pow2(v) -> bool:
@@ -74,6 +73,14 @@ def _check_word_gemv(cfg: KernelConfig) -> None:
     cfg._require("k_blocks", cfg.k_blocks % 4 == 0, "a multiple of 4 (whole 128x4-swizzled scale groups)")
     cfg._require("e4m3x2_convert", not cfg.e4m3x2_convert or cfg.fp16x2,
                  "False without fp16x2 (the conversion feeds the fp16x2 products)")
+    _check_regs(cfg)
+
+
+def _check_register_a_tile(cfg: KernelConfig) -> None:
+    """A weight-as-register-operand tile's fields (``WgmmaRegisterAConfig`` and its W4A16 form)."""
+    cfg._require_pow2("block_m", "block_n", "k_blocks", "warps")
+    cfg._require("block_m", cfg.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
+    cfg._require("k_blocks", cfg.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
     _check_regs(cfg)
 
 
@@ -194,12 +201,9 @@ class WgmmaRegisterAConfig(KernelConfig):
         return 2 if self.predecode_a else 1
 
     def check(self) -> None:
-        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
-        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
-        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
+        _check_register_a_tile(self)
         self._require("split_k", not self.stream_k or self.split_k == 1, "1 with stream_k (stream-K cuts K itself)")
         self._require("stream_ctas", self.stream_k or self.stream_ctas is None, "None without stream_k")
-        _check_regs(self)
 
 
 @dataclass(frozen=True)
@@ -303,10 +307,7 @@ class WgmmaRegisterAW4A16Config(KernelConfig):
     pdl: bool = True
 
     def check(self) -> None:
-        self._require_pow2("block_m", "block_n", "k_blocks", "warps")
-        self._require("block_m", self.block_m >= 16, ">= 16 (tl.dot's smallest N: the tile is W @ A.T)")
-        self._require("k_blocks", self.k_blocks % 4 == 0, "a multiple of 4 (the K order goes by scale groups of 4)")
-        _check_regs(self)
+        _check_register_a_tile(self)
 
 
 @dataclass(frozen=True)
@@ -327,61 +328,6 @@ class MmaW4A16Config(KernelConfig):
         _check_dot_tile(self)
 
 
-@dataclass(frozen=True)
-class MmaGroupedConfig(KernelConfig):
-    """``gemm/mma_grouped``: ``fp4_grouped_mm`` in one launch; each CTA owns one ``block_m``-row tile of one expert's
-    rows (found from ``offs`` on the GPU) by ``block_n`` columns, so an expert with no rows costs nothing and one
-    with r rows costs ceil(r / block_m) tiles."""
-
-    family: ClassVar[str] = "gemm_mma_grouped"
-    block_m: int
-    block_n: int
-    k_blocks: int
-    warps: int
-    stages: int
-
-    def check(self) -> None:
-        _check_dot_tile(self)
-
-
-@dataclass(frozen=True)
-class GemvGroupedConfig(KernelConfig):
-    """``gemv/cuda_core_grouped``: ``fp4_grouped_mm`` for decode batches, the ``gemv/cuda_core`` GEMV per expert;
-    each CTA owns ``rows`` rows of one expert by ``block_n`` columns over the whole K. Switches as in
-    :class:`CudaCoreGemvConfig`."""
-
-    family: ClassVar[str] = "gemv_cuda_core_grouped"
-    rows: int
-    block_n: int
-    k_blocks: int
-    warps: int
-    stages: int = 3
-    fp16x2: bool = True
-    prefetch: bool = False
-    e4m3x2_convert: bool = False
-    max_registers: int | None = None
-
-    def check(self) -> None:
-        _check_word_gemv(self)
-
-
-@dataclass(frozen=True)
-class MmaW4A16GroupedConfig(MmaGroupedConfig):
-    """``gemm/mma_w4a16_grouped``: ``w4a16_grouped_mm`` in one launch, tiles as :class:`MmaGroupedConfig`'s with the
-    activations read as they are (bf16/fp16) and the weight decoded as in ``mma_w4a16`` or, with ``register_a``
-    (SM89+), into the register operand as in ``wgmma_register_a_w4a16`` (``gather_a``: its activation load). It
-    serves ``fp4_grouped_mm`` too: the NVFP4 tokens are decoded to bf16 first (exact; a second launch)."""
-
-    family: ClassVar[str] = "gemm_mma_w4a16_grouped"
-    register_a: bool = False
-    gather_a: bool = True
-
-    def check(self) -> None:
-        super().check()
-        self._require("k_blocks", not self.register_a or self.k_blocks % 4 == 0,
-                      "a multiple of 4 with register_a (the K order goes by scale groups of 4)")
-
-
 def register_a_resident(block_m: int, warps: int) -> int:
     """CTAs of a ``WgmmaRegisterAConfig`` tile resident per SM on SM90 (its registers and shared memory): 4-warp tiles
     of block_m <= 64 fit 4, 8-warp tiles 2, block_m >= 128 one."""
@@ -393,17 +339,3 @@ def decode_warps_work(m: int, n: int, kb: int, cfg: WgmmaDecodeWarpsConfig) -> t
     block_n / 4 rows of each 32-row quarter of a 128-row group, so each group makes 128 / block_n N tiles."""
     nt = -(-n // 128) * (128 // cfg.block_n)
     return nt, nt * -(-m // cfg.block_m), -(-kb // cfg.k_blocks)
-
-
-FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
-    BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
-    WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, WgmmaRegisterAW4A16Config,
-    MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig, MmaW4A16GroupedConfig)}
-
-
-def from_json(doc: dict) -> KernelConfig:
-    """The config whose :meth:`KernelConfig.to_json` is ``doc`` (checked like any other)."""
-    family = doc.get("family")
-    if family not in FAMILIES:
-        raise InvalidInputError(f"kernel config: family must be one of {sorted(FAMILIES)}; got {family!r}")
-    return FAMILIES[family](**{k: v for k, v in doc.items() if k != "family"})

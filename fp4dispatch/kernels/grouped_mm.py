@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import GemvGroupedConfig, KernelConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
+from .config import KernelConfig
+from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 from .launchers import LauncherTable
 
 __all__ = ["grouped_mm", "LAUNCHERS"]

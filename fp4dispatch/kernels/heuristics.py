@@ -15,9 +15,9 @@ import torch
 
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
-                     GemvGroupedConfig, MmaGroupedConfig, MmaW4A16Config, MmaW4A16GroupedConfig, TmaGemvConfig,
-                     WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config,
-                     WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
+                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig,
+                     WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
+from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
            "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..config import MmaGroupedConfig
+from ..config_grouped import MmaGroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from ..numerics.e2m1_e4m3 import TWO_18, decoded_halves
 from ..tiles import store_out

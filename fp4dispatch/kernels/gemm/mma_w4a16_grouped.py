@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .. import runtime, workspace
 from ..dequant import dequantize_grouped_rows
-from ..config import MmaW4A16GroupedConfig
+from ..config_grouped import MmaW4A16GroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from ..tiles import store_out
 from .mma_w4a16 import w4a16_step

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from ..config import GemvGroupedConfig
+from ..config_grouped import GemvGroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from .cuda_core import gemv2_tile
 
