@@ -197,10 +197,10 @@ for m, n, k in [(1, 40, 96), (3, 64, 256), (17, 33, 272), (70, 48, 160)]:
         for odt in (torch.float32, adt):
             p = Problem(m, n, k, odt, cpu, adt)
             case = make_case(p, m + n, reference_mm)
-            # several M and N tiles, split-K, the activations gathered and permuted in registers
+            # several M and N tiles, split-K
             extra_w4 = [C.MmaW4A16Config(16, 16, 2, 3, 4, 3), C.CudaCoreW4A16Config(2, 16, 4, 2, 4),
                         C.WgmmaRegisterAW4A16Config(16, 16, 4, 2, 4, 3),
-                        C.WgmmaRegisterAW4A16Config(16, 32, 8, 3, 4, 3, gather_a=False)]
+                        C.WgmmaRegisterAW4A16Config(16, 32, 8, 3, 4, 3)]
             for b in w4:
                 cfgs = b.configs(p) + (extra_w4 if b is w4[0] else [])
                 for cfg in cfgs:

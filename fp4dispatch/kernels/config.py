@@ -292,8 +292,8 @@ class CudaCoreW4A16Config(KernelConfig):
 @dataclass(frozen=True)
 class WgmmaRegisterAW4A16Config(KernelConfig):
     """``gemm/wgmma_register_a_w4a16`` (SM89+): ``w4a16_mm`` on ``WgmmaRegisterAConfig``'s tile, the weight decoded in
-    registers as the first dot operand in the activations' dtype, the activations read as they are: gathered in the
-    decode's K order (``gather_a``) or loaded in K order and permuted in registers."""
+    registers as the first dot operand in the activations' dtype, the activations put in the decode's K order by a
+    small kernel first."""
 
     family: ClassVar[str] = "w4a16_wgmma_register_a"
     block_m: int
@@ -302,9 +302,9 @@ class WgmmaRegisterAW4A16Config(KernelConfig):
     split_k: int
     warps: int
     stages: int
-    gather_a: bool = True
     max_registers: int | None = None
     pdl: bool = True
+    launches: ClassVar[int] = 2  # the activation permute, then the GEMM
 
     def check(self) -> None:
         _check_register_a_tile(self)

@@ -52,12 +52,11 @@ class GemvGroupedConfig(KernelConfig):
 class MmaW4A16GroupedConfig(MmaGroupedConfig):
     """``gemm/mma_w4a16_grouped``: ``w4a16_grouped_mm`` in one launch, tiles as :class:`MmaGroupedConfig`'s with the
     activations read as they are (bf16/fp16) and the weight decoded as in ``mma_w4a16`` or, with ``register_a``
-    (SM89+), into the register operand as in ``wgmma_register_a_w4a16`` (``gather_a``: its activation load). It
+    (SM89+), into the register operand as in ``wgmma_register_a_w4a16`` (its activations permuted first). It
     serves ``fp4_grouped_mm`` too: the NVFP4 tokens are decoded to bf16 first (exact; a second launch)."""
 
     family: ClassVar[str] = "gemm_mma_w4a16_grouped"
     register_a: bool = False
-    gather_a: bool = True
 
     def check(self) -> None:
         super().check()

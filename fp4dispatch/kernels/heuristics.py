@@ -242,14 +242,14 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
 
 
 def _register_a_w4a16(p: _Problem) -> list[WgmmaRegisterAW4A16Config]:
-    """``wgmma_register_a``'s tiles of M's range (the same registers and shared memory: its pre-decoded A tile is
-    16-bit too) with their K split, the first also with the activations permuted in registers instead of gathered."""
+    """``wgmma_register_a``'s tiles of M's range with their K split (the same registers and shared memory: its
+    pre-decoded A tile is 16-bit too)."""
     out: list[WgmmaRegisterAW4A16Config] = []
     for tile in REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if p.m <= b)]:
         if len(tile) == 6:  # the others differ by where A is decoded, which W4A16 does not do
             t = p.register_a(*tile)
             _add(out, WgmmaRegisterAW4A16Config(t.block_m, t.block_n, t.k_blocks, t.split_k, t.warps, t.stages))
-    return out[:1] + [replace(out[0], gather_a=False)] + out[1:]
+    return out
 
 
 # The grouped kernels' tiles, by the rows an expert with rows gets on average. A decode batch gives each touched expert

@@ -5,8 +5,8 @@ The grid and the expert lookup are ``mma_grouped``'s (``expert_rows.expert_tile`
 from ``offs`` on the GPU, no host sync, an expert without rows costs nothing); inside a tile the work is
 ``mma_w4a16``'s (the activations loaded as they are, the weight decoded in registers to exact values times 2**-9 in
 the activations' dtype, even-k and odd-k halves to two ``tl.dot``) or, with ``register_a``,
-``wgmma_register_a_w4a16``'s (the weight decoded into the register operand); fp32 sums in a fixed order (no split-K:
-deterministic), alpha (per expert or one) in fp32 at the end.
+``wgmma_register_a_w4a16``'s (the weight decoded into the register operand, the activations permuted first); fp32
+sums in a fixed order (no split-K: deterministic), alpha (per expert or one) in fp32 at the end.
 """
 from __future__ import annotations
 
@@ -20,28 +20,28 @@ from ..config_grouped import MmaW4A16GroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from ..tiles import store_out
 from .mma_w4a16 import w4a16_step
-from .wgmma_register_a_w4a16 import register_a_w4a16_tile
+from .wgmma_register_a_w4a16 import permute_a, register_a_w4a16_tile
 
 
 @triton.jit
-def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, N, K2, KB, CB, RN, E,
+def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, N, K2, KB, CB, RN, E, LDA,
                          ALPHA_E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BKB: tl.constexpr, DOT_F32: tl.constexpr, REG_A: tl.constexpr = False,
-                         BF16: tl.constexpr = False, GATHER: tl.constexpr = True):
-    """One (expert's M tile, N tile) of out = alpha[e] * A[rows of e] @ dequant(B[e]).T, A 16-bit [T, K]. REG_A: the
-    tile of ``wgmma_register_a_w4a16`` (the weight as the register operand; BF16: A is bfloat16; GATHER: its
-    ``gather_a``)."""
+                         BF16: tl.constexpr = False):
+    """One (expert's M tile, N tile) of out = alpha[e] * A[rows of e] @ dequant(B[e]).T, A 16-bit [T, K] (row stride
+    LDA). REG_A: the tile of ``wgmma_register_a_w4a16`` (the weight as the register operand, A in its decode's K
+    order; BF16: A is bfloat16)."""
     expert, row0, rows, pad0, local0 = expert_tile(offs_ptr, tl.program_id(1), T, E, BM, EP)
     if local0 < rows:
         _, b_e, _, sb_e, al, out_e = expert_operands(a_ptr, b_ptr, sb_ptr, sb_ptr, alpha_ptr, out_ptr, expert,
                                                      row0, pad0, N, K2, CB, RN, ALPHA_E)
         K = 2 * K2
-        a_e = a_ptr + row0.to(tl.int64) * K
+        a_e = a_ptr + row0.to(tl.int64) * LDA
         rm = local0 + tl.arange(0, BM)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         if REG_A:
-            acc = register_a_w4a16_tile(a_e, rm, rows, K, b_e.to(tl.pointer_type(tl.int64)), sb_e, rn, N, 0, KB,
-                                        CB, BM, BN, BKB, not DOT_F32, BF16, GATHER)
+            acc = register_a_w4a16_tile(a_e, LDA, rm, rows, K, b_e.to(tl.pointer_type(tl.int64)), sb_e, rn, N, 0,
+                                        KB, CB, BM, BN, BKB, not DOT_F32, BF16)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for kb0 in range(0, KB, BKB):
@@ -65,8 +65,10 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     e, n, k2 = b.shape
     kb = k // 16
     grid = (runtime.cdiv(n, cfg.block_n), runtime.cdiv(t, cfg.block_m) + min(e, t))
-    runtime.launch(grouped_w4a16_kernel, grid, a, b, sb, alpha, out, offs, t, n, k2, kb, runtime.cdiv(kb, 4),
-                   runtime.cdiv(n, 128) * 128, e, ALPHA_E=alpha.numel() > 1, EP=max(16, triton.next_power_of_2(e)),
-                   BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, DOT_F32=runtime.jit_interpreted(),
-                   REG_A=cfg.register_a, BF16=a.dtype == torch.bfloat16, GATHER=cfg.gather_a, num_warps=cfg.warps,
-                   num_stages=cfg.stages)
+    bf16 = a.dtype == torch.bfloat16
+    ops, lda = permute_a(a, {}) if cfg.register_a else (a, k)
+    runtime.launch(grouped_w4a16_kernel, grid, ops, b, sb, alpha, out, offs, t, n, k2, kb, runtime.cdiv(kb, 4),
+                   runtime.cdiv(n, 128) * 128, e, lda, ALPHA_E=alpha.numel() > 1,
+                   EP=max(16, triton.next_power_of_2(e)), BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks,
+                   DOT_F32=runtime.jit_interpreted(), REG_A=cfg.register_a, BF16=bf16,
+                   num_warps=cfg.warps, num_stages=cfg.stages)

@@ -60,20 +60,12 @@ def _k_order(q, R: tl.constexpr, BKB: tl.constexpr):
 
 
 @triton.jit
-def k_of_column(BKB: tl.constexpr):
-    """K offset, within a K step of BKB blocks, of each of the BKB*16 columns that :func:`_dec16` (without CVT)
-    puts out: column ``g*64 + f*8 + b*2 + h`` holds block ``4g + b``'s half h of pair J (``_pair``: nibbles J%4 + 4h
-    of word J//4), where J is f with its 3 bits reversed (``_join8`` nests joins, and each adds the last axis). A
-    16-bit operand loaded at these offsets lines up with the decoded one."""
-    c = tl.arange(0, BKB * 16)
-    f = (c // 8) % 8
-    return ((c // 64) * 4 + (c // 2) % 4) * 16 + (f % 2) * 8 + (f // 4) + ((f // 2) % 2) * 2 + 4 * (c % 2)
-
-
-@triton.jit
 def to_k_order(x, BKB: tl.constexpr):
-    """[R, BKB*16] values in K order -> the columns of :func:`k_of_column` (a permutation in registers): K within a
-    group of 4 blocks is (block, word, h, j1, j0) with nibble j = 2 j1 + j0, the columns (j0, j1, word, block, h)."""
+    """[R, BKB*16] 16-bit values in K order -> the column order of :func:`_dec16` without CVT (a permutation in
+    registers, by groups of 4 blocks): column ``g*64 + f*8 + b*2 + h`` holds block ``4g + b``'s half h of pair J
+    (``_pair``: nibbles J%4 + 4h of word J//4), where J is f with its 3 bits reversed (``_join8`` nests joins, and
+    each adds the last axis). So K within a group is (block, word, h, j1, j0) with nibble j = 2 j1 + j0, and the
+    columns are (j0, j1, word, block, h)."""
     R: tl.constexpr = x.shape[0]
     q = tl.permute(tl.reshape(x, (R, BKB // 4, 4, 2, 2, 2, 2)), (0, 1, 6, 5, 3, 2, 4))
     return tl.reshape(q, (R, BKB * 16))
@@ -102,7 +94,7 @@ def _scale(s, ASM: tl.constexpr):
 def _dec16(x, s, BKB: tl.constexpr, ASM: tl.constexpr, CVT: tl.constexpr = False, BF16: tl.constexpr = False):
     """int64 words [R, BKB] (one 16-block each) and their e4m3 scale bytes -> [R, BKB*16] operand values
     (e2m1 * e4m3 * 2**-7, with CVT * 2; fp16 when ASM, bf16 with BF16, else fp32) in this kernel's K order (a fixed
-    permutation within each group of 4 blocks, :func:`k_of_column` without CVT; both operands use it, and CVT pairs
+    permutation within each group of 4 blocks, :func:`to_k_order` without CVT; both operands use it, and CVT pairs
     other nibbles: A and W need the same CVT)."""
     if ASM and BF16:
         v = _dec16_bf16(x, s, BKB)
