@@ -1,5 +1,5 @@
 """``w4a16`` GEMM with the weight as the register operand (``WgmmaRegisterAW4A16Config``, SM89+; on SM90 the first
-``w4a16_mm`` candidates up to M = 512): ``gemm/wgmma_register_a``'s tile with 16-bit activations.
+``w4a16_mm`` candidates from M = 17 to 512): ``gemm/wgmma_register_a``'s tile with 16-bit activations.
 
 ``acc[BN, BM] = W @ A.T``. The weight is decoded by ``wgmma_register_a._dec16`` straight into the wgmma operand
 layout, in the activations' dtype: fp16 by bit placement and ``mul.rn.f16x2``, bf16 by ``numerics/bf16x2.py``; both
