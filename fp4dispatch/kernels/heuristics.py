@@ -222,9 +222,9 @@ def _fill_split(tiles: int, steps: int, sms: int) -> int:
 
 def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
-    first: the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8 (1.9-3x slower than them at M = 1 on the H200), then
+    first: the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8 (slower than them even at M = 1 on the H200), then
     (from SM89) the weight-as-register-operand tiles; on SM90 those first from M = 17, where their activation
-    permute pays (at M <= 16 they tie with ``tl.dot``: docs/kernels.md)."""
+    permute pays (at M <= 16 they tie with ``tl.dot``; docs/kernels.md has both measurements)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)
