@@ -198,6 +198,43 @@ def test_register_a_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, gr
     assert any(c.split_k not in {t[5] for t in table} for c in cfgs) is grown
 
 
+@pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((8, 0), 0)])
+def test_w4a16_register_operand_tiles_first_on_hopper_from_m17_offered_from_sm89(monkeypatch, cap, rank):
+    from fp4dispatch.kernels.config_grouped import MmaW4A16GroupedConfig
+    from fp4dispatch.kernels.heuristics import grouped_configs_for, w4a16_configs_for, w4a16_grouped_configs_for
+
+    cuda = _cuda(monkeypatch, cap, gluon=False)
+    for m in (1, 8, 16, 17, 128, 4096):
+        cfgs = w4a16_configs_for(m, 8192, 8192, cuda)
+        ra = _of(cfgs, C.WgmmaRegisterAW4A16Config)
+        assert bool(ra) is (rank > 0) and len(cfgs) <= 7
+        # the tl.dot tiles come first where the register-operand ones are not (the GEMV is slower at M = 1 too)
+        assert isinstance(cfgs[0], C.WgmmaRegisterAW4A16Config if rank == 2 and m > 16 else C.MmaW4A16Config)
+        assert all(c.k_blocks % 4 == 0 and c.launches == 2 for c in ra)
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+    for t, e in ((8, 256), (256, 256), (4096, 16)):  # decode (a row per expert) and prefill
+        for cfgs in (grouped_configs_for(t, e, 4096, 7168, cuda), w4a16_grouped_configs_for(t, e, 4096, 7168, cuda)):
+            reg = [c for c in cfgs if isinstance(c, MmaW4A16GroupedConfig) and c.register_a]
+            assert bool(reg) is (rank > 0) and len(cfgs) <= 7
+            assert (cfgs[0] in reg) is (rank == 2)
+            assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+
+
+def test_w4a16_register_operand_configs_refuse_what_cannot_run_naming_the_field():
+    from fp4dispatch.errors import InvalidInputError
+    from fp4dispatch.kernels.config_grouped import MmaW4A16GroupedConfig
+
+    with pytest.raises(InvalidInputError, match=r"WgmmaRegisterAW4A16Config.k_blocks must be a multiple of 4 "
+                                                r"\(the K order goes by scale groups of 4\); got 2"):
+        C.WgmmaRegisterAW4A16Config(16, 64, 2, 1, 4, 3)
+    with pytest.raises(InvalidInputError, match=r"WgmmaRegisterAW4A16Config.block_m must be >= 16"):
+        C.WgmmaRegisterAW4A16Config(8, 64, 4, 1, 4, 3)
+    with pytest.raises(InvalidInputError, match=r"MmaW4A16GroupedConfig.k_blocks must be a multiple of 4 with "
+                                                r"register_a \(the K order goes by scale groups of 4\); got 2"):
+        MmaW4A16GroupedConfig(16, 64, 2, 4, 3, register_a=True)
+    assert MmaW4A16GroupedConfig(16, 64, 2, 4, 3).k_blocks == 2  # the plain tile takes any power of two
+
+
 @pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((12, 0), 1), ((8, 0), 0)])
 def test_register_a_first_on_hopper_offered_from_sm89(monkeypatch, cap, rank):
     cuda = _cuda(monkeypatch, cap, gluon=False)  # the Gluon kernels: their own tests below

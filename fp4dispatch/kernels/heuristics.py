@@ -265,7 +265,26 @@ GROUPED_MMA_TILES = {
 }
 
 
-def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device | None = None) -> list[KernelConfig]:
+def _grouped_tiles(t: int, e: int) -> tuple:
+    """``GROUPED_MMA_TILES``' tiles for the rows an expert gets on average."""
+    per_expert = -(-t // max(1, min(e, t)))
+    return next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
+
+
+def _register_a_grouped(t: int, e: int) -> list[MmaW4A16GroupedConfig]:
+    """The grouped tiles with the weight as the register operand (its K order needs k_blocks % 4 == 0)."""
+    return [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages, register_a=True)
+            for bm, bn, bkb, warps, stages in _grouped_tiles(t, e) if bkb % 4 == 0]
+
+
+def _with_register_a(plain: list, register_a: list, device: torch.device) -> list[KernelConfig]:
+    """``register_a`` first on SM90, after ``plain`` elsewhere from SM89, left out before; at most MAX_CONFIGS."""
+    rank = target.register_a_rank(device)
+    out = register_a + plain if rank == 2 else plain + register_a if rank else plain
+    return out[:MAX_CONFIGS]
+
+
+def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first; from
     SM89 also ``w4a16_grouped_mm``'s register-operand tiles on the tokens decoded first (on SM90 those first)."""
     per_expert = -(-t // max(1, min(e, t)))
@@ -273,25 +292,13 @@ def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device | N
     gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if per_expert <= top), ())
     for rows, bn, bkb, warps in gemv:
         out.append(GemvGroupedConfig(rows, bn, bkb, warps, prefetch=bn > 4, max_registers=64 if bkb > 128 else None))
-    tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
-    out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
-    rank = target.register_a_rank(device) if device is not None else 0
-    if rank:
-        decoded = [c for c in w4a16_grouped_configs_for(t, e, n, k, device) if c.register_a]
-        out = decoded + out if rank == 2 else out + decoded
-    return out[:MAX_CONFIGS]
+    out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in _grouped_tiles(t, e)]
+    return _with_register_a(out, _register_a_grouped(t, e), device)
 
 
-def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int,
-                              device: torch.device | None = None) -> list[KernelConfig]:
+def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_grouped_mm``: the grouped tensor-core tiles of ``grouped_configs_for`` (no GEMV
     family reads 16-bit activations per expert yet), best guess first; on SM90 each first with the weight as the
     register operand (``register_a``; elsewhere from SM89 after the plain ones)."""
-    per_expert = -(-t // max(1, min(e, t)))
-    tiles = next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
-    plain = [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in tiles]
-    rank = target.register_a_rank(device) if device is not None else 0
-    if not rank:
-        return plain[:MAX_CONFIGS]
-    register_a = [replace(c, register_a=True) for c in plain if c.k_blocks % 4 == 0]
-    return (register_a + plain if rank == 2 else plain + register_a)[:MAX_CONFIGS]
+    plain = [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in _grouped_tiles(t, e)]
+    return _with_register_a(plain, _register_a_grouped(t, e), device)
