@@ -3,7 +3,8 @@
 Modes (all on one CUDA GPU; results are printed and written under $OUT or --out):
   --candidates  the CUDA-graph time of every candidate config of triton:fused (``configs_for``) per (shape, M), next
                 to cuBLAS bf16; candidates.json. Works with this tree's kernels and with those before the kernels/
-                restructure (8af9a38), so that ``--ab`` can compare them.
+                restructure (8af9a38), so that ``--ab`` can compare them. With ``--op w4a16``: those of
+                triton:w4a16 (``w4a16_configs_for``, bf16 activations) instead.
   --ab OLD      ``--candidates`` for the fp4dispatch under the folder OLD and for this tree's, each in child
                 processes, alternating (--ab-rounds pairs, the faster of each cell kept); ab.json and a table of
                 old / new time per cell and per config, flagging cells off by more than --ab-tol.
@@ -107,9 +108,23 @@ def cublas_bf16_graph_ms(m: int, n: int, k: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def _kernels():
+def _kernels(op: str = "fp4"):
     """(configs_for, run(ops, config), config -> JSON) of the fp4dispatch on sys.path: this tree's kernels, or those
-    before the kernels/ restructure (dict configs, ``kernels.fused``)."""
+    before the kernels/ restructure (dict configs, ``kernels.fused``). op "w4a16": ``w4a16_mm``'s, on bf16
+    activations of the operands' shape (random, made once per shape)."""
+    if op == "w4a16":
+        from fp4dispatch.backends.base import config_json
+        from fp4dispatch.kernels.heuristics import w4a16_configs_for
+        from fp4dispatch.kernels.w4a16_mm import w4a16_mm
+        acts: dict = {}
+
+        def run_w4a16(ops, c):
+            m, k = ops.a.shape[0], ops.a.shape[1] * 2
+            if (m, k) not in acts:
+                acts.clear()
+                acts[(m, k)] = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            return w4a16_mm(acts[(m, k)], ops.b, ops.b_scale, ops.alpha, ops.out, c)
+        return w4a16_configs_for, run_w4a16, config_json
     try:
         from fp4dispatch.backends.base import config_json
         from fp4dispatch.kernels.fp4_mm import fp4_mm
@@ -126,11 +141,11 @@ def _kernels():
     return configs_for, run, config_json
 
 
-def run_candidates(res: dict, bw: float, shapes, ms) -> None:
-    """Graph time of every candidate config per (shape, M), in configs_for's order."""
+def run_candidates(res: dict, bw: float, shapes, ms, op: str = "fp4") -> None:
+    """Graph time of every candidate config per (shape, M), in configs_for's order (op: ``_kernels``')."""
     import fp4dispatch
 
-    configs_for, run, as_json = _kernels()
+    configs_for, run, as_json = _kernels(op)
     res["package"] = os.path.dirname(fp4dispatch.__file__)
     rows = []
     for (n, k) in shapes:
@@ -301,6 +316,7 @@ def main() -> int:
     ap.add_argument("--ab", default="", metavar="OLD", help="--candidates of the tree OLD against this one's")
     ap.add_argument("--ab-rounds", type=int, default=2, help="(old, new) pairs of child runs in --ab (default 2)")
     ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
+    ap.add_argument("--op", choices=("fp4", "w4a16"), default="fp4", help="--candidates of fp4_mm (default) or w4a16_mm")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK shapes (comma list)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values (comma list)")
@@ -324,7 +340,7 @@ def main() -> int:
     log(f"{res['gpu']}  torch {torch.__version__}  triton {triton.__version__}  copy bandwidth {bw / 1e12:.3f} TB/s")
     try:
         if args.candidates:
-            run_candidates(res, bw, shapes, ms)
+            run_candidates(res, bw, shapes, ms, args.op)
         if args.table or not args.candidates:
             run_table(res, bw, args.out, shapes, ms)
     finally:

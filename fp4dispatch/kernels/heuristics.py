@@ -222,23 +222,23 @@ def _fill_split(tiles: int, steps: int, sms: int) -> int:
 
 def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
-    first: the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8 (slower than them even at M = 1 on the H200), then
-    (from SM89) the weight-as-register-operand tiles; on SM90 those first from M = 17, where their activation
-    permute pays (at M <= 16 they tie with ``tl.dot``; docs/kernels.md has both measurements)."""
+    first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers);
+    elsewhere the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles.
+    The GEMV is not offered on SM90, where it lost to both at every shape measured (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)
     for bm, bn, bkb, warps, stages in tiles:
         split = _fill_split(cdiv(m, bm) * cdiv(n, bn), cdiv(kb, bkb), sms)
         out.append(MmaW4A16Config(bm, bn, bkb, split, warps, stages))
-    if m <= 8:
+    rank = target.register_a_rank(device)
+    if m <= 8 and rank != 2:
         rows = 1 << (m - 1).bit_length()
         for bn, bkb in W4A16_GEMV_TILES:
             out.append(CudaCoreW4A16Config(rows, bn, bkb, _fill_split(cdiv(n, bn), cdiv(kb, bkb), sms), 4))
-    rank = target.register_a_rank(device)
     if rank:
         register_a = _register_a_w4a16(_Problem(m, n, k, device))
-        out = register_a + out if rank == 2 and m > 16 else out + register_a
+        out = register_a + out if rank == 2 else out + register_a
     return out[:MAX_CONFIGS]
 
 

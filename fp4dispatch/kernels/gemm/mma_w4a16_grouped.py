@@ -40,7 +40,7 @@ def grouped_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, offs_ptr, T, 
         rm = local0 + tl.arange(0, BM)
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         if REG_A:
-            acc = register_a_w4a16_tile(a_e, LDA, rm, rows, K, b_e.to(tl.pointer_type(tl.int64)), sb_e, rn, N, 0,
+            acc = register_a_w4a16_tile(a_e, LDA, rm, rows, KB, b_e.to(tl.pointer_type(tl.int64)), sb_e, rn, N, 0,
                                         KB, CB, BM, BN, BKB, not DOT_F32, BF16)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)

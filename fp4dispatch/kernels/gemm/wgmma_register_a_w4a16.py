@@ -1,5 +1,5 @@
 """``w4a16`` GEMM with the weight as the register operand (``WgmmaRegisterAW4A16Config``, SM89+; on SM90 the first
-``w4a16_mm`` candidates from M = 17 to 512): ``gemm/wgmma_register_a``'s tile with 16-bit activations.
+``w4a16_mm`` candidates): ``gemm/wgmma_register_a``'s tile with 16-bit activations.
 
 ``acc[BN, BM] = W @ A.T``. The weight is decoded by ``wgmma_register_a._dec16`` straight into the wgmma operand
 layout, in the activations' dtype: fp16 by bit placement and ``mul.rn.f16x2``, bf16 by ``numerics/bf16x2.py``; both
@@ -26,14 +26,14 @@ W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
 
 
 @triton.jit
-def register_a_w4a16_tile(a_ptr, LDA, rm, M, K, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM: tl.constexpr,
+def register_a_w4a16_tile(a_ptr, LDA, rm, M, KB, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM: tl.constexpr,
                           BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
     """out tile [BM, BN] (fp32, before alpha) of activation rows ``rm`` (< M) of the 16-bit a, already in the decode's
     K order (``permute_a``; row stride LDA), by weight rows ``rn`` (< N) of b (int64 words [N, K/16], swizzled scale
-    bytes at ``sb_ptr``), over 16-blocks [kb_lo, kb_hi) (kb_lo a multiple of BKB). Also the tile of
-    ``mma_w4a16_grouped``'s register-operand form."""
+    bytes at ``sb_ptr``; KB = K/16, an argument so that its divisibility reaches the compiler: computed from K in
+    here, the weight loads lose their 16-byte width and the scale loads their pipelining), over 16-blocks
+    [kb_lo, kb_hi) (kb_lo a multiple of BKB). Also the tile of ``mma_w4a16_grouped``'s register-operand form."""
     t = tl.arange(0, BKB)
-    KB = K // 16
     scol = _scale_cols(t)
     brow = swz_row(rn, CB)
     k_end = (kb_hi + 3) // 4 * 64  # the last group's padding columns hold zeros
@@ -66,7 +66,7 @@ def permute_a_kernel(a_ptr, ad_ptr, M, K, KP, BR: tl.constexpr, BKB: tl.constexp
 
 
 @triton.jit
-def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, LDA, CB,
+def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, LDA, CB,
                       blocks_per_split, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SPLIT: tl.constexpr,
                       ASM: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False):
     """Tile [BN, BM] of out.T per CTA over an (N tile, K part, M tile) grid: b viewed as int64 words [N, K/16], a the
@@ -75,8 +75,8 @@ def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr,
     pdl_wait(PDL)
     pid_k, rn, rm, _ = grid_tile(BN, BM, BKB)
     kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, K // 16)
-    acc = register_a_w4a16_tile(a_ptr, LDA, rm, M, K, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM, BN, BKB, ASM, BF16)
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    acc = register_a_w4a16_tile(a_ptr, LDA, rm, M, KB, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM, BN, BKB, ASM, BF16)
     store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 
 
@@ -102,7 +102,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
     pdl = runtime.pdl(out.device, cfg.pdl)
     ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
     ops, lda = permute_a(a, pdl)
-    runtime.launch(wmma_w4a16_kernel, grid, ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, k, lda,
+    runtime.launch(wmma_w4a16_kernel, grid, ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb, lda,
                    runtime.cdiv(kb, 4), per, BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, SPLIT=split > 1,
                    ASM=not runtime.jit_interpreted(), BF16=a.dtype == torch.bfloat16,
                    num_warps=cfg.warps, num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers), **pdl)
