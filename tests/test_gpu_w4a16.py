@@ -62,3 +62,42 @@ def test_w4a16_mm_in_a_cuda_graph_replays_the_eager_bits(m, tmp_path):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_w4a16_launch_plans_replay_every_config_with_the_bits_of_the_ordinary_path(m):
+    """kernels/plan.py through w4a16_mm: the first call of a config at M records its plan; replays on fresh operands
+    (other addresses, NaN-poisoned out) give the ordinary path's bits, eagerly and from a CUDA graph; every triton
+    config gets a plan."""
+    import fp4dispatch
+    from fp4dispatch.kernels import w4a16_mm as W
+    from fp4dispatch.kernels.heuristics import w4a16_configs_for
+
+    n, k = 1024, 2048
+    dev = torch.device("cuda", torch.cuda.current_device())
+    wq, ws, wg = fp4dispatch.quantize_nvfp4(torch.randn(n, k, dtype=torch.bfloat16, device=dev))
+    alpha = (1.0 / wg).float().reshape(1)
+    unplanned = []
+    for i, cfg in enumerate(w4a16_configs_for(m, n, k, dev)):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        first = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        W.w4a16_mm(x, wq, ws, alpha, first, cfg)
+        if W.PLANS.table[(id(cfg), x.shape, x.dtype, n, torch.bfloat16, dev.index)][1] is None:
+            unplanned.append(cfg)
+            continue
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        W.w4a16_mm(x, wq.clone(), ws.clone(), alpha.clone(), out, cfg)  # the replay, on other addresses
+        replayed = out.clone()
+        out.fill_(float("nan"))
+        W._run(x, wq, ws, alpha, out, cfg)  # the ordinary path
+        assert torch.equal(out.view(torch.int16), replayed.view(torch.int16)), cfg
+        assert not out.isnan().any(), cfg
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            W.w4a16_mm(x, wq, ws, alpha, out, cfg)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), replayed.view(torch.int16)), cfg
+    assert not unplanned, unplanned

@@ -278,18 +278,48 @@ def test_a_finished_threads_scratch_is_dropped_and_old_addresses_go_stale(fake_c
 
 
 def test_a_plan_whose_launcher_raises_is_dropped_with_a_warning(caplog):
-    from fp4dispatch.kernels import fp4_mm as F
-
     class Broken:
         def __call__(self, *ops):
             raise TypeError("function takes exactly 21 arguments")
+    plans = plan.Plans("fp4_mm", lambda *a: None)
     key, cfg = ("k",), object()
-    F._PLANS[key] = (cfg, Broken())
-    try:
-        with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
-            assert F._replay(key, F._PLANS[key], ()) is False
-        assert F._PLANS[key] == (cfg, None)  # the ordinary path from now on
-        assert "the launch plan of" in caplog.text and "failed (TypeError: function takes exactly 21" in caplog.text
-    finally:
-        F._PLANS.pop(key, None)
+    plans.table[key] = (cfg, Broken())
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        assert plans.replay(key, plans.table[key], ()) is False
+    assert plans.table[key] == (cfg, None)  # the ordinary path from now on
+    assert "the fp4_mm launch plan of" in caplog.text and "failed (TypeError: function takes exactly 21" in caplog.text
 
+
+def test_the_plans_of_an_op_record_once_per_key_replay_after_and_stay_bounded(fake_cuda, monkeypatch):
+    """plan.Plans, as fp4_mm and w4a16_mm use it: the first call of a key runs the op's path once (recorded), later
+    ones replay without it; another config or shape is another key; unplannable operands take the ordinary path
+    every time; past MAX_PLANS the oldest key goes. A W4A16 call has five operands (no activation scales)."""
+    monkeypatch.setattr(runtime, "compiling_ahead", lambda: False)
+    monkeypatch.setattr(plan, "MAX_PLANS", 2)
+    calls: list = []
+    fn = FakeJit(FakeCompiled(calls))
+    ordinary = []
+
+    def run(a, b, sb, alpha, out, config):  # a w4a16_mm family's run: scratch, a descriptor over the weight, a launch
+        ordinary.append(config)
+        ws = workspace.scratch("permute_a", (a.shape[0], 64), torch.bfloat16, a.device)
+        desc = FakeDesc(runtime.Address(b.data_ptr(), torch.int64), [b.shape[0], 4], [4, 1], [8, 2])
+        runtime.launch(fn, (2, 1), ws, desc, out, a, sb, a.shape[0], b.shape[0], BLOCK=16)
+    monkeypatch.setattr(plan, "_expand_descriptor", lambda: Expand())
+    plans = plan.Plans("w4a16_mm", run)
+    ops = (torch.randn(4, 64, dtype=torch.bfloat16), *_ops()[1:2], _ops()[3], torch.ones(1), _ops()[5])
+    cfg, cfg2 = object(), object()
+    plans(ops, cfg, (id(cfg), ops[0].shape, 0))
+    assert ordinary == [cfg] and fn.first_launches == 1 and plans.table[(id(cfg), ops[0].shape, 0)][1] is not None
+    for _ in range(3):
+        plans(ops, cfg, (id(cfg), ops[0].shape, 0))
+    assert ordinary == [cfg] and len(calls) == 3  # replayed: the op's path did not run again
+    assert calls[-1][13] == workspace._SCRATCH[("cpu", 0x5157, threading.get_ident(), "permute_a")].data_ptr()
+    assert calls[-1][19:22] == (ops[4].data_ptr(), ops[0].data_ptr(), ops[2].data_ptr())  # out, a, b_scale
+    plans(ops, cfg2, (id(cfg2), ops[0].shape, 0))  # another config: another key, recorded once
+    assert ordinary == [cfg, cfg2] and len(plans.table) == 2
+    plans((ops[0], ops[0], *ops[2:]), cfg, (id(cfg), ops[0].shape, 1))  # two operands at one address: no plan
+    assert ordinary[-1] is cfg and (id(cfg), ops[0].shape, 1) not in plans.table
+    other = (torch.randn(8, 64, dtype=torch.bfloat16), *ops[1:4], torch.empty(8, 32, dtype=torch.bfloat16))
+    plans(other, cfg, (id(cfg), other[0].shape, 0))  # a third key: the oldest (cfg at M = 4) goes
+    assert list(plans.table) == [(id(cfg2), ops[0].shape, 0), (id(cfg), other[0].shape, 0)]

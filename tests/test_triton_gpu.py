@@ -375,7 +375,7 @@ def test_launch_plan_replays_every_config_exactly(m):
     for i, cfg in enumerate(configs_for(m, n, k, problem.device)):
         first = make_operands(problem, seed=31 * m + i)
         F.fp4_mm(*first, cfg)
-        entry = F._PLANS[(id(cfg), first.a.shape, n, torch.bfloat16, problem.device.index)]
+        entry = F.PLANS.table[(id(cfg), first.a.shape, n, torch.bfloat16, problem.device.index)]
         if entry[1] is None:
             unplanned.append(cfg)
             continue

@@ -1,5 +1,5 @@
-"""Launch plans: the launches of one kernel ``fp4_mm`` call, recorded once and then replayed with only the addresses
-that change bound, straight into the compiled kernels' launchers.
+"""Launch plans: the launches of one kernel ``fp4_mm`` or ``w4a16_mm`` call, recorded once and then replayed with only
+the addresses that change bound, straight into the compiled kernels' launchers (:class:`Plans` keeps them per op).
 
 An eager call through ``kernel[grid](...)`` (or even ``runtime.launch``) spends most of its host time on what is the
 same for every call of one (config, M, N, K, out dtype, device): the grid, the constexprs, the compiled kernel's
@@ -7,8 +7,8 @@ handles and launcher, the views and TMA descriptors of each operand. ``record`` 
 ``runtime.recording`` on, which captures every launch (compiled kernel, grid, full argument list) and every scratch
 buffer (``workspace``). ``build`` then names each argument by where its value comes from:
 
-- a tensor or TMA descriptor base whose address is one of the six operands' (a, b, a_scale, b_scale, alpha, out) or
-  a recorded scratch buffer's: bound on every call (a descriptor's tensor map, built by Triton's own
+- a tensor or TMA descriptor base whose address is one of the operands' (``fp4_mm``: a, b, a_scale, b_scale, alpha,
+  out; ``w4a16_mm``: the same without a_scale) or a recorded scratch buffer's: bound on every call (a descriptor's tensor map, built by Triton's own
   ``make_tensordesc_arg``, is cached per address and slot: the weight's is built once; the map encodes only the
   address and the view, so it holds no reference to any tensor and needs no invalidation when values change in place);
 - anything else (ints from the shapes, constexprs): a constant.
@@ -29,11 +29,12 @@ import torch
 
 from . import runtime, workspace
 
-__all__ = ["Plan", "unplannable", "record", "build", "MAX_DESCRIPTORS"]
+__all__ = ["Plan", "Plans", "unplannable", "record", "build", "MAX_DESCRIPTORS", "MAX_PLANS"]
 
 log = logging.getLogger("fp4dispatch")
 
 MAX_DESCRIPTORS = 4096  # tensor maps kept per descriptor argument (one per weight address a layer shape meets)
+MAX_PLANS = 1024  # plans kept per op
 
 
 def _launcher_parts(compiled) -> tuple | str:
@@ -101,11 +102,14 @@ class Plan:
         self.needs = needs  # ("scratch", purpose, nbytes) or ("counters", tiles), in the order the call got them
         self._kept = None  # ((stream, thread, workspace.generation), addresses) of the kept buffers last used
 
-    def __call__(self, a, b, sa, sb, alpha, out) -> bool:
-        """Launch the plan on these operands; False (nothing launched) when it may not, and the caller must take the
-        ordinary path."""
-        ptrs = [a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), alpha.data_ptr(), out.data_ptr()]
-        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15 or runtime.launch_hooks_set():
+    def __call__(self, *ops: torch.Tensor) -> bool:
+        """Launch the plan on these operands (as many, in the order, of the recorded call); False (nothing launched)
+        when it may not, and the caller must take the ordinary path."""
+        ptrs = [t.data_ptr() for t in ops]
+        low = 0
+        for p in ptrs:
+            low |= p
+        if low & 15 or runtime.launch_hooks_set():
             return False
         stream = runtime.raw_stream(self.device.index)
         keep: list = []  # scratch allocated for this call only: alive until every launch is queued
@@ -136,7 +140,8 @@ def unplannable(operands: tuple) -> str | None:
 
 
 def record(run) -> list:
-    """Run ``run()`` (one kernel ``fp4_mm`` call) and return what it launched and which scratch it got."""
+    """Run ``run()`` (one kernel ``fp4_mm`` or ``w4a16_mm`` call) and return what it launched and which scratch it
+    got."""
     rec: list = []
     runtime.recording(rec)
     try:
@@ -155,7 +160,7 @@ def build(rec: list, operands: tuple, config, device: torch.device, expand=None)
         if item[0] == "buffer":
             ptrs.append(item[1])
             needs.append(item[2])
-    if len(set(ptrs)) != len(ptrs) or any(p & 15 for p in ptrs[:6]):
+    if len(set(ptrs)) != len(ptrs) or any(p & 15 for p in ptrs[:len(operands)]):
         return None, unplannable(operands) or "a scratch buffer shares an address with an operand"
     if len({n[:2] for n in needs}) != len(needs):
         # a second request of one purpose may replace the buffer the first one's address points into
@@ -178,6 +183,48 @@ def build(rec: list, operands: tuple, config, device: torch.device, expand=None)
     if not launches:
         return None, "nothing was launched"
     return Plan(config, device, tuple(needs), tuple(launches)), ""
+
+
+class Plans:
+    """The launch plans of one op (``fp4_mm``, ``w4a16_mm``): ``plans(ops, config, key)`` runs ``run(*ops, config)``
+    (the op's ordinary path, which launches through ``runtime.launch``), on a GPU the first time of each key by
+    recording it into a plan, later times by replaying that plan. ``ops`` end with out, whose device the plan runs on;
+    ``key`` names the call's shapes and dtypes (all that the recorded constants depend on) and ends with the device
+    index; it starts with ``id(config)``, and the entry holds the config, so that the id cannot be reused while the
+    entry lives. The oldest entry goes first past MAX_PLANS (those of configs tried while tuning come first)."""
+
+    def __init__(self, op: str, run):
+        self.op, self.run = op, run
+        self.table: dict[tuple, tuple] = {}  # key -> (config, Plan or None: no plan, the ordinary path)
+
+    def __call__(self, ops: tuple, config, key: tuple) -> None:
+        hit = self.table.get(key)
+        if hit is not None and hit[0] is config:
+            if hit[1] is None or not self.replay(key, hit, ops):
+                self.run(*ops, config)
+            return
+        if runtime.jit_interpreted() or runtime.compiling_ahead() or unplannable(ops):
+            self.run(*ops, config)
+            return
+        rec = record(lambda: self.run(*ops, config))
+        new, why = build(rec, ops, config, ops[-1].device)
+        if new is None:
+            log.debug("fp4dispatch: no %s launch plan for %s at %s: %s", self.op, config, key[1:-1], why)
+        if len(self.table) >= MAX_PLANS:
+            self.table.pop(next(iter(self.table)))
+        self.table[key] = (config, new)
+
+    def replay(self, key: tuple, hit: tuple, ops: tuple) -> bool:
+        """Replay a plan; if its launcher raises (a Triton whose launcher wants other arguments), drop the plan of
+        this key and say so: the caller then takes the ordinary path, which relaunches every kernel (their writes are
+        the same), and raises if the kernel itself cannot be launched."""
+        try:
+            return hit[1](*ops)
+        except Exception as e:  # noqa: BLE001 - any launcher failure: the ordinary path decides
+            self.table[key] = (hit[0], None)
+            log.warning("fp4dispatch: the %s launch plan of %s failed (%s: %s); this key launches through Triton "
+                        "from now on", self.op, hit[0], type(e).__name__, e)
+            return False
 
 
 def _bind(compiled, parts: tuple, grid: tuple, params: list, where: dict, expand) -> tuple[_Launch | None, str]:
