@@ -4,6 +4,7 @@ exactly the launches the old ``fused_mm`` made for each of those configs (kernel
 options). Both fixtures were computed with the code of commit 8af9a38 (tests/data/*_8af9a38.json)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -213,6 +214,9 @@ def test_w4a16_register_operand_tiles_first_on_hopper_offered_from_sm89_and_no_g
         assert isinstance(cfgs[0], C.WgmmaRegisterAW4A16Config if rank == 2 else C.MmaW4A16Config)
         assert bool(_of(cfgs, C.CudaCoreW4A16Config)) is (m <= 8 and rank != 2)
         assert all(c.k_blocks % 4 == 0 and c.launches == 2 for c in ra)
+        # from M = 17 the first tile also as stream-K (one wave whatever the tile count), as for fp4_mm
+        assert [c.stream_k for c in ra].count(True) == (rank > 0 and m > 16)
+        assert not ra or m <= 16 or ra[-1] == dataclasses.replace(ra[0], split_k=1, stream_k=True)
         assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
     for t, e in ((8, 256), (256, 256), (4096, 16)):  # decode (a row per expert) and prefill
         for cfgs in (grouped_configs_for(t, e, 4096, 7168, cuda), w4a16_grouped_configs_for(t, e, 4096, 7168, cuda)):
@@ -235,6 +239,13 @@ def test_w4a16_register_operand_configs_refuse_what_cannot_run_naming_the_field(
                                                 r"register_a \(the K order goes by scale groups of 4\); got 2"):
         MmaW4A16GroupedConfig(16, 64, 2, 4, 3, register_a=True)
     assert MmaW4A16GroupedConfig(16, 64, 2, 4, 3).k_blocks == 2  # the plain tile takes any power of two
+    for cls in (C.WgmmaRegisterAConfig, C.WgmmaRegisterAW4A16Config):
+        with pytest.raises(InvalidInputError, match=rf"{cls.__name__}.split_k must be 1 with stream_k \(stream-K "
+                                                    r"cuts K itself\); got 2"):
+            cls(16, 64, 4, 2, 4, 3, stream_k=True)
+        with pytest.raises(InvalidInputError, match=rf"{cls.__name__}.stream_ctas must be None without stream_k; "
+                                                    r"got 3"):
+            cls(16, 64, 4, 1, 4, 3, stream_ctas=3)
 
 
 @pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((12, 0), 1), ((8, 0), 0)])

@@ -200,7 +200,10 @@ for m, n, k in [(1, 40, 96), (3, 64, 256), (17, 33, 272), (70, 48, 160)]:
             # several M and N tiles, split-K
             extra_w4 = [C.MmaW4A16Config(16, 16, 2, 3, 4, 3), C.CudaCoreW4A16Config(2, 16, 4, 2, 4),
                         C.WgmmaRegisterAW4A16Config(16, 16, 4, 2, 4, 3),
-                        C.WgmmaRegisterAW4A16Config(16, 32, 8, 3, 4, 3)]
+                        C.WgmmaRegisterAW4A16Config(16, 32, 8, 3, 4, 3),
+                        # stream-K: as many CTAs as fit the interpreter's "SMs", and 3 CTAs that cut tiles
+                        C.WgmmaRegisterAW4A16Config(16, 16, 4, 1, 4, 3, stream_k=True),
+                        C.WgmmaRegisterAW4A16Config(16, 16, 4, 1, 4, 3, stream_k=True, stream_ctas=3)]
             for b in w4:
                 cfgs = b.configs(p) + (extra_w4 if b is w4[0] else [])
                 for cfg in cfgs:

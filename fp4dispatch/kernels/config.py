@@ -84,6 +84,11 @@ def _check_register_a_tile(cfg: KernelConfig) -> None:
     _check_regs(cfg)
 
 
+def _check_stream_k(cfg: KernelConfig) -> None:
+    cfg._require("split_k", not cfg.stream_k or cfg.split_k == 1, "1 with stream_k (stream-K cuts K itself)")
+    cfg._require("stream_ctas", cfg.stream_k or cfg.stream_ctas is None, "None without stream_k")
+
+
 def _check_regs(cfg: KernelConfig) -> None:
     cfg._require("max_registers", cfg.max_registers is None or (cfg.max_registers % 8 == 0
                                                                   and 24 <= cfg.max_registers <= 255),
@@ -202,8 +207,7 @@ class WgmmaRegisterAConfig(KernelConfig):
 
     def check(self) -> None:
         _check_register_a_tile(self)
-        self._require("split_k", not self.stream_k or self.split_k == 1, "1 with stream_k (stream-K cuts K itself)")
-        self._require("stream_ctas", self.stream_k or self.stream_ctas is None, "None without stream_k")
+        _check_stream_k(self)
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,7 @@ class CudaCoreW4A16Config(KernelConfig):
 class WgmmaRegisterAW4A16Config(KernelConfig):
     """``gemm/wgmma_register_a_w4a16`` (SM89+): ``w4a16_mm`` on ``WgmmaRegisterAConfig``'s tile, the weight decoded in
     registers as the first dot operand in the activations' dtype, the activations put in the decode's K order by a
-    small kernel first."""
+    small kernel first; ``stream_k`` / ``stream_ctas`` as ``WgmmaRegisterAConfig``'s."""
 
     family: ClassVar[str] = "w4a16_wgmma_register_a"
     block_m: int
@@ -304,10 +308,13 @@ class WgmmaRegisterAW4A16Config(KernelConfig):
     stages: int
     max_registers: int | None = None
     pdl: bool = True
+    stream_k: bool = False
+    stream_ctas: int | None = None
     launches: ClassVar[int] = 2  # the activation permute, then the GEMM
 
     def check(self) -> None:
         _check_register_a_tile(self)
+        _check_stream_k(self)
 
 
 @dataclass(frozen=True)

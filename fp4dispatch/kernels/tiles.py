@@ -1,5 +1,6 @@
 """Tile bookkeeping shared by the Triton kernels (``@triton.jit``): grid to tile, the output tile's offsets, the
-epilogue (alpha in fp32, the cast to out's dtype) with its split-K reduction, and the PDL wait.
+epilogue (alpha in fp32, the cast to out's dtype) with its split-K reduction, the stream-K schedule, and the PDL
+wait.
 """
 from __future__ import annotations
 
@@ -90,3 +91,46 @@ def grid_tile(BN: tl.constexpr, BM: tl.constexpr, BKB: tl.constexpr):
     rm = tl.program_id(2) * BM + tl.arange(0, BM)
     return tl.program_id(1), rn, rm, tl.arange(0, BKB)
 
+
+
+# Stream-K (``wgmma_register_a``'s and its W4A16 form's): the K steps of all TILES tiles (NT along N; STEPS per tile),
+# laid end to end, are cut into one equal range per CTA, so every CTA does the same work whatever the tile count (no
+# partial last wave). A CTA runs the tile pieces of its range in order; a tile cut between CTAs is summed by its last
+# CTA to arrive (``reduce_store``, pieces in CTA order: deterministic). A kernel:
+#     c, p, total, it, hi = stream_range(TILES, STEPS)
+#     while it < hi:
+#         tile, start, s0, s1, rn, rm = stream_piece(it, hi, STEPS, NT, BN, BM)
+#         acc = <the tile [BM, BN] over K steps [s0, s1)>
+#         stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)
+#         it = start + s1
+@triton.jit
+def stream_range(TILES, STEPS):
+    """(this CTA, CTAs, all steps, this CTA's first step, the step past its last)."""
+    c = tl.program_id(0)
+    p = tl.num_programs(0)
+    total = TILES.to(tl.int64) * STEPS  # int64: step indices times the CTA count may pass 2**31
+    return c, p, total, (c * total) // p, ((c + 1) * total) // p
+
+
+@triton.jit
+def stream_piece(it, hi, STEPS, NT, BN: tl.constexpr, BM: tl.constexpr):
+    """The piece that starts at step ``it`` and ends at ``hi`` or at its tile's end: (tile, the tile's first step,
+    the tile's steps [s0, s1) in it, its N rows, its M rows)."""
+    tile = (it // STEPS).to(tl.int32)
+    start = tile.to(tl.int64) * STEPS
+    s0 = (it - start).to(tl.int32)
+    s1 = tl.minimum(STEPS, s0 + (hi - it).to(tl.int32))
+    return tile, start, s0, s1, (tile % NT) * BN + tl.arange(0, BN), (tile // NT) * BM + tl.arange(0, BM)
+
+
+@triton.jit
+def stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr):
+    """Store a piece's [BM, BN] sum: straight to out when one CTA holds the whole tile, else as the partial of the
+    c-th CTA of those that hold it (CTA c starts at step c * total // p)."""
+    first = (((start + 1) * p - 1) // total).to(tl.int32)
+    last = (((start + STEPS) * p - 1) // total).to(tl.int32)
+    offs, omask = out_tile(rm, rn, M, N)
+    if first == last:
+        cast_store(acc, offs, omask, alpha_ptr, out_ptr)
+    else:
+        reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)

@@ -29,7 +29,7 @@ from ..config import WgmmaRegisterAConfig, register_a_resident
 from ..numerics.e2m1_e4m3 import e4m3_to_f32, swz_row
 from ..numerics.bf16x2 import pair_bf16, scale_bf16x2, scaled_bf16
 from ..numerics.fp16x2 import _cvt4, _halves, _pair
-from ..tiles import cast_store, gdc_launch_dependents, grid_tile, out_tile, pdl_wait, reduce_store, store_out
+from ..tiles import gdc_launch_dependents, grid_tile, pdl_wait, store_out, stream_piece, stream_range, stream_store
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
 WMMA_UNDO_CVT = tl.constexpr(0.25)  # 2**-2: undoes the factor 2 on each operand of the CVT decode
@@ -228,34 +228,15 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
 def wmma_sk_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, NT, TILES,
                    STEPS, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
                    APRE: tl.constexpr = False, PDL: tl.constexpr = False, CVT: tl.constexpr = False):
-    """``wmma_kernel`` with stream-K: the K steps of all TILES tiles (NT along N; STEPS per tile), laid end to end,
-    are cut into one equal range per CTA, so every CTA does the same work whatever the tile count (no partial
-    last wave). A CTA runs the tile pieces of its range in order; a tile cut between CTAs is summed by its last
-    CTA to arrive (``reduce_store``, pieces in CTA order: deterministic)."""
+    """``wmma_kernel`` with stream-K (``tiles.stream_range``: one equal range of all tiles' K steps per CTA, a tile
+    cut between CTAs summed in CTA order, deterministic)."""
     pdl_wait(PDL)
-    c = tl.program_id(0)
-    p = tl.num_programs(0)
-    total = TILES.to(tl.int64) * STEPS  # int64: step indices times the CTA count may pass 2**31
-    it = (c * total) // p
-    hi = ((c + 1) * total) // p
+    c, p, total, it, hi = stream_range(TILES, STEPS)
     while it < hi:
-        tile = (it // STEPS).to(tl.int32)
-        start = tile.to(tl.int64) * STEPS  # the tile's first step
-        s0 = (it - start).to(tl.int32)
-        s1 = tl.minimum(STEPS, s0 + (hi - it).to(tl.int32))  # this piece: the tile's steps [s0, s1)
-        rn = (tile % NT) * BN + tl.arange(0, BN)
-        rm = (tile // NT) * BM + tl.arange(0, BM)
+        tile, start, s0, s1, rn, rm = stream_piece(it, hi, STEPS, NT, BN, BM)
         acc = tl.trans(_wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, s0 * BKB,
                                    tl.minimum(s1 * BKB, KB), BM, BN, BKB, ASM, APRE, CVT))
-        # the CTAs that hold this tile's first and last step (CTA c starts at step c * total // p)
-        first = (((start + 1) * p - 1) // total).to(tl.int32)
-        last = (((start + STEPS) * p - 1) // total).to(tl.int32)
-        offs, omask = out_tile(rm, rn, M, N)
-        if first == last:
-            cast_store(acc, offs, omask, alpha_ptr, out_ptr)
-        else:
-            reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr,
-                         cnt_ptr)
+        stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)
         it = start + s1
 
 
@@ -265,6 +246,19 @@ def stream_parts(tiles: int, steps: int, ctas: int) -> int:
     depth of the split-K workspace."""
     total = tiles * steps
     return max(((t + 1) * steps * ctas - 1) // total - ((t * steps + 1) * ctas - 1) // total + 1 for t in range(tiles))
+
+
+def stream_grid(m: int, n: int, kb: int, cfg, out: torch.Tensor) -> tuple:
+    """A stream-K launch of ``cfg``'s tile (``WgmmaRegisterAConfig`` or its W4A16 form) over out [m, n] and kb
+    16-blocks: (N tiles, tiles, K steps per tile, CTAs: ``stream_ctas`` or as many as fit, the split-K workspace and
+    counters; out twice where no tile is cut)."""
+    nt, steps = runtime.cdiv(n, cfg.block_n), runtime.cdiv(kb, cfg.k_blocks)
+    tiles = nt * runtime.cdiv(m, cfg.block_m)
+    ctas = min(tiles * steps,
+               cfg.stream_ctas or runtime.num_sms(out.device) * register_a_resident(cfg.block_m, cfg.warps))
+    parts = stream_parts(tiles, steps, ctas)
+    ws, cnt = workspace.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+    return nt, tiles, steps, ctas, ws, cnt
 
 
 def pdl_after_predecode(pdl: dict) -> tuple[dict, dict]:
@@ -303,11 +297,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     opts = dict(BM=bm, BN=bn, BKB=cfg.k_blocks, ASM=asm, APRE=cfg.predecode_a, num_warps=cfg.warps,
                 num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers), **pdl, **cvt)
     if cfg.stream_k:
-        nt, steps = runtime.cdiv(n, bn), runtime.cdiv(kb, cfg.k_blocks)
-        tiles = nt * runtime.cdiv(m, bm)
-        ctas = min(tiles * steps, cfg.stream_ctas or runtime.num_sms(out.device) * register_a_resident(bm, cfg.warps))
-        parts = stream_parts(tiles, steps, ctas)
-        ws, cnt = workspace.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+        nt, tiles, steps, ctas, ws, cnt = stream_grid(m, n, kb, cfg, out)
         runtime.launch(wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
                        nt, tiles, steps, **opts)
         return

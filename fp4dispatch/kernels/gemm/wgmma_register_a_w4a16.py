@@ -19,8 +19,8 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import WgmmaRegisterAW4A16Config
 from ..numerics.e2m1_e4m3 import swz_row
-from ..tiles import grid_tile, pdl_wait, store_out
-from .wgmma_register_a import _dec16, _scale_cols, to_k_order
+from ..tiles import grid_tile, pdl_wait, store_out, stream_piece, stream_range, stream_store
+from .wgmma_register_a import _dec16, _scale_cols, stream_grid, to_k_order
 
 W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
 
@@ -80,6 +80,22 @@ def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr,
     store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 
 
+@triton.jit
+def wmma_w4a16_sk_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, LDA, CB, NT, TILES,
+                         STEPS, BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+                         BF16: tl.constexpr, PDL: tl.constexpr = False):
+    """``wmma_w4a16_kernel`` with stream-K (``tiles.stream_range``: one equal range of all tiles' K steps per CTA, a
+    tile cut between CTAs summed in CTA order, deterministic), as ``wgmma_register_a.wmma_sk_kernel``."""
+    pdl_wait(PDL)
+    c, p, total, it, hi = stream_range(TILES, STEPS)
+    while it < hi:
+        tile, start, s0, s1, rn, rm = stream_piece(it, hi, STEPS, NT, BN, BM)
+        acc = register_a_w4a16_tile(a_ptr, LDA, rm, M, KB, b_ptr, sb_ptr, rn, N, s0 * BKB, tl.minimum(s1 * BKB, KB),
+                                    CB, BM, BN, BKB, ASM, BF16)
+        stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)
+        it = start + s1
+
+
 def permute_a(a: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, int]:
     """16-bit activations a [M, K] in the decode's K order, written by ``permute_a_kernel`` to workspace scratch, and
     its row stride (K padded to whole groups of 4 blocks)."""
@@ -93,16 +109,24 @@ def permute_a(a: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, int]:
 
 def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         cfg: WgmmaRegisterAW4A16Config) -> None:
-    """Launch ``permute_a_kernel``, then ``wmma_w4a16_kernel``: a (bf16/fp16 [M, K], contiguous), b uint8 [N, K/2],
+    """Launch ``permute_a_kernel``, then ``wmma_w4a16_kernel`` (an (N tile, K part, M tile) grid) or, with
+    ``stream_k``, ``wmma_w4a16_sk_kernel`` (one wave of CTAs): a (bf16/fp16 [M, K], contiguous), b uint8 [N, K/2],
     sb its swizzled scales as uint8."""
     (m, k), n = a.shape, b.shape[0]
     kb = k // 16
+    pdl = runtime.pdl(out.device, cfg.pdl)
+    opts = dict(BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, ASM=not runtime.jit_interpreted(),
+                BF16=a.dtype == torch.bfloat16, num_warps=cfg.warps, num_stages=cfg.stages,
+                **runtime.register_cap(cfg.max_registers), **pdl)
+    if cfg.stream_k:
+        nt, tiles, steps, ctas, ws, cnt = stream_grid(m, n, kb, cfg, out)
+        ops, lda = permute_a(a, pdl)
+        runtime.launch(wmma_w4a16_sk_kernel, (ctas,), ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb,
+                       lda, runtime.cdiv(kb, 4), nt, tiles, steps, **opts)
+        return
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, cfg.block_n), split, runtime.cdiv(m, cfg.block_m))
-    pdl = runtime.pdl(out.device, cfg.pdl)
     ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
     ops, lda = permute_a(a, pdl)
     runtime.launch(wmma_w4a16_kernel, grid, ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb, lda,
-                   runtime.cdiv(kb, 4), per, BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, SPLIT=split > 1,
-                   ASM=not runtime.jit_interpreted(), BF16=a.dtype == torch.bfloat16,
-                   num_warps=cfg.warps, num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers), **pdl)
+                   runtime.cdiv(kb, 4), per, SPLIT=split > 1, **opts)
