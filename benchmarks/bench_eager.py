@@ -9,8 +9,10 @@ fp4_mm runs through a fresh dispatcher whose keys are decided (tuned, proven) be
 what it ran (one pick per key, chosen by CUDA-graph time: eager calls and captured calls run the same kernels and
 return the same bits); "launches" its kernel launches per call and, where a pre-decode launch precedes the GEMM, the
 tuner's time of the pick beside that of the best one-launch candidate of the key (whether the pre-decode pays).
+With ``--op w4a16`` the call is ``w4a16_mm`` on the bf16 activations instead (W4A16: ``Fp4Linear``'s mode where there
+are no FP4 tensor cores), against the same torch.mm.
 
-    export PYTHONPATH=$PWD; python benchmarks/bench_eager.py --out $OUT [--shapes 8192x8192,... --ms 1,16,...]
+    export PYTHONPATH=$PWD; python benchmarks/bench_eager.py --out $OUT [--shapes 8192x8192,... --ms 1,16,... --op w4a16]
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def rotated_operands(m: int, n: int, k: int) -> SimpleNamespace:
                            xd=dequantize_nvfp4(xq, xs, dtype=torch.bfloat16))
 
 
-def cell(m: int, n: int, k: int) -> dict:
+def cell(m: int, n: int, k: int, op: str = "fp4_mm") -> dict:
     import fp4dispatch
     from fp4dispatch.problem import Problem
 
@@ -108,10 +110,14 @@ def cell(m: int, n: int, k: int) -> dict:
     xq, xs, alpha, wq, ws, wd, xd, r4, rb = o.xq, o.xs, o.alpha, o.wq, o.ws, o.wd, o.xd, o.r4, o.rb
     out4 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     outb = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    fp4dispatch.warmup([(m, n, k)])  # tune and prove before any timing
+    adt = torch.bfloat16 if op == "w4a16" else torch.uint8
+    fp4dispatch.warmup([(m, n, k)], activations=None if adt is torch.uint8 else adt)  # tune, prove before timing
 
     def fp4(i):
-        fp4dispatch.fp4_mm(xq, wq[i], xs, ws[i], alpha, out=out4)
+        if adt is torch.uint8:
+            fp4dispatch.fp4_mm(xq, wq[i], xs, ws[i], alpha, out=out4)
+        else:  # alpha also holds the activations' global scale: the same scaling for both ops' timing
+            fp4dispatch.w4a16_mm(xd, wq[i], ws[i], alpha, out=out4)
 
     def bf16(i):
         torch.mm(xd, wd[i].t(), out=outb)
@@ -121,7 +127,7 @@ def cell(m: int, n: int, k: int) -> dict:
         row[f"host_{name}"] = _host_us(call, r)
         row[f"eager_{name}"] = _eager_us(call, r)
         row[f"graph_{name}"] = _graph_us(call, r)
-    entry = fp4dispatch.get_dispatcher().entry_for(Problem(m, n, k, torch.bfloat16, torch.device("cuda")))
+    entry = fp4dispatch.get_dispatcher().entry_for(Problem(m, n, k, torch.bfloat16, torch.device("cuda"), adt))
     row["pick"] = _pick(entry)
     row["launches"], row["tuned_us"], row["one_launch_us"] = _launches(entry)
     torch.cuda.empty_cache()
@@ -140,17 +146,18 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--op", choices=("fp4_mm", "w4a16"), default="fp4_mm", help="the call timed (default fp4_mm)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}", flush=True)
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · {args.op}", flush=True)
     print("| N x K | M | host us fp4 / torch.mm | eager us fp4 / bf16 | graph us fp4 / bf16 | pick | launches (tuned us "
           "/ best one-launch us) |")
     print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for n, k in shapes:
         for m in ms:
-            r = cell(m, n, k)
+            r = cell(m, n, k, args.op)
             rows.append(r)
             print(f"| {n}x{k} | {m} | {r['host_fp4']:.0f} / {r['host_bf16']:.0f} | {r['eager_fp4']:.1f} / "
                   f"{r['eager_bf16']:.1f} | {r['graph_fp4']:.1f} / {r['graph_bf16']:.1f} | {r['pick']} | "
@@ -161,7 +168,7 @@ def main() -> int:
     print(f"host <= 1.3x torch.mm: {host_ok} of {len(rows)} cells; eager fp4 <= eager bf16 in {eager_ok} of the "
           f"{len(graph_wins)} cells where graph fp4 <= graph bf16", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_eager.json"), "w") as f:
+    with open(os.path.join(args.out, f"bench_eager{'' if args.op == 'fp4_mm' else '_' + args.op}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
 
