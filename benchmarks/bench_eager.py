@@ -12,7 +12,8 @@ tuner's time of the pick beside that of the best one-launch candidate of the key
 With ``--op w4a16`` the call is ``w4a16_mm`` on the bf16 activations instead (W4A16: ``Fp4Linear``'s mode where there
 are no FP4 tensor cores), against the same torch.mm.
 
-    export PYTHONPATH=$PWD; python benchmarks/bench_eager.py --out $OUT [--shapes 8192x8192,... --ms 1,16,... --op w4a16]
+    export PYTHONPATH=$PWD; python benchmarks/bench_eager.py --out $OUT [--shapes 8192x8192,... --ms 1,16,...]
+                                                                [--op w4a16]
 """
 from __future__ import annotations
 

@@ -316,7 +316,8 @@ def main() -> int:
     ap.add_argument("--ab", default="", metavar="OLD", help="--candidates of the tree OLD against this one's")
     ap.add_argument("--ab-rounds", type=int, default=2, help="(old, new) pairs of child runs in --ab (default 2)")
     ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
-    ap.add_argument("--op", choices=("fp4", "w4a16"), default="fp4", help="--candidates of fp4_mm (default) or w4a16_mm")
+    ap.add_argument("--op", choices=("fp4", "w4a16"), default="fp4",
+                    help="--candidates of fp4_mm (default) or of w4a16_mm")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK shapes (comma list)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values (comma list)")

@@ -8,9 +8,10 @@ handles and launcher, the views and TMA descriptors of each operand. ``record`` 
 buffer (``workspace``). ``build`` then names each argument by where its value comes from:
 
 - a tensor or TMA descriptor base whose address is one of the operands' (``fp4_mm``: a, b, a_scale, b_scale, alpha,
-  out; ``w4a16_mm``: the same without a_scale) or a recorded scratch buffer's: bound on every call (a descriptor's tensor map, built by Triton's own
-  ``make_tensordesc_arg``, is cached per address and slot: the weight's is built once; the map encodes only the
-  address and the view, so it holds no reference to any tensor and needs no invalidation when values change in place);
+  out; ``w4a16_mm``: the same without a_scale) or a recorded scratch buffer's: bound on every call (a descriptor's
+  tensor map, built by Triton's own ``make_tensordesc_arg``, is cached per address and slot: the weight's is built
+  once; the map encodes only the address and the view, so it holds no reference to any tensor and needs no
+  invalidation when values change in place);
 - anything else (ints from the shapes, constexprs): a constant.
 
 A plan is refused (the call keeps the ordinary path) when anything is ambiguous or unknown: two operands at one
