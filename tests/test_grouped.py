@@ -322,11 +322,12 @@ from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 
 res = {"exact": [], "hostile": [], "bad_offs": [], "decode": [], "table": [], "w4a16": []}
-# the last two: the tokens decoded first, then w4a16's register-operand tile
+# the last three: the tokens decoded first, then w4a16's register-operand tile (16 blocks per K step: more than K has)
 cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
         GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4),
         MmaW4A16GroupedConfig(16, 32, 4, 4, 1, register_a=True),
-        MmaW4A16GroupedConfig(32, 16, 8, 4, 1, register_a=True)]
+        MmaW4A16GroupedConfig(32, 16, 8, 4, 1, register_a=True),
+        MmaW4A16GroupedConfig(16, 32, 16, 4, 1, register_a=True)]
 for counts in ([0, 5, 0, 2], [0, 0, 20, 1, 0], [1, 1, 1, 1, 1, 1], [17]):
     a, b, sa, sb, alpha, offs = _inputs(counts, exact=True)
     ref = _f64(a, b, sa, sb, alpha, offs)

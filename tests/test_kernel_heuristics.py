@@ -223,6 +223,10 @@ def test_w4a16_register_operand_tiles_first_on_hopper_offered_from_sm89_and_no_g
             reg = [c for c in cfgs if isinstance(c, MmaW4A16GroupedConfig) and c.register_a]
             assert bool(reg) is (rank > 0) and len(cfgs) <= 7
             assert (cfgs[0] in reg) is (rank == 2)
+            # decode batches also get the dense register-operand tiles of M <= 16 (16-block K steps), prefill not
+            dense16 = {(16, 64, 16, 4, 3), (16, 128, 16, 8, 3)}
+            got = {(c.block_m, c.block_n, c.k_blocks, c.warps, c.stages) for c in reg}
+            assert (dense16 <= got) is (rank > 0 and t <= 8 * min(e, t))
             assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
 
 

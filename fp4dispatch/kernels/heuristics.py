@@ -274,9 +274,16 @@ def _grouped_tiles(t: int, e: int) -> tuple:
 
 
 def _register_a_grouped(t: int, e: int) -> list[MmaW4A16GroupedConfig]:
-    """The grouped tiles with the weight as the register operand (its K order needs k_blocks % 4 == 0)."""
-    return [MmaW4A16GroupedConfig(bm, bn, bkb, warps, stages, register_a=True)
-            for bm, bn, bkb, warps, stages in _grouped_tiles(t, e) if bkb % 4 == 0]
+    """The grouped tiles with the weight as the register operand (its K order needs k_blocks % 4 == 0); for decode
+    batches (at most 8 rows per expert on average, ``GROUPED_MMA_TILES``' first range) also the dense
+    register-operand tiles of M <= 16, whose 16-block K steps were the fastest dense W4A16 tiles there
+    (docs/kernels.md)."""
+    tiles = [tile for tile in _grouped_tiles(t, e) if tile[2] % 4 == 0]
+    if -(-t // max(1, min(e, t))) <= 8:
+        for tile in REGISTER_A_TILES[16]:
+            if len(tile) == 6 and tile[:5] not in tiles:  # the grouped kernel does not split K
+                tiles.append(tile[:5])
+    return [MmaW4A16GroupedConfig(*tile, register_a=True) for tile in tiles]
 
 
 def _with_register_a(plain: list, register_a: list, device: torch.device) -> list[KernelConfig]:
