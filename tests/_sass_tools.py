@@ -10,12 +10,9 @@ positive control.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
@@ -151,30 +148,13 @@ def probe_kernel(b_desc, a_desc, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, steps
 
 
 def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | None = None, **opts) -> dict:
-    """Compile ``kernel`` for sm_90a on this machine (no GPU needed): {"sass", "ptxas" (its -v report), "shared"
-    (bytes)}; with ``out``, also write its TTGIR, PTX, cubin and SASS there. ``div16`` names the arguments to
-    specialize as multiples of 16, as a launch with such values would; ``opts`` are further compile options
-    (``maxnreg``)."""
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
+    """``_sass_compile.compile_sm90`` of the Gluon kernel ``kernel``."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    sig = dict(sig, **{k: "constexpr" for k in consts})
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    c = triton.compile(GluonASTSource(kernel, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, **opts})
-    out = out or tempfile.mkdtemp(prefix="gluon_build")
-    os.makedirs(out, exist_ok=True)
-    open(f"{out}/k.ttgir", "w").write(c.asm["ttgir"])
-    ptx = re.sub(r"\.version \d+\.\d+", ".version 8.7", c.asm["ptx"])  # the local ptxas is older than 3.6's PTX
-    open(f"{out}/k.ptx", "w").write(ptx)
-    b = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-    r = subprocess.run([f"{b}/ptxas", "-arch=sm_90a", "-v", f"{out}/k.ptx", "-o", f"{out}/k.cubin"],
-                       capture_output=True, text=True)
-    s = subprocess.run([f"{b}/cuobjdump", "-sass", f"{out}/k.cubin"], capture_output=True, text=True).stdout
-    open(f"{out}/k.sass", "w").write(s)
-    return {"sass": s, "ptxas": r.stderr, "shared": c.metadata.shared}
+
+    from _sass_compile import compile_sm90
+
+    return compile_sm90(lambda sig_, consts_, attrs: GluonASTSource(kernel, sig_, consts_, attrs=attrs), sig, consts,
+                        warps, div16, out, **opts)
 
 
 def desc_types(BN: int, BM: int, BKB: int) -> tuple[str, str]:
