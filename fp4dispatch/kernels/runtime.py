@@ -80,7 +80,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def k_split(kb: int, k_blocks: int, split: int) -> tuple[int, int]:
-    """(parts, 16-blocks per part) of a K of ``kb`` blocks cut into at most ``split`` parts of whole K steps."""
+    """(parts, 16-blocks per part) of a K of ``kb`` blocks cut into at most ``split`` parts of whole K steps: the part
+    length is a multiple of ``k_blocks``, which the kernels rely on (``tiles.k_part``)."""
     per = cdiv(cdiv(kb, split), k_blocks) * k_blocks
     return cdiv(kb, per), per
 

@@ -134,3 +134,15 @@ def stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, 
         cast_store(acc, offs, omask, alpha_ptr, out_ptr)
     else:
         reduce_store(acc, offs, omask, M, N, c - first, last - first + 1, tile, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)
+
+
+@triton.jit
+def k_part(pid_k, blocks_per_split, KB, BKB: tl.constexpr):
+    """16-blocks [lo, hi) of split-K part ``pid_k``. ``runtime.k_split`` cuts K into whole steps of BKB blocks, so the
+    part length is a multiple of BKB; written as a product with BKB, that reaches the compiler. Triton specializes an
+    integer argument on divisibility by 16 only, and a part length it cannot divide makes the loop's bound masks vary
+    within a vector: the weight loads then lose their 16-byte width and the scale loads their pipelining
+    (tests/test_triton_sass.py)."""
+    per = (blocks_per_split // BKB) * BKB  # exact
+    lo = pid_k * per
+    return lo, tl.minimum(lo + per, KB)

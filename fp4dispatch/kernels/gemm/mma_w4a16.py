@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import MmaW4A16Config
 from ..gemv.cuda_core_w4a16 import weight_pairs
-from ..tiles import grouped_tile, store_out
+from ..tiles import grouped_tile, k_part, store_out
 
 
 @triton.jit
@@ -26,8 +26,7 @@ def mma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, 
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
     K = 2 * K2
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):

@@ -29,7 +29,8 @@ from ..config import WgmmaRegisterAConfig, register_a_resident
 from ..numerics.e2m1_e4m3 import e4m3_to_f32, swz_row
 from ..numerics.bf16x2 import pair_bf16, scale_bf16x2, scaled_bf16
 from ..numerics.fp16x2 import _cvt4, _halves, _pair
-from ..tiles import gdc_launch_dependents, grid_tile, pdl_wait, store_out, stream_piece, stream_range, stream_store
+from ..tiles import (gdc_launch_dependents, grid_tile, k_part, pdl_wait, store_out, stream_piece, stream_range,
+                     stream_store)
 
 WMMA_UNDO = tl.constexpr(16384.0)  # 2**14: undoes 2**-7 on each operand
 WMMA_UNDO_CVT = tl.constexpr(0.25)  # 2**-2: undoes the factor 2 on each operand of the CVT decode
@@ -218,8 +219,7 @@ def wmma_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
     same CVT). CVT (ASM only): the decode through e4m3 bytes. PDL: see ``pdl_wait``."""
     pdl_wait(PDL)
     pid_k, rn, rm, _ = grid_tile(BN, BM, BKB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
     acc = _wmma_steps(a_ptr, b_ptr, sa_ptr, sb_ptr, rn, rm, M, N, KB, CB, kb_lo, kb_hi, BM, BN, BKB, ASM, APRE, CVT)
     store_out(tl.trans(acc), rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import WgmmaRegisterAW4A16Config
 from ..numerics.e2m1_e4m3 import swz_row
-from ..tiles import grid_tile, pdl_wait, store_out, stream_piece, stream_range, stream_store
+from ..tiles import grid_tile, k_part, pdl_wait, store_out, stream_piece, stream_range, stream_store
 from .wgmma_register_a import _dec16, _scale_cols, stream_grid, to_k_order
 
 W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
@@ -74,8 +74,7 @@ def wmma_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr,
     (``store_out``). PDL: ``pdl_wait``."""
     pdl_wait(PDL)
     pid_k, rn, rm, _ = grid_tile(BN, BM, BKB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
     acc = register_a_w4a16_tile(a_ptr, LDA, rm, M, KB, b_ptr, sb_ptr, rn, N, kb_lo, kb_hi, CB, BM, BN, BKB, ASM, BF16)
     store_out(acc, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT)
 

@@ -15,7 +15,7 @@ from .. import runtime, workspace
 from ..config import CudaCoreGemvConfig
 from ..numerics.e2m1_e4m3 import TWO_62, TWO_64, TWO_126, e4m3_to_f32, swz_row
 from ..numerics.fp16x2 import H2_UNDO, H2_UNDO_CVT, h2_block, h2_block_cvt
-from ..tiles import grid_tile, pdl_wait, store_out
+from ..tiles import grid_tile, k_part, pdl_wait, store_out
 
 
 
@@ -103,9 +103,9 @@ def gemv2_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
     hardware e4m3x2 -> f16x2 conversion; the interpreter runs the plain H2 form instead. PDL: see ``pdl_wait``."""
     pdl_wait(PDL)
     pid_k, rn, rm, t = grid_tile(BN, MB, BKB)
-    kb_lo = pid_k * blocks_per_split
-    gemv2_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, rm, rn, t, kb_lo,
-               tl.minimum(kb_lo + blocks_per_split, KB), MB, BN, BKB, PAIR, SPLIT, H2, ASM, EVEN_K, PREFETCH, CVT)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
+    gemv2_tile(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, KB, CB, rm, rn, t, kb_lo, kb_hi,
+               MB, BN, BKB, PAIR, SPLIT, H2, ASM, EVEN_K, PREFETCH, CVT)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import BytewiseGemvConfig
 from ..numerics.e2m1_e4m3 import TWO_62, TWO_64, TWO_126, load_block_bytes, nib_hi, nib_lo, per_byte
-from ..tiles import store_out
+from ..tiles import k_part, store_out
 
 @triton.jit
 def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K2, KB, CB,
@@ -21,8 +21,7 @@ def gemv_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_pt
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = tl.arange(0, MB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
     BK2: tl.constexpr = BKB * 8
     acc = tl.zeros((MB, BN, BKB), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):

@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import CudaCoreW4A16Config
 from ..numerics.e2m1_e4m3 import TWO_117, load_block_bytes, nib_hi, nib_lo, per_byte
-from ..tiles import store_out
+from ..tiles import k_part, store_out
 
 
 @triton.jit
@@ -42,8 +42,7 @@ def gemv_w4a16_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_ptr,
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.program_id(2) * MB + tl.arange(0, MB)
-    kb_lo = pid_k * blocks_per_split
-    kb_hi = tl.minimum(kb_lo + blocks_per_split, KB)
+    kb_lo, kb_hi = k_part(pid_k, blocks_per_split, KB, BKB)
     acc = tl.zeros((MB, BN), dtype=tl.float32)
     for kb0 in range(kb_lo, kb_hi, BKB):
         w_lo, w_hi = weight_pairs(b_ptr, sb_ptr, rn, N, kb0, kb_hi, K2, CB, BKB)
