@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import device_problem
+from ..kernels.grouped_mm import grouped_mm
 from ..problem import GroupedOperands, Problem
 from .base import BaseBackend, Config
 
@@ -36,6 +37,4 @@ class TritonGroupedBackend(BaseBackend):
         return grouped_configs_for(problem.m, problem.experts, problem.n, problem.k, problem.device)
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
-        from ..kernels.grouped_mm import grouped_mm
-
         grouped_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.out, ops.offs, config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import device_problem
+from ..kernels.w4a16_mm import w4a16_mm
 from ..problem import Operands, Problem
 from .base import BaseBackend, Config
 
@@ -32,6 +33,4 @@ class TritonW4A16Backend(BaseBackend):
         return w4a16_configs_for(problem.m, problem.n, problem.k, problem.device)
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
-        from ..kernels.w4a16_mm import w4a16_mm
-
         w4a16_mm(ops.a, ops.b, ops.b_scale, ops.alpha, ops.out, config)
