@@ -110,3 +110,17 @@ def test_kernels_load_the_weight_16_bytes_at_a_time_and_pipeline_the_scales(case
         assert "LDG.E.64" not in ops, "8-byte weight loads in the GEMV"
     else:
         assert "LDG.E.U8" not in ops and "LDG.E.S8" not in ops, "scale bytes loaded outside the pipeline"
+
+
+@pytest.mark.parametrize("swizzled", [True, False])
+def test_the_quantize_kernel_reads_each_block_in_16_byte_loads(swizzled):
+    """``quant_kernel`` (bf16 activations): two 16-byte loads per thread, one 4-byte load (the global scale); reading
+    each block as [8, 2] pairs instead gave eight 4-byte loads per thread and warp shuffles for every block's amax."""
+    from fp4dispatch.kernels._quantize import quant_kernel
+
+    sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "p_ptr": "*u8", "s_ptr": "*u8", "M": "i32", "K": "i32", "KB": "i32",
+           "CB": "i32"}
+    built = compile_sm90(lambda s, c, a: ASTSource(quant_kernel, s, c, attrs=a), sig,
+                         dict(BM=16, BKB=8, SWIZZLED=swizzled), 4, ("x_ptr", "p_ptr", "s_ptr", "K", "KB", "CB"))
+    ops = opcodes(built["sass"])
+    assert ops.count("LDG.E.128") == 2 and ops.count("LDG.E") == 1, sorted(ops)
