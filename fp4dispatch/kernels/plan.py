@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import reduce
+from operator import or_
 
 import torch
 
@@ -36,6 +38,7 @@ log = logging.getLogger("fp4dispatch")
 
 MAX_DESCRIPTORS = 4096  # tensor maps kept per descriptor argument (one per weight address a layer shape meets)
 MAX_PLANS = 1024  # plans kept per op
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _launcher_parts(compiled) -> tuple | str:
@@ -106,11 +109,8 @@ class Plan:
     def __call__(self, *ops: torch.Tensor) -> bool:
         """Launch the plan on these operands (as many, in the order, of the recorded call); False (nothing launched)
         when it may not, and the caller must take the ordinary path."""
-        ptrs = [t.data_ptr() for t in ops]
-        low = 0
-        for p in ptrs:
-            low |= p
-        if low & 15 or runtime.launch_hooks_set():
+        ptrs = list(map(_data_ptr, ops))  # C-level loops: this runs on every eager call
+        if reduce(or_, ptrs) & 15 or runtime.launch_hooks_set():
             return False
         stream = runtime.raw_stream(self.device.index)
         keep: list = []  # scratch allocated for this call only: alive until every launch is queued
