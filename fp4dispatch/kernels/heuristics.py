@@ -267,10 +267,14 @@ GROUPED_MMA_TILES = {
 }
 
 
+def _per_expert(t: int, e: int) -> int:
+    """The rows a touched expert gets on average when T rows are routed over E experts (rounded up)."""
+    return cdiv(t, max(1, min(e, t)))
+
+
 def _grouped_tiles(t: int, e: int) -> tuple:
     """``GROUPED_MMA_TILES``' tiles for the rows an expert gets on average."""
-    per_expert = -(-t // max(1, min(e, t)))
-    return next(v for top, v in GROUPED_MMA_TILES.items() if per_expert <= top)
+    return next(v for top, v in GROUPED_MMA_TILES.items() if _per_expert(t, e) <= top)
 
 
 def _register_a_grouped(t: int, e: int) -> list[MmaW4A16GroupedConfig]:
@@ -279,7 +283,7 @@ def _register_a_grouped(t: int, e: int) -> list[MmaW4A16GroupedConfig]:
     register-operand tiles of M <= 16, whose 16-block K steps were the fastest dense W4A16 tiles there
     (docs/kernels.md)."""
     tiles = [tile for tile in _grouped_tiles(t, e) if tile[2] % 4 == 0]
-    if -(-t // max(1, min(e, t))) <= 8:
+    if _per_expert(t, e) <= 8:
         for tile in REGISTER_A_TILES[16]:
             if len(tile) == 6 and tile[:5] not in tiles:  # the grouped kernel does not split K
                 tiles.append(tile[:5])
@@ -296,9 +300,8 @@ def _with_register_a(plain: list, register_a: list, device: torch.device) -> lis
 def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first; from
     SM89 also ``w4a16_grouped_mm``'s register-operand tiles on the tokens decoded first (on SM90 those first)."""
-    per_expert = -(-t // max(1, min(e, t)))
     out: list[KernelConfig] = []
-    gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if per_expert <= top), ())
+    gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if _per_expert(t, e) <= top), ())
     for rows, bn, bkb, warps in gemv:
         out.append(GemvGroupedConfig(rows, bn, bkb, warps, prefetch=bn > 4, max_registers=64 if bkb > 128 else None))
     out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in _grouped_tiles(t, e)]

@@ -92,7 +92,6 @@ def grid_tile(BN: tl.constexpr, BM: tl.constexpr, BKB: tl.constexpr):
     return tl.program_id(1), rn, rm, tl.arange(0, BKB)
 
 
-
 # Stream-K (``wgmma_register_a``'s and its W4A16 form's): the K steps of all TILES tiles (NT along N; STEPS per tile),
 # laid end to end, are cut into one equal range per CTA, so every CTA does the same work whatever the tile count (no
 # partial last wave). A CTA runs the tile pieces of its range in order; a tile cut between CTAs is summed by its last

@@ -117,15 +117,14 @@ def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
     opts = dict(BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks, ASM=not runtime.jit_interpreted(),
                 BF16=a.dtype == torch.bfloat16, num_warps=cfg.warps, num_stages=cfg.stages,
                 **runtime.register_cap(cfg.max_registers), **pdl)
+    ops, lda = permute_a(a, pdl)
     if cfg.stream_k:
         nt, tiles, steps, ctas, ws, cnt = stream_grid(m, n, kb, cfg, out)
-        ops, lda = permute_a(a, pdl)
         runtime.launch(wmma_w4a16_sk_kernel, (ctas,), ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb,
                        lda, runtime.cdiv(kb, 4), nt, tiles, steps, **opts)
         return
     split, per = runtime.k_split(kb, cfg.k_blocks, cfg.split_k)
     grid = (runtime.cdiv(n, cfg.block_n), split, runtime.cdiv(m, cfg.block_m))
     ws, cnt = workspace.buffers(m, n, split, grid[0] * grid[2], out.device) if split > 1 else (out, out)
-    ops, lda = permute_a(a, pdl)
     runtime.launch(wmma_w4a16_kernel, grid, ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb, lda,
                    runtime.cdiv(kb, 4), per, SPLIT=split > 1, **opts)
