@@ -152,8 +152,9 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     print(f"{torch.cuda.get_device_name()} · torch {torch.__version__} · {args.op}", flush=True)
-    print("| N x K | M | host us fp4 / torch.mm | eager us fp4 / bf16 | graph us fp4 / bf16 | pick | launches (tuned us "
-          "/ best one-launch us) |")
+    op = args.op  # the rows' "fp4" fields hold this op's times
+    print(f"| N x K | M | host us {op} / torch.mm | eager us {op} / bf16 | graph us {op} / bf16 | pick | launches "
+          "(tuned us / best one-launch us) |")
     print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for n, k in shapes:
@@ -166,8 +167,8 @@ def main() -> int:
     host_ok = sum(r["host_fp4"] <= 1.3 * r["host_bf16"] for r in rows)
     graph_wins = [r for r in rows if r["graph_fp4"] <= r["graph_bf16"]]
     eager_ok = sum(r["eager_fp4"] <= r["eager_bf16"] for r in graph_wins)
-    print(f"host <= 1.3x torch.mm: {host_ok} of {len(rows)} cells; eager fp4 <= eager bf16 in {eager_ok} of the "
-          f"{len(graph_wins)} cells where graph fp4 <= graph bf16", flush=True)
+    print(f"host <= 1.3x torch.mm: {host_ok} of {len(rows)} cells; eager {op} <= eager bf16 in {eager_ok} of the "
+          f"{len(graph_wins)} cells where graph {op} <= graph bf16", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"bench_eager{'' if args.op == 'fp4_mm' else '_' + args.op}.json"), "w") as f:
         json.dump(rows, f, indent=1)

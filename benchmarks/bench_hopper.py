@@ -108,7 +108,7 @@ def cublas_bf16_graph_ms(m: int, n: int, k: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def _kernels(op: str = "fp4"):
+def _kernels(op: str = "fp4_mm"):
     """(configs_for, run(ops, config), config -> JSON) of the fp4dispatch on sys.path: this tree's kernels, or those
     before the kernels/ restructure (dict configs, ``kernels.fused``). op "w4a16": ``w4a16_mm``'s, on bf16
     activations of the operands' shape (random, made once per shape)."""
@@ -141,7 +141,7 @@ def _kernels(op: str = "fp4"):
     return configs_for, run, config_json
 
 
-def run_candidates(res: dict, bw: float, shapes, ms, op: str = "fp4") -> None:
+def run_candidates(res: dict, bw: float, shapes, ms, op: str = "fp4_mm") -> None:
     """Graph time of every candidate config per (shape, M), in configs_for's order (op: ``_kernels``')."""
     import fp4dispatch
 
@@ -316,7 +316,7 @@ def main() -> int:
     ap.add_argument("--ab", default="", metavar="OLD", help="--candidates of the tree OLD against this one's")
     ap.add_argument("--ab-rounds", type=int, default=2, help="(old, new) pairs of child runs in --ab (default 2)")
     ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
-    ap.add_argument("--op", choices=("fp4", "w4a16"), default="fp4",
+    ap.add_argument("--op", choices=("fp4_mm", "w4a16"), default="fp4_mm",
                     help="--candidates of fp4_mm (default) or of w4a16_mm")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK shapes (comma list)")
