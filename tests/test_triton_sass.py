@@ -16,91 +16,68 @@ from _sass_compile import compile_sm90, nvidia_tools_missing, opcodes
 
 pytestmark = pytest.mark.skipif(nvidia_tools_missing() is not None, reason=str(nvidia_tools_missing()))
 
-_PTRS = ("b_ptr", "sb_ptr", "out_ptr", "ws_ptr", "cnt_ptr")
-_BYTES_SIG = {"a_ptr": "*bf16", "b_ptr": "*u8", "sb_ptr": "*u8", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
-              "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K2": "i32", "KB": "i32", "CB": "i32",
-              "blocks_per_split": "i32"}
+# pointer types by parameter name (others: uint8 bytes); every int is i32
+_PTR_TYPES = {"alpha_ptr": "*fp32", "gs_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+              "offs_ptr": "*i32"}
+# what a launch cannot specialize as 16-divisible: the rows, the split-K part length, the stream-K schedule, the
+# one-element scalars
+_ODD = ("M", "T", "blocks_per_split", "NT", "TILES", "STEPS", "alpha_ptr", "gs_ptr")
 
 
-def _dense(sk: bool, dtype: str, tile: tuple):
+def _build(kernel, consts: dict, warps: int, stages: int = 3, **ptr_types) -> list[str]:
+    """The opcodes of ``kernel`` compiled for sm_90a with ``consts``, its other parameters typed by name
+    (``ptr_types`` overrides, e.g. ``a_ptr="*bf16"``) and specialized as a launch on a layer whose sizes and
+    pointers are 16-divisible would be, all but ``_ODD``."""
+    sig = {n: {**_PTR_TYPES, **ptr_types}.get(n, "*u8") if n.endswith("_ptr") else "i32"
+           for n in kernel.arg_names if n not in consts}
+    built = compile_sm90(lambda s, c, a: ASTSource(kernel, s, c, attrs=a), sig, consts, warps,
+                         tuple(n for n in sig if n not in _ODD), num_stages=stages)
+    return opcodes(built["sass"])
+
+
+def _w4a16(sk: bool, dtype: str, tile: tuple) -> list[str]:
     from fp4dispatch.kernels.gemm import wgmma_register_a_w4a16 as W
 
     bm, bn, bkb, warps, stages = tile
-    sig = {"a_ptr": f"*{dtype}", "b_ptr": "*i64", "sb_ptr": "*u8", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
-           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "KB": "i32", "LDA": "i32", "CB": "i32"}
-    sig.update({"NT": "i32", "TILES": "i32", "STEPS": "i32"} if sk else {"blocks_per_split": "i32"})
     consts = dict(BM=bm, BN=bn, BKB=bkb, ASM=True, BF16=dtype == "bf16", PDL=False, **({} if sk else {"SPLIT": True}))
-    kernel = W.wmma_w4a16_sk_kernel if sk else W.wmma_w4a16_kernel
-    return kernel, sig, consts, warps, stages, ("a_ptr", *_PTRS, "N", "KB", "LDA", "CB")
+    return _build(W.wmma_w4a16_sk_kernel if sk else W.wmma_w4a16_kernel, consts, warps, stages, a_ptr=f"*{dtype}",
+                  b_ptr="*i64")
 
 
-def _grouped(dtype: str, tile: tuple):
+def _kernels():
+    from fp4dispatch.kernels.gemm.mma_w4a16 import mma_w4a16_kernel
     from fp4dispatch.kernels.gemm.mma_w4a16_grouped import grouped_w4a16_kernel
-
-    bm, bn, bkb, warps, stages = tile
-    sig = {"a_ptr": f"*{dtype}", "b_ptr": "*u8", "sb_ptr": "*u8", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
-           "offs_ptr": "*i32", "T": "i32", "N": "i32", "K2": "i32", "KB": "i32", "CB": "i32", "RN": "i32", "E": "i32",
-           "LDA": "i32"}
-    consts = dict(ALPHA_E=True, EP=256, BM=bm, BN=bn, BKB=bkb, DOT_F32=False, REG_A=True, BF16=dtype == "bf16")
-    return (grouped_w4a16_kernel, sig, consts, warps, stages,
-            ("a_ptr", "b_ptr", "sb_ptr", "out_ptr", "offs_ptr", "N", "K2", "KB", "CB", "RN", "E", "LDA"))
-
-
-def _nvfp4(tile: tuple):
     from fp4dispatch.kernels.gemm.wgmma_register_a import wmma_kernel
-
-    bm, bn, bkb, warps, stages = tile
-    sig = {"a_ptr": "*fp16", "b_ptr": "*i64", "sa_ptr": "*u8", "sb_ptr": "*u8", "alpha_ptr": "*fp32",
-           "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "KB": "i32", "CB": "i32",
-           "blocks_per_split": "i32"}
-    consts = dict(BM=bm, BN=bn, BKB=bkb, SPLIT=True, ASM=True, APRE=True, PDL=False, CVT=False)
-    return wmma_kernel, sig, consts, warps, stages, ("a_ptr", "sa_ptr", *_PTRS, "N", "KB", "CB")
-
-
-def _bytes(kernel_name: str, consts: dict, warps: int, stages: int):
-    """The kernels over weight bytes: ``mma_w4a16``, the W4A16 GEMV and the NVFP4 byte-wise GEMV."""
-    from fp4dispatch.kernels.gemm import mma_w4a16
-    from fp4dispatch.kernels.gemv import cuda_core_bytes, cuda_core_w4a16
-
-    sig, div16 = dict(_BYTES_SIG), ("a_ptr", *_PTRS, "N", "K2", "KB", "CB")
-    if kernel_name == "gemv_bytes":  # NVFP4 activations: bytes and their scales
-        sig = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*u8", **{k: v for k, v in sig.items() if k != "a_ptr"}}
-        div16 += ("sa_ptr",)
-    kernel = {"mma": mma_w4a16.mma_w4a16_kernel, "gemv": cuda_core_w4a16.gemv_w4a16_kernel,
-              "gemv_bytes": cuda_core_bytes.gemv_kernel}[kernel_name]
-    return kernel, sig, consts, warps, stages, div16
-
-
-def _gemv_words(consts: dict, warps: int, stages: int):
-    """The NVFP4 CUDA-core GEMV over int64 words (``gemv/cuda_core``)."""
     from fp4dispatch.kernels.gemv.cuda_core import gemv2_kernel
+    from fp4dispatch.kernels.gemv.cuda_core_bytes import gemv_kernel
+    from fp4dispatch.kernels.gemv.cuda_core_w4a16 import gemv_w4a16_kernel
 
-    sig = {"a_ptr": "*i64", "b_ptr": "*i64", "sa_ptr": "*u8", **{k: v for k, v in _BYTES_SIG.items()
-                                                                  if k not in ("a_ptr", "b_ptr", "K2")}}
-    return gemv2_kernel, sig, consts, warps, stages, ("a_ptr", "sa_ptr", *_PTRS, "N", "KB", "CB")
+    return {
+        "nvfp4-16x64": lambda: _build(wmma_kernel, dict(BM=16, BN=64, BKB=16, SPLIT=True, ASM=True, APRE=True,
+                                                        PDL=False, CVT=False), 4, a_ptr="*fp16", b_ptr="*i64"),
+        "w4a16-bf16-16x64": lambda: _w4a16(False, "bf16", (16, 64, 16, 4, 3)),
+        "w4a16-fp16-16x64": lambda: _w4a16(False, "fp16", (16, 64, 16, 4, 3)),
+        "w4a16-bf16-128x128": lambda: _w4a16(False, "bf16", (128, 128, 8, 8, 3)),
+        "w4a16-stream-k-bf16-128x128": lambda: _w4a16(True, "bf16", (128, 128, 8, 8, 3)),
+        "w4a16-grouped-bf16-16x64": lambda: _build(grouped_w4a16_kernel, dict(
+            ALPHA_E=True, EP=256, BM=16, BN=64, BKB=16, DOT_F32=False, REG_A=True, BF16=True), 4, a_ptr="*bf16"),
+        "w4a16-mma-16x64": lambda: _build(mma_w4a16_kernel, dict(BM=16, BN=64, BKB=8, GROUP_M=8, SPLIT=True,
+                                                                 DOT_F32=False), 4, a_ptr="*bf16"),
+        "w4a16-gemv": lambda: _build(gemv_w4a16_kernel, dict(MB=1, BN=32, BKB=16, SPLIT=True), 4, a_ptr="*bf16"),
+        "nvfp4-gemv-bytes": lambda: _build(gemv_kernel, dict(MB=4, BN=16, BKB=32, SPLIT=True), 8),
+        "nvfp4-gemv-words": lambda: _build(gemv2_kernel, dict(MB=1, BN=4, BKB=128, PAIR=False, SPLIT=True, H2=True,
+                                                              ASM=True, EVEN_K=False, PREFETCH=True, CVT=False,
+                                                              PDL=False), 2, a_ptr="*i64", b_ptr="*i64"),
+    }
 
 
-CASES = {
-    "nvfp4-16x64": lambda: _nvfp4((16, 64, 16, 4, 3)),
-    "w4a16-bf16-16x64": lambda: _dense(False, "bf16", (16, 64, 16, 4, 3)),
-    "w4a16-fp16-16x64": lambda: _dense(False, "fp16", (16, 64, 16, 4, 3)),
-    "w4a16-bf16-128x128": lambda: _dense(False, "bf16", (128, 128, 8, 8, 3)),
-    "w4a16-stream-k-bf16-128x128": lambda: _dense(True, "bf16", (128, 128, 8, 8, 3)),
-    "w4a16-grouped-bf16-16x64": lambda: _grouped("bf16", (16, 64, 16, 4, 3)),
-    "w4a16-mma-16x64": lambda: _bytes("mma", dict(BM=16, BN=64, BKB=8, GROUP_M=8, SPLIT=True, DOT_F32=False), 4, 3),
-    "w4a16-gemv": lambda: _bytes("gemv", dict(MB=1, BN=32, BKB=16, SPLIT=True), 4, 3),
-    "nvfp4-gemv-bytes": lambda: _bytes("gemv_bytes", dict(MB=4, BN=16, BKB=32, SPLIT=True), 8, 3),
-    "nvfp4-gemv-words": lambda: _gemv_words(dict(MB=1, BN=4, BKB=128, PAIR=False, SPLIT=True, H2=True, ASM=True,
-                                                 EVEN_K=False, PREFETCH=True, CVT=False, PDL=False), 2, 3),
-}
+CASES = ("nvfp4-16x64", "w4a16-bf16-16x64", "w4a16-fp16-16x64", "w4a16-bf16-128x128", "w4a16-stream-k-bf16-128x128",
+         "w4a16-grouped-bf16-16x64", "w4a16-mma-16x64", "w4a16-gemv", "nvfp4-gemv-bytes", "nvfp4-gemv-words")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASES)
 def test_kernels_load_the_weight_16_bytes_at_a_time_and_pipeline_the_scales(case):
-    kernel, sig, consts, warps, stages, div16 = CASES[case]()
-    built = compile_sm90(lambda s, c, a: ASTSource(kernel, s, c, attrs=a), sig, consts, warps, div16,
-                         num_stages=stages)
-    ops = opcodes(built["sass"])
+    ops = _kernels()[case]()
     # tensor cores (wgmma, or mma.sync for mma_w4a16) where expected, not in the GEMVs
     gemv = "gemv" in case
     assert any(op.startswith(("HGMMA", "HMMA")) for op in ops) is not gemv, sorted(set(ops))
@@ -118,9 +95,5 @@ def test_the_quantize_kernel_reads_each_block_in_16_byte_loads(swizzled):
     each block as [8, 2] pairs instead gave eight 4-byte loads per thread and warp shuffles for every block's amax."""
     from fp4dispatch.kernels._quantize import quant_kernel
 
-    sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "p_ptr": "*u8", "s_ptr": "*u8", "M": "i32", "K": "i32", "KB": "i32",
-           "CB": "i32"}
-    built = compile_sm90(lambda s, c, a: ASTSource(quant_kernel, s, c, attrs=a), sig,
-                         dict(BM=16, BKB=8, SWIZZLED=swizzled), 4, ("x_ptr", "p_ptr", "s_ptr", "K", "KB", "CB"))
-    ops = opcodes(built["sass"])
+    ops = _build(quant_kernel, dict(BM=16, BKB=8, SWIZZLED=swizzled), 4, x_ptr="*bf16")
     assert ops.count("LDG.E.128") == 2 and ops.count("LDG.E") == 1, sorted(ops)
