@@ -187,13 +187,15 @@ def build_wgws(BN: int, BM: int, BKB: int, STAGES: int, SWAP: bool = False) -> d
 
 
 def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int, DSTAGES: int, DREGS: int, PARTS: int,
-               out_type: str = "bf16") -> dict:
+               out_type: str = "bf16", w4a16: torch.dtype | None = None) -> dict:
     """``build`` of ``wgmma_decode_warps.wgds_kernel``; ``out_type`` the output's (fp32 needs the most shared
-    memory: the epilogue's layout conversion)."""
-    from fp4dispatch.kernels.gemm.wgmma_decode_warps import wgds_kernel
+    memory: the epilogue's layout conversion); ``w4a16``: the activations' dtype of its W4A16 form."""
+    from fp4dispatch.kernels.gemm.wgmma_decode_warps import act_layout, wgds_kernel
     from fp4dispatch.kernels.gemv.tma_warp_specialized import _layouts
 
-    _, ad = desc_types(BN, BM, BKB)
+    dt = w4a16 or torch.float16
+    ad = mangle_type(TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=dt), [BM, BKB * 16],
+                                                  act_layout(BM, BKB, dt)))
     wl, wsl, _, _ = _layouts()
     xd = TensorDescriptor.from_tensor(torch.zeros(32, 32, 512, dtype=torch.int64), [4, BN // 4, BKB], wl)
     sd = TensorDescriptor.from_tensor(torch.zeros(8, 128, 128, dtype=torch.int32), [1, BKB // 4, BN], wsl)
@@ -201,7 +203,7 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int, DSTAGES: i
            "out_ptr": f"*{out_type}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "NT": "i32",
            "UNITS": "i32", "SPLIT": "i32", "SPS": "i32", "STEPS": "i32"}
     consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "ASTAGES": ASTAGES, "DSTAGES": DSTAGES, "DREGS": DREGS,
-              "PARTS": PARTS}
+              "PARTS": PARTS, "W4A16": w4a16 is not None, "UNDO": 128.0 if w4a16 else 0.25}
     return build(wgds_kernel, sig, consts, 4, ("out_ptr", "ws_ptr", "cnt_ptr", "M", "N"))
 
 

@@ -47,6 +47,19 @@ def test_decode_warps_refuses_what_tma_cannot_describe():
             DECODE_WARPS)
 
 
+def test_w4a16_decode_warps_refuses_what_tma_cannot_describe_naming_its_op():
+    run = _gluon_module("gemm.wgmma_decode_warps_w4a16").run
+    from fp4dispatch.kernels.config import WgmmaDecodeWarpsW4A16Config
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS
+
+    cfg, s = WgmmaDecodeWarpsW4A16Config(**vars(DECODE_WARPS)), torch.zeros(128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^w4a16_mm: WgmmaDecodeWarpsW4A16Config needs N % 32 == 0, K % 32 == 0 "
+                                         r"and a 16-byte aligned b and b_scale; got N=1000, K=2048, "
+                                         r"data_ptr\(\) % 16 of \(b, b_scale\) = \(0, 0\)\. "
+                                         r"Use another config from w4a16_configs_for\(\)$"):
+        run(torch.zeros(4, 2048, dtype=torch.bfloat16), torch.zeros(1000, 1024, dtype=torch.uint8), s, s, s, cfg)
+
+
 def test_tma_gemv_refuses_what_tma_cannot_describe():
     from fp4dispatch.kernels.config import TmaGemvConfig
 

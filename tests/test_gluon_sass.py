@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from fp4dispatch.kernels import gluon_missing
 from fp4dispatch.kernels.heuristics import DECODE_WARPS, TMA_GEMV_TILES, WARP_SPECIALIZED_TILES
@@ -39,16 +40,18 @@ def test_wgws_sass_has_no_operand_race_no_loop_spills_and_fits(tile, swap):
     assert built["shared"] <= SMEM_SM90
 
 
+@pytest.mark.parametrize("w4a16", [None, torch.bfloat16, torch.float16], ids=["nvfp4", "w4a16-bf16", "w4a16-fp16"])
 @pytest.mark.parametrize("parts", [2, 1])
-def test_wgds_sass_fences_the_decoded_tile_no_loop_spills_and_fits(parts):
+def test_wgds_sass_fences_the_decoded_tile_no_loop_spills_and_fits(parts, w4a16):
     """The decode warps' loop orders their stores of the decoded tile (and their reads of the words) before the
     arrives that hand the tile to the wgmma and free the words' slot: a proxy fence (MEMBAR.ALL.CTA) between the last
-    STSM and the first arrive. No spills in any loop; shared memory within an SM's with fp32 out (the most)."""
+    STSM and the first arrive. No spills in any loop; shared memory within an SM's with fp32 out (the most). For the
+    NVFP4 GEMM and for its W4A16 form (each activation dtype: bf16 decodes by other instructions than fp16)."""
     race, c = _tools(), DECODE_WARPS
     built = race.build_wgds(c.block_n, c.block_m, c.k_blocks, c.stages, c.act_stages, c.decoded_stages,
-                            c.decode_registers, parts, out_type="fp32")
+                            c.decode_registers, parts, out_type="fp32", w4a16=w4a16)
     code = race._parse(built["sass"])
-    loops = race.hot_loops(code, "F2FP")
+    loops = race.hot_loops(code, "STSM")
     assert loops, "no decode loop found in the SASS"
     first, last = min(loops, key=lambda fl: fl[1] - fl[0])
     body = [x for _, x in code[first:last + 1]]

@@ -328,6 +328,31 @@ def test_decode_warps_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offe
     assert not _of(configs_for(128, 8192, 8208, cuda), C.WgmmaDecodeWarpsConfig)
 
 
+@pytest.mark.parametrize("cap, gluon, offered", [((9, 0), True, True), ((9, 0), False, False), ((8, 9), True, False)])
+def test_w4a16_decode_warps_offered_at_m_65_to_128_on_sm90_with_gluon(monkeypatch, cap, gluon, offered):
+    """w4a16_mm gets the decode-warps GEMM (its own config class, for its own launcher) at 64 < M <= 128, as fp4_mm
+    does, after the first tile, with the same K split as fp4_mm's."""
+    from dataclasses import replace
+
+    from fp4dispatch.kernels.heuristics import DECODE_WARPS, w4a16_configs_for
+
+    cuda = _cuda(monkeypatch, cap, gluon=gluon)
+    base = C.WgmmaDecodeWarpsW4A16Config(**vars(DECODE_WARPS))
+    assert base.family == "w4a16_wgmma_decode_warps" and base.launches == 2
+    for m, (n, k), split in ((64, (8192, 8192), 1), (65, (8192, 8192), 1), (128, (768, 6144), 4),
+                             (129, (8192, 8192), 1)):
+        cfgs = w4a16_configs_for(m, n, k, cuda)
+        want = ([replace(base, split_k=split)] if split > 1 else []) + [base, replace(base, persistent=True)]
+        want = want if offered and 64 < m <= 128 else []
+        assert _of(cfgs, C.WgmmaDecodeWarpsW4A16Config) == want, (m, cfgs)
+        assert not any(type(c) is C.WgmmaDecodeWarpsConfig for c in cfgs)  # the NVFP4 kernel's class never
+        assert cfgs[1:1 + len(want)] == want and len(cfgs) <= 7
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+    # its boxes need N % 32 == 0 and K % 32 == 0, as fp4_mm's
+    assert not _of(w4a16_configs_for(128, 8200, 8192, cuda) + w4a16_configs_for(128, 8192, 8208, cuda),
+                   C.WgmmaDecodeWarpsW4A16Config)
+
+
 def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
     """Fewer tiles than SMs (N <= 2048 at M = 128 on 132 SMs): a split-K config comes first among the decode-warps
     candidates, in the parts that minimize the busiest SM's K steps plus the partials' cost, one wave of them."""

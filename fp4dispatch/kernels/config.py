@@ -16,7 +16,8 @@ from typing import ClassVar
 from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
-           "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig", "CudaCoreW4A16Config",
+           "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig",
+           "WgmmaDecodeWarpsW4A16Config", "CudaCoreW4A16Config",
            "WgmmaRegisterAW4A16Config", "MmaW4A16Config",
            "register_a_resident", "decode_warps_work"]
 
@@ -275,6 +276,16 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
         self._require("stages", self.stages % self.decode_partitions == 0, "a multiple of decode_partitions")
         self._require("decode_registers", self.decode_registers % 8 == 0 and 24 <= self.decode_registers <= 256,
                       "a multiple of 8 in 24..256 (setmaxnreg)")
+
+
+@dataclass(frozen=True)
+class WgmmaDecodeWarpsW4A16Config(WgmmaDecodeWarpsConfig):
+    """``gemm/wgmma_decode_warps_w4a16`` (SM90, Gluon): ``w4a16_mm`` on ``WgmmaDecodeWarpsConfig``'s kernel and
+    fields, the weight decoded into tiles of the activations' dtype, the activations put in the decode's K order by a
+    small kernel first (``act_stages``: its ring)."""
+
+    family: ClassVar[str] = "w4a16_wgmma_decode_warps"
+    launches: ClassVar[int] = 2  # the activation permute, then the GEMM
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ import torch
 
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
-                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaRegisterAConfig,
-                     WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig, decode_warps_work, register_a_resident)
+                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
+                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig, decode_warps_work,
+                     register_a_resident)
 from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
@@ -175,11 +176,13 @@ def decode_warps_split(tiles: int, steps: int, sms: int) -> int:
                key=lambda s: cdiv(steps, s) + (6 + 3 * s if s > 1 else 0))
 
 
-def _decode_warps(p: _Problem) -> list[WgmmaDecodeWarpsConfig]:
-    _, tiles, steps = decode_warps_work(p.m, p.n, p.kb, DECODE_WARPS)
+def _decode_warps(p: _Problem, kind: type[WgmmaDecodeWarpsConfig] = WgmmaDecodeWarpsConfig) -> list:
+    """``DECODE_WARPS`` as ``kind`` (its op's config class): with the K split where its tiles leave SMs idle, as it
+    is, and persistent."""
+    base = kind(**vars(DECODE_WARPS))
+    _, tiles, steps = decode_warps_work(p.m, p.n, p.kb, base)
     split = decode_warps_split(tiles, steps, p.sms)
-    return ([replace(DECODE_WARPS, split_k=split)] if split > 1 else []) + [
-        DECODE_WARPS, replace(DECODE_WARPS, persistent=True)]
+    return ([replace(base, split_k=split)] if split > 1 else []) + [base, replace(base, persistent=True)]
 
 
 def configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
@@ -222,9 +225,11 @@ def _fill_split(tiles: int, steps: int, sms: int) -> int:
 
 def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
-    first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers);
-    elsewhere the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles.
-    The GEMV is not offered on SM90, where it lost to both at every shape measured (docs/kernels.md)."""
+    first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers), and
+    at 64 < M <= 128 the decode-warps GEMM after the first tile (with Gluon, N % 32 == 0 and K % 32 == 0, as for
+    ``configs_for``; at M = 1024 it lost to the register-operand tiles); elsewhere the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the
+    register-operand tiles. The GEMV is not offered on SM90, where it lost to both at every shape measured
+    (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)
@@ -239,6 +244,8 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     if rank:
         register_a = _register_a_w4a16(_Problem(m, n, k, device))
         out = register_a + out if rank == 2 else out + register_a
+    if 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
+        out = out[:1] + _decode_warps(_Problem(m, n, k, device), WgmmaDecodeWarpsW4A16Config) + out[1:]
     return out[:MAX_CONFIGS]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import plan
-from .config import CudaCoreW4A16Config, KernelConfig, MmaW4A16Config, WgmmaRegisterAW4A16Config
+from .config import (CudaCoreW4A16Config, KernelConfig, MmaW4A16Config, WgmmaDecodeWarpsW4A16Config,
+                     WgmmaRegisterAW4A16Config)
 from .launchers import LauncherTable
 
 __all__ = ["w4a16_mm", "LAUNCHERS", "PLANS"]
@@ -15,6 +16,7 @@ LAUNCHERS: dict[type[KernelConfig], str] = {
     CudaCoreW4A16Config: "gemv.cuda_core_w4a16",
     MmaW4A16Config: "gemm.mma_w4a16",
     WgmmaRegisterAW4A16Config: "gemm.wgmma_register_a_w4a16",
+    WgmmaDecodeWarpsW4A16Config: "gemm.wgmma_decode_warps_w4a16",
 }
 _TABLE = LauncherTable("w4a16_mm", "heuristics.w4a16_configs_for", LAUNCHERS)
 

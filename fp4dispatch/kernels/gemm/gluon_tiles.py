@@ -108,11 +108,14 @@ def tile_offsets(n0, m0, M, N, BN: gl.constexpr, BM: gl.constexpr, L: gl.constex
 
 
 @gluon.jit
-def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.constexpr = 0):
-    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout`` (QR: ``tile_offsets``)."""
+def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.constexpr = 0,
+             UNDO: gl.constexpr = 0.25):
+    """Apply alpha in fp32 and write the finished tile (wgmma done) through ``store_layout`` (QR: ``tile_offsets``).
+    UNDO: the power of two that the operands' decode put in (2**-2 undoes the CVT decode's factor 2 on each NVFP4
+    operand; a W4A16 weight decoded without CVT carries 2**-7, undone by 2**7)."""
     ST: gl.constexpr = store_layout(acc.type.shape[0], acc.type.shape[1], SWAP, gl.num_warps())
     corner, offs, mask = tile_offsets(n0, m0, M, N, acc.type.shape[0], acc.type.shape[1], ST, SWAP, QR)
-    acc = acc * (0.25 * gl.load(alpha_ptr))  # 2**-2 undoes the CVT decode's factor 2 on each operand
+    acc = acc * (UNDO * gl.load(alpha_ptr))
     gl.store(out_ptr + corner + offs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), ST), mask=mask)
 
 

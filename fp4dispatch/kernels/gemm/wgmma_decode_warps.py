@@ -30,6 +30,8 @@ Rows are taken the way the scales are stored (as ``gemv.tma_warp_specialized``):
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -38,12 +40,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
-from .gluon_tiles import dec16, epilogue, first_tile, layouts, raw_layout, store_layout, tile_offsets
+from .gluon_tiles import dec16, epilogue, first_tile, raw_layout, store_layout, tile_offsets
 from ..gemv.tma_warp_specialized import plain, weight_descriptors
 from .. import runtime, workspace
 from ..config import WgmmaDecodeWarpsConfig, decode_warps_work
 from ..runtime import cdiv, launch, tma_desc
 from .wgmma_register_a import pdl_after_predecode, predecode
+from .wgmma_register_a_w4a16 import W4A16_UNDO
 
 
 @triton.constexpr_function
@@ -132,7 +135,23 @@ def _load_a(y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS):
 
 @gluon.jit
 def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS):
-    """Every PARTS-th step from PART: the slot's words and scales -> fp16 operand tile in the step's ``d_s`` buffer.
+    """:func:`_decode_steps` of the NVFP4 GEMM."""
+    _decode_steps(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS, False)
+
+
+@gluon.jit
+def _decode_w4a16(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS):
+    """:func:`_decode_steps` of the W4A16 GEMM (a partition's arguments reach it as values, never as constexprs:
+    each form has a partition function of its own)."""
+    _decode_steps(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS, True)
+
+
+@gluon.jit
+def _decode_steps(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, PART, PARTS,
+                  W4A16: gl.constexpr):
+    """Every PARTS-th step from PART: the slot's words and scales -> 16-bit operand tile in the step's ``d_s`` buffer
+    (fp16 by the CVT decode; with W4A16 in ``d_s``'s dtype, fp16 or bf16, by the decode without CVT, whose K order
+    ``wgmma_register_a_w4a16.permute_a`` gives the activations).
     Each decode partition is one dependent chain per warp (wait, read, decode, store, fence, arrive); PARTS of them
     overlap (two hide more of the chain than one). A partition is at most PARTS steps ahead of the last
     one it freed, so rings of >= PARTS slots keep every barrier within one phase of its waiters; and with STAGES a
@@ -155,7 +174,11 @@ def _decode(w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, ST
         d = it % DSTAGES
         mbarrier.wait(wready.index(s), (it // STAGES) & 1)
         sc = gl.reshape(scales.index(s).permute((2, 1, 0, 3)).load(SL), [4 * R, BKB])
-        w = dec16(words.index(s).load(RAW), gl.convert_layout(sc, RAW, assert_trivial=True), BKB, True, True)
+        sc = gl.convert_layout(sc, RAW, assert_trivial=True)
+        if W4A16:
+            w = dec16(words.index(s).load(RAW), sc, BKB, True, False, d_s.dtype == gl.bfloat16)
+        else:
+            w = dec16(words.index(s).load(RAW), sc, BKB, True, True)
         mbarrier.wait(dempty.index(d), ((it // DSTAGES) & 1) ^ 1)
         d_s.index(d).store(w)
         fence_async_shared()  # also completes the word and scale reads before the slot is freed
@@ -174,14 +197,15 @@ def sum_layout(bm: int, warps: int) -> gl.BlockedLayout:
 
 
 @gluon.jit
-def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, n0, m0, M, N, QR: gl.constexpr):
+def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, n0, m0, M, N, QR: gl.constexpr,
+                   UNDO: gl.constexpr):
     """Part ``part`` of a tile's SPLIT partial sums, by ``tiles.reduce_store``'s protocol: stored in fp32, straight
     from the wgmma layout, to the tile's own [BN, BM] block of ws (block tile * SPLIT + part: a thread writes whole
     32-byte sectors); the CTA that counts itself in last on cnt_ptr[tile] sums the blocks in part order (the result
     does not depend on arrival order), 32 rows at a time with 16-byte reads, four parts' reads in flight at once,
-    applies alpha, writes out (``epilogue``'s rows, QR) and sets the counter back to zero. The partials stay in the
-    wgmma layout and are read 16 bytes and four parts at a time: stored in out's layout and read back one part at a
-    time, 4 bytes per read, the sum costs several times more per part."""
+    applies alpha (and ``epilogue``'s UNDO), writes out (``epilogue``'s rows, QR) and sets the counter back to zero.
+    The partials stay in the wgmma layout and are read 16 bytes and four parts at a time: stored in out's layout and
+    read back one part at a time, 4 bytes per read, the sum costs several times more per part."""
     BN: gl.constexpr = acc.type.shape[0]
     BM: gl.constexpr = acc.type.shape[1]
     L: gl.constexpr = acc.type.layout
@@ -200,7 +224,7 @@ def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, 
         ST: gl.constexpr = store_layout(CH, BM, False, gl.num_warps())
         rr = gl.arange(0, CH, layout=gl.SliceLayout(1, LD))
         cc = gl.arange(0, BM, layout=gl.SliceLayout(0, LD))
-        scale = 0.25 * gl.load(alpha_ptr)  # 2**-2 undoes the CVT decode's factor 2 on each operand
+        scale = UNDO * gl.load(alpha_ptr)
         for r0 in gl.static_range(0, BN, CH):
             chunk = block + (r0 + rr[:, None]) * BM + cc[None, :]
             total = gl.zeros([CH, BM], gl.float32, LD)
@@ -218,7 +242,7 @@ def split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, part, SPLIT, 
 
 @gluon.jit
 def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT, SPS,
-         STEPS):
+         STEPS, UNDO: gl.constexpr):
     """For each unit: acc [BN, BM] = W @ A.T over its K steps with one wgmma group in flight; a step's two operand
     buffers are freed once its group is done; then the epilogue, or with SPLIT > 1 ``split_epilogue`` (the other
     partitions run on into the next unit). Two groups in flight would need rings one slot deeper, which leaves less
@@ -247,9 +271,9 @@ def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, c
         g, i0 = _tile_rows(tile, NT, BN)
         if SPLIT > 1:
             split_epilogue(acc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, tile, u % SPLIT, SPLIT, g * 128 + i0,
-                           (tile // NT) * BM, M, N, BN // 4)
+                           (tile // NT) * BM, M, N, BN // 4, UNDO)
         else:
-            epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4)
+            epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4, UNDO)
 
 
 @gluon.jit
@@ -268,35 +292,44 @@ def _barriers(n: gl.constexpr):
 @gluon.jit(do_not_specialize=["SPLIT"])
 def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, NT, UNITS, SPLIT, SPS, STEPS,
                 BN: gl.constexpr, BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, ASTAGES: gl.constexpr,
-                DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr):
+                DSTAGES: gl.constexpr, DREGS: gl.constexpr, PARTS: gl.constexpr, W4A16: gl.constexpr = False,
+                UNDO: gl.constexpr = 0.25):
     """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
     SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
     the UNITS parts shared out in order (``first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
     (views: :func:`run`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
     one of DSTAGES.
+    W4A16: A is the 16-bit activations in the weight decode's K order (``y_desc``'s dtype, fp16 or bf16) instead;
+    UNDO: the epilogue's power of two (``epilogue``).
     Partitions: the MMA warpgroup (default), a TMA warp per ring, PARTS (1 or 2) partitions of BN / 16 decode warps
     of DREGS registers taking turns by step."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, 4, BN // 4, BKB], x_desc.layout)
     s_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BKB // 4, BN], s_desc.layout)
-    a_s = gl.allocate_shared_memory(gl.float16, [ASTAGES, BM, BKB * 16], y_desc.layout)
-    d_s = gl.allocate_shared_memory(gl.float16, [DSTAGES, BN, BKB * 16],
-                                    gl.NVMMASharedLayout.get_default_for([BN, BKB * 16], gl.float16))
+    a_s = gl.allocate_shared_memory(y_desc.dtype, [ASTAGES, BM, BKB * 16], y_desc.layout)
+    d_s = gl.allocate_shared_memory(y_desc.dtype, [DSTAGES, BN, BKB * 16],
+                                    gl.NVMMASharedLayout.get_default_for([BN, BKB * 16], y_desc.dtype))
     wready, wempty = _barriers(STAGES)
     aready, aempty = _barriers(ASTAGES)
     dready, dempty = _barriers(DSTAGES)
     # (the partitions' functions are spelled out per branch: jit code cannot hold a function in a tuple variable)
     mma = (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT, SPS,
-           STEPS)
+           STEPS, UNDO)
     load_w = (x_desc, s_desc, w_s, s_s, wready, wempty, UNITS, NT, SPLIT, SPS, STEPS)
     load_a = (y_desc, a_s, aready, aempty, UNITS, NT, SPLIT, SPS, STEPS)
-    if PARTS == 1:
-        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a),
-                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 1))],
+    dec0 = (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, PARTS)
+    dec1 = (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 1, PARTS)
+    if W4A16:
+        if PARTS == 1:
+            gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a), (_decode_w4a16, dec0)],
+                               [1, 1, BN // 16], [40, 40, DREGS])
+        else:
+            gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a), (_decode_w4a16, dec0),
+                                (_decode_w4a16, dec1)], [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
+    elif PARTS == 1:
+        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a), (_decode, dec0)],
                            [1, 1, BN // 16], [40, 40, DREGS])
     else:
-        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a),
-                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 0, 2)),
-                            (_decode, (w_s, s_s, d_s, wready, wempty, dready, dempty, UNITS, SPLIT, SPS, STEPS, 1, 2))],
+        gl.warp_specialize([(_mma, mma), (_load_w, load_w), (_load_a, load_a), (_decode, dec0), (_decode, dec1)],
                            [1, 1, BN // 16, BN // 16], [40, 40, DREGS, DREGS])
 
 
@@ -312,26 +345,47 @@ def split_buffers(parts: int, tiles: int, block: int, alpha: torch.Tensor, out: 
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         cfg: WgmmaDecodeWarpsConfig) -> None:
-    """Decode the activation once (``predecode``), then launch ``wgds_kernel`` over the weight's words and scales as
-    ``gemv.tma_warp_specialized.weight_descriptors`` views them (block_n / 4 rows of each quarter, k_blocks blocks):
-    one CTA per (tile, K part), or with ``persistent`` one per SM."""
-    (m, k2), n = a.shape, b.shape[0]
-    kb = k2 // 8
-    if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
-        raise ValueError(f"fp4_mm: {type(cfg).__name__} needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and "
-                         f"b_scale; got N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
-                         f"{(b.data_ptr() % 16, sb.data_ptr() % 16)}. Use another config from configs_for()")
-    bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
+    """Decode the activation once (``predecode``), then :func:`launch_gemm`."""
+    check_operands("fp4_mm", "configs_for", b, sb, cfg)
     pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
-    ad = predecode(a.view(torch.int64), sa, True, CVT=True, **pre)
+    launch_gemm(predecode(a.view(torch.int64), sa, True, CVT=True, **pre), b, sb, alpha, out, cfg, opts)
+
+
+def check_operands(op: str, source: str, b: torch.Tensor, sb: torch.Tensor, cfg: WgmmaDecodeWarpsConfig) -> None:
+    """What ``wgds_kernel``'s TMA boxes need of the weight (before anything is launched); ``op`` and ``source`` (the
+    heuristics function that offers its configs) name it in the error."""
+    n, kb = b.shape[0], b.shape[1] // 8
+    if n % 32 or kb % 2 or b.data_ptr() % 16 or sb.data_ptr() % 16:
+        raise ValueError(f"{op}: {type(cfg).__name__} needs N % 32 == 0, K % 32 == 0 and a 16-byte aligned b and "
+                         f"b_scale; got N={n}, K={kb * 16}, data_ptr() % 16 of (b, b_scale) = "
+                         f"{(b.data_ptr() % 16, sb.data_ptr() % 16)}. Use another config from {source}()")
+
+
+def launch_gemm(ad: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+                cfg: WgmmaDecodeWarpsConfig, opts: dict, w4a16: bool = False) -> None:
+    """Launch ``wgds_kernel`` on the 16-bit A operand ``ad`` [M, >= K] already in the weight decode's K order (the
+    pre-decoded NVFP4 activation, or with ``w4a16`` the permuted activations) and the weight's words and scales as
+    ``gemv.tma_warp_specialized.weight_descriptors`` views them (block_n / 4 rows of each quarter, k_blocks blocks):
+    one CTA per (tile, K part), or with ``persistent`` one per SM. ``opts``: launch options (PDL)."""
+    m, n, kb = ad.shape[0], b.shape[0], b.shape[1] // 8
+    bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
-    y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), layouts(bn, bm, bkb)[1])
+    y_layout = act_layout(bm, bkb, ad.dtype)
+    y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), y_layout)
     nt, tiles, steps = decode_warps_work(m, n, kb, cfg)
     sps = cdiv(steps, max(1, min(cfg.split_k, steps)))
     split = cdiv(steps, sps)  # every part gets >= 1 step
     ws, cnt = split_buffers(split, tiles, bn * bm, alpha, out)
     units = tiles * split
+    form = {"W4A16": True, "UNDO": W4A16_UNDO.value} if w4a16 else {}  # the NVFP4 GEMM: the kernel's defaults
     launch(wgds_kernel, (min(units, runtime.num_sms(out.device)) if cfg.persistent else units,), x_desc, s_desc,
            y_desc, alpha, out, ws, cnt, m, n, nt, units, split, sps, steps, BN=bn, BM=bm, BKB=bkb, STAGES=cfg.stages,
            ASTAGES=cfg.act_stages, DSTAGES=cfg.decoded_stages, DREGS=cfg.decode_registers,
-           PARTS=cfg.decode_partitions, num_warps=4, **opts)
+           PARTS=cfg.decode_partitions, num_warps=4, **opts, **form)
+
+
+@functools.lru_cache(maxsize=None)
+def act_layout(bm: int, bkb: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [bm, bkb*16] tile of the 16-bit A operand (TMA and wgmma), cached: building it
+    costs host time on every call otherwise."""
+    return gl.NVMMASharedLayout.get_default_for([bm, bkb * 16], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)

@@ -19,7 +19,8 @@ import triton.language as tl
 from .. import runtime, workspace
 from ..config import WgmmaRegisterAW4A16Config
 from ..numerics.e2m1_e4m3 import swz_row
-from ..tiles import grid_tile, k_part, pdl_wait, store_out, stream_piece, stream_range, stream_store
+from ..tiles import (gdc_launch_dependents, grid_tile, k_part, pdl_wait, store_out, stream_piece, stream_range,
+                     stream_store)
 from .wgmma_register_a import _dec16, _scale_cols, stream_grid, to_k_order
 
 W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
@@ -53,10 +54,13 @@ def register_a_w4a16_tile(a_ptr, LDA, rm, M, KB, b_ptr, sb_ptr, rn, N, kb_lo, kb
 
 
 @triton.jit
-def permute_a_kernel(a_ptr, ad_ptr, M, K, KP, BR: tl.constexpr, BKB: tl.constexpr, PDL: tl.constexpr = False):
+def permute_a_kernel(a_ptr, ad_ptr, M, K, KP, BR: tl.constexpr, BKB: tl.constexpr, PDL: tl.constexpr = False,
+                     EARLY: tl.constexpr = False):
     """a [M, K] (16-bit, K order) -> ad [M, KP] (KP: K padded to whole groups of 4 blocks) in the decode's K order
-    (``to_k_order``), zeros past K; BKB a multiple of 4."""
+    (``to_k_order``), zeros past K; BKB a multiple of 4. EARLY: as ``wgmma_register_a.wmma_prep_a_kernel``'s."""
     pdl_wait(PDL)
+    if PDL and EARLY:
+        gdc_launch_dependents()
     rm = tl.program_id(0) * BR + tl.arange(0, BR)
     k = tl.program_id(1) * BKB * 16 + tl.arange(0, BKB * 16)
     x = tl.load(a_ptr + rm[:, None].to(tl.int64) * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K),
@@ -97,7 +101,8 @@ def wmma_w4a16_sk_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
 
 def permute_a(a: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, int]:
     """16-bit activations a [M, K] in the decode's K order, written by ``permute_a_kernel`` to workspace scratch, and
-    its row stride (K padded to whole groups of 4 blocks)."""
+    its row stride (K padded to whole groups of 4 blocks). ``pdl``: the launch options (``runtime.pdl``'s, or
+    ``wgmma_register_a.pdl_after_predecode``'s first)."""
     (m, k), br, bkb = a.shape, 16, 16
     kp = runtime.cdiv(k // 16, 4) * 64
     ad = workspace.scratch("permute_a", (m, kp), a.dtype, a.device)
