@@ -87,13 +87,3 @@ def test_kernels_load_the_weight_16_bytes_at_a_time_and_pipeline_the_scales(case
         assert "LDG.E.64" not in ops, "8-byte weight loads in the GEMV"
     else:
         assert "LDG.E.U8" not in ops and "LDG.E.S8" not in ops, "scale bytes loaded outside the pipeline"
-
-
-@pytest.mark.parametrize("swizzled", [True, False])
-def test_the_quantize_kernel_reads_each_block_in_16_byte_loads(swizzled):
-    """``quant_kernel`` (bf16 activations): two 16-byte loads per thread, one 4-byte load (the global scale); reading
-    each block as [8, 2] pairs instead gave eight 4-byte loads per thread and warp shuffles for every block's amax."""
-    from fp4dispatch.kernels._quantize import quant_kernel
-
-    ops = _build(quant_kernel, dict(BM=16, BKB=8, SWIZZLED=swizzled), 4, x_ptr="*bf16")
-    assert ops.count("LDG.E.128") == 2 and ops.count("LDG.E") == 1, sorted(ops)
