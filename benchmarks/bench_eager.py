@@ -80,7 +80,8 @@ def _launches(entry: dict | None) -> tuple[int, float | None, float | None]:
 
     def count(t: dict) -> int:
         cfg = t.get("config") or {}
-        return from_json(cfg).launches if t.get("backend") == "triton:fused" and "family" in cfg else 1
+        return from_json(cfg).launches if t.get("backend") in ("triton:fused", "triton:w4a16") and "family" in cfg \
+            else 1
     if not entry:
         return 1, None, None
     single = [t["time_us"] for t in entry.get("ranking", []) if t.get("time_us") is not None and count(t) == 1]
