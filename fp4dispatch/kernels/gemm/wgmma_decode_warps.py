@@ -27,6 +27,9 @@ loads and decodes overlap it.
 Rows are taken the way the scales are stored (as ``gemv.tma_warp_specialized``): a tile is R = BN / 4 rows
 ``i0..i0+R`` of each 32-row quarter of a 128-row group, so its scales for a step are one box of the int32 view
 (g, j, 4i + q). docs/kernels.md has what the design is for and what was tried around it.
+
+``wgmma_decode_warps_w4a16`` launches the same kernel for ``w4a16_mm`` (``W4A16``: the activations as A, the weight
+decoded to their dtype; :func:`launch_gemm` serves both).
 """
 from __future__ import annotations
 
@@ -297,7 +300,7 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
     SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
     the UNITS parts shared out in order (``first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
-    (views: :func:`run`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
+    (views: :func:`launch_gemm`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
     one of DSTAGES.
     W4A16: A is the 16-bit activations in the weight decode's K order (``y_desc``'s dtype, fp16 or bf16) instead;
     UNDO: the epilogue's power of two (``epilogue``).
