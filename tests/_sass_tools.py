@@ -190,12 +190,13 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int, DSTAGES: i
                out_type: str = "bf16", w4a16: torch.dtype | None = None) -> dict:
     """``build`` of ``wgmma_decode_warps.wgds_kernel``; ``out_type`` the output's (fp32 needs the most shared
     memory: the epilogue's layout conversion); ``w4a16``: the activations' dtype of its W4A16 form."""
-    from fp4dispatch.kernels.gemm.wgmma_decode_warps import act_layout, wgds_kernel
+    from fp4dispatch.kernels.gemm.gluon_tiles import operand_layout
+    from fp4dispatch.kernels.gemm.wgmma_decode_warps import wgds_kernel
     from fp4dispatch.kernels.gemv.tma_warp_specialized import _layouts
 
     dt = w4a16 or torch.float16
     ad = mangle_type(TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=dt), [BM, BKB * 16],
-                                                  act_layout(BM, BKB, dt)))
+                                                  operand_layout(BM, BKB, dt)))
     wl, wsl, _, _ = _layouts()
     xd = TensorDescriptor.from_tensor(torch.zeros(32, 32, 512, dtype=torch.int64), [4, BN // 4, BKB], wl)
     sd = TensorDescriptor.from_tensor(torch.zeros(8, 128, 128, dtype=torch.int32), [1, BKB // 4, BN], wsl)

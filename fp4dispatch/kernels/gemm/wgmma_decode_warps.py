@@ -33,8 +33,6 @@ decoded to their dtype; :func:`launch_gemm` serves both).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -43,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
-from .gluon_tiles import dec16, epilogue, first_tile, raw_layout, store_layout, tile_offsets
+from .gluon_tiles import dec16, epilogue, first_tile, operand_layout, raw_layout, store_layout, tile_offsets
 from ..gemv.tma_warp_specialized import plain, weight_descriptors
 from .. import runtime, workspace
 from ..config import WgmmaDecodeWarpsConfig, decode_warps_work
@@ -300,8 +298,8 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     """out [M, N] = alpha * A @ W.T over tiles [BN, BM] (NT along N) of STEPS K steps of BKB 16-blocks, each cut into
     SPLIT parts of SPS steps (``_unit``; partial sums: ``split_epilogue``, workspace ``ws_ptr``, counters ``cnt_ptr``);
     the UNITS parts shared out in order (``first_tile``): W's words and block scales by ``x_desc`` and ``s_desc``
-    (views: :func:`launch_gemm`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W decoded into
-    one of DSTAGES.
+    (views: :func:`launch_gemm`) into a ring of STAGES slots, A pre-decoded by ``y_desc`` into one of ASTAGES, W
+    decoded into one of DSTAGES.
     W4A16: A is the 16-bit activations in the weight decode's K order (``y_desc``'s dtype, fp16 or bf16) instead;
     UNDO: the epilogue's power of two (``epilogue``).
     Partitions: the MMA warpgroup (default), a TMA warp per ring, PARTS (1 or 2) partitions of BN / 16 decode warps
@@ -373,7 +371,7 @@ def launch_gemm(ad: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torc
     m, n, kb = ad.shape[0], b.shape[0], b.shape[1] // 8
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
     x_desc, s_desc = weight_descriptors(b, sb, bn // 4, bkb)
-    y_layout = act_layout(bm, bkb, ad.dtype)
+    y_layout = operand_layout(bm, bkb, ad.dtype)
     y_desc = tma_desc(ad.data_ptr(), ad.dtype, tuple(ad.shape), ad.stride(), (bm, bkb * 16), y_layout)
     nt, tiles, steps = decode_warps_work(m, n, kb, cfg)
     sps = cdiv(steps, max(1, min(cfg.split_k, steps)))
@@ -386,9 +384,3 @@ def launch_gemm(ad: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torc
            ASTAGES=cfg.act_stages, DSTAGES=cfg.decoded_stages, DREGS=cfg.decode_registers,
            PARTS=cfg.decode_partitions, num_warps=4, **opts, **form)
 
-
-@functools.lru_cache(maxsize=None)
-def act_layout(bm: int, bkb: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a [bm, bkb*16] tile of the 16-bit A operand (TMA and wgmma), cached: building it
-    costs host time on every call otherwise."""
-    return gl.NVMMASharedLayout.get_default_for([bm, bkb * 16], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
