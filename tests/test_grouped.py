@@ -321,7 +321,7 @@ from fp4dispatch.kernels.config_grouped import GemvGroupedConfig, MmaGroupedConf
 from fp4dispatch.kernels.grouped_mm import grouped_mm
 from fp4dispatch.problem import Problem
 
-res = {"exact": [], "hostile": [], "bad_offs": [], "decode": [], "table": [], "w4a16": []}
+res = {"exact": [], "hostile": [], "bad_offs": [], "decode": [], "table": [], "w4a16": [], "k_order": []}
 # the last three: the tokens decoded first, then w4a16's register-operand tile (16 blocks per K step: more than K has)
 cfgs = [MmaGroupedConfig(16, 32, 4, 4, 1), MmaGroupedConfig(32, 16, 8, 4, 1),
         GemvGroupedConfig(2, 16, 8, 4, prefetch=True), GemvGroupedConfig(1, 32, 8, 4),
@@ -359,6 +359,16 @@ for counts, bad in (([0, 5, 0, 2], None), ([130, 0, 3], None), ([4], None), ([0,
         owned = int(layout[-1])  # rows past the (clamped) table's end belong to no expert: zero
         same = torch.equal(x[:owned].view(torch.int16), want[:owned].view(torch.int16))
         res["decode"].append([counts, bad, layout.tolist(), same and bool((x[owned:] == 0).all())])
+from fp4dispatch.kernels.gemm.wgmma_register_a_w4a16 import permute_a
+for counts, k in (([0, 5, 0, 2], 128), ([3, 17], 80), ([20], 272)):  # K/16 = 8, 5 and 17: partial scale groups
+    a, b, sa, sb, alpha, offs = _inputs(counts, k=k)
+    for dt in (torch.bfloat16, torch.float16):
+        plain = torch.full((a.shape[0], k), float("nan"), dtype=dt)
+        dequantize_grouped_rows(a, sa, offs, plain, torch.empty(len(counts) + 1, dtype=torch.int32))
+        want, kp = permute_a(plain, {})
+        got = torch.full((a.shape[0], kp), float("nan"), dtype=dt)
+        dequantize_grouped_rows(a, sa, offs, got, torch.empty(len(counts) + 1, dtype=torch.int32), k_order=True)
+        res["k_order"].append([counts, k, kp, torch.equal(got.view(torch.int16), want.view(torch.int16))])
 from fp4dispatch.kernels.routing_table import routing_table
 for bad in ([0, 5, 5, 7], [0, 9, 3, 7], [-4, 5, 0, 100]):
     table = torch.full((5,), -9, dtype=torch.int32)
@@ -435,6 +445,14 @@ def test_the_grouped_decode_reads_each_experts_scale_block_and_writes_the_clampe
         ([0, 5, 0, 2], None, [0, 0, 5, 5, 7]), ([130, 0, 3], None, [0, 130, 130, 133]), ([4], None, [0, 4]),
         ([0, 5, 0, 2], [6, 2, 2, 3], [0, 6, 6, 6, 6])]
     assert all(ok for *_, ok in interpreted["decode"]), interpreted["decode"]
+
+
+def test_the_grouped_decode_in_k_order_writes_what_permute_a_makes_of_the_plain_decode(interpreted):
+    """fp4_grouped_mm's register-operand path decodes the tokens straight into the tile's K order (one launch less):
+    bit for bit what ``permute_a`` writes from the plain decode, K padded to whole scale groups with zeros."""
+    assert [(c, k, kp) for c, k, kp, _ in interpreted["k_order"][::2]] == [([0, 5, 0, 2], 128, 128), ([3, 17], 80, 128),
+                                                                         ([20], 272, 320)]
+    assert all(ok for *_, ok in interpreted["k_order"]), interpreted["k_order"]
 
 
 def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():

@@ -41,11 +41,13 @@ def dequantize_to_scratch(purpose: str, packed: torch.Tensor, scale: torch.Tenso
 
 
 def dequantize_grouped_rows(packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-                            layout: torch.Tensor) -> torch.Tensor:
+                            layout: torch.Tensor, k_order: bool = False) -> torch.Tensor:
     """``fp4_grouped_mm``'s activations, uint8 [T, K/2] with scales in the grouped swizzled layout for ``offs``
     (int32 [E]), to ``out`` [T, K] bf16/fp16, exact, in one launch that also writes ``layout`` (int32 [E+1]): 0 and
     then ``offs`` clamped to [0, T] and made non-decreasing (what a kernel that trusts its routing table may
-    read). Rows that no expert owns (a wrong table) decode to zero. No host sync: graph-safe."""
+    read). Rows that no expert owns (a wrong table) decode to zero. No host sync: graph-safe. With ``k_order``,
+    ``out`` is [T, ceil(K/64)*64] in the register-operand decode's K order (``wgmma_register_a.to_k_order``, zeros
+    past K): what ``wgmma_register_a_w4a16.permute_a`` makes of the plain rows, without its launch."""
     from ._dequant import grouped_dequant_kernel
 
     t, k2 = packed.shape
@@ -54,5 +56,5 @@ def dequantize_grouped_rows(packed: torch.Tensor, scale: torch.Tensor, offs: tor
     br, bkb = DEQUANT_BLOCK
     grid = (max(1, -(-t // br)), -(-kb // bkb))
     launch(grouped_dequant_kernel, grid, packed, scale.view(torch.uint8), offs, out, layout, t, k2, kb, -(-kb // 4),
-           e, BR=br, BKB=bkb, EP=max(16, 1 << (e - 1).bit_length()), num_warps=4)
+           e, out.shape[1], BR=br, BKB=bkb, EP=max(16, 1 << (e - 1).bit_length()), KORDER=k_order, num_warps=4)
     return out

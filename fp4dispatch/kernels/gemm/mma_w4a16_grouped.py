@@ -5,7 +5,8 @@ The grid and the expert lookup are ``mma_grouped``'s (``expert_rows.expert_tile`
 from ``offs`` on the GPU, no host sync, an expert without rows costs nothing); inside a tile the work is
 ``mma_w4a16``'s (the activations loaded as they are, the weight decoded in registers to exact values times 2**-9 in
 the activations' dtype, even-k and odd-k halves to two ``tl.dot``) or, with ``register_a``,
-``wgmma_register_a_w4a16``'s (the weight decoded into the register operand, the activations permuted first); fp32
+``wgmma_register_a_w4a16``'s (the weight decoded into the register operand, the activations permuted first, or the
+NVFP4 tokens decoded in that order); fp32
 sums in a fixed order (no split-K: deterministic), alpha (per expert or one) in fp32 at the end.
 """
 from __future__ import annotations
@@ -55,18 +56,20 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     """Launch ``grouped_w4a16_kernel``: a bf16/fp16 [T, K] (``sa`` unused: the grouped launchers' signature), b
     uint8 [E, N, K/2], sb the swizzled expert scales as uint8. For ``fp4_grouped_mm`` (a uint8 [T, K/2], sa its
     grouped swizzled scales) the tokens are first decoded to bf16, exact, by ``dequantize_grouped_rows`` (a second
-    launch, as ``humming:grouped`` does; the global scales stay in alpha)."""
-    if a.dtype == torch.uint8:
-        t, k = a.shape[0], a.shape[1] * 2
-        x = workspace.scratch("grouped_tokens", (t, k), torch.bfloat16, a.device)
-        table = workspace.scratch("grouped_tokens_table", (offs.numel() + 1,), torch.int32, a.device)
-        a = dequantize_grouped_rows(a, sa, offs, x, table)
-    t, k = a.shape
+    launch, as ``humming:grouped`` does; the global scales stay in alpha), with ``register_a`` straight into the
+    decode's K order (no ``permute_a`` launch)."""
     e, n, k2 = b.shape
+    t, k = a.shape[0], k2 * 2
     kb = k // 16
+    if a.dtype == torch.uint8:
+        lda = runtime.cdiv(kb, 4) * 64 if cfg.register_a else k  # permute_a's row stride: whole groups of 4 blocks
+        ops = workspace.scratch("grouped_tokens", (t, lda), torch.bfloat16, a.device)
+        table = workspace.scratch("grouped_tokens_table", (offs.numel() + 1,), torch.int32, a.device)
+        dequantize_grouped_rows(a, sa, offs, ops, table, k_order=cfg.register_a)
+    else:
+        ops, lda = permute_a(a, {}) if cfg.register_a else (a, k)
     grid = (runtime.cdiv(n, cfg.block_n), runtime.cdiv(t, cfg.block_m) + min(e, t))
-    bf16 = a.dtype == torch.bfloat16
-    ops, lda = permute_a(a, {}) if cfg.register_a else (a, k)
+    bf16 = ops.dtype == torch.bfloat16
     runtime.launch(grouped_w4a16_kernel, grid, ops, b, sb, alpha, out, offs, t, n, k2, kb, runtime.cdiv(kb, 4),
                    runtime.cdiv(n, 128) * 128, e, lda, ALPHA_E=alpha.numel() > 1,
                    EP=max(16, triton.next_power_of_2(e)), BM=cfg.block_m, BN=cfg.block_n, BKB=cfg.k_blocks,
