@@ -228,8 +228,8 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers), and
     at 64 < M <= 128 the decode-warps GEMM after the first tile (with Gluon, N % 32 == 0 and K % 32 == 0, as for
     ``configs_for``; at M = 1024 it lost to the register-operand tiles); elsewhere the ``tl.dot`` tiles, the
-    CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90, where it lost to both at every shape measured
-    (docs/kernels.md)."""
+    CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90,
+    where it lost to both at every shape measured (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)

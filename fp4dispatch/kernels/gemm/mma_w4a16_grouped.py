@@ -21,7 +21,7 @@ from ..config_grouped import MmaW4A16GroupedConfig
 from ..expert_rows import expert_operands, expert_tile
 from ..tiles import store_out
 from .mma_w4a16 import w4a16_step
-from .wgmma_register_a_w4a16 import permute_a, register_a_w4a16_tile
+from .wgmma_register_a_w4a16 import k_order_width, permute_a, register_a_w4a16_tile
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     t, k = a.shape[0], k2 * 2
     kb = k // 16
     if a.dtype == torch.uint8:
-        lda = runtime.cdiv(kb, 4) * 64 if cfg.register_a else k  # permute_a's row stride: whole groups of 4 blocks
+        lda = k_order_width(k) if cfg.register_a else k
         ops = workspace.scratch("grouped_tokens", (t, lda), torch.bfloat16, a.device)
         table = workspace.scratch("grouped_tokens_table", (offs.numel() + 1,), torch.int32, a.device)
         dequantize_grouped_rows(a, sa, offs, ops, table, k_order=cfg.register_a)

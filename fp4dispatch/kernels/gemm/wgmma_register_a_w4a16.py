@@ -99,12 +99,17 @@ def wmma_w4a16_sk_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
         it = start + s1
 
 
+def k_order_width(k: int) -> int:
+    """Columns of a row in the decode's K order: K padded to whole groups of 4 blocks (``permute_a``'s row stride)."""
+    return runtime.cdiv(k // 16, 4) * 64
+
+
 def permute_a(a: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, int]:
     """16-bit activations a [M, K] in the decode's K order, written by ``permute_a_kernel`` to workspace scratch, and
     its row stride (K padded to whole groups of 4 blocks). ``pdl``: the launch options (``runtime.pdl``'s, or
     ``wgmma_register_a.pdl_after_predecode``'s first)."""
     (m, k), br, bkb = a.shape, 16, 16
-    kp = runtime.cdiv(k // 16, 4) * 64
+    kp = k_order_width(k)
     ad = workspace.scratch("permute_a", (m, kp), a.dtype, a.device)
     runtime.launch(permute_a_kernel, (runtime.cdiv(m, br), runtime.cdiv(kp, bkb * 16)), a, ad, m, k, kp, BR=br,
                    BKB=bkb, num_warps=4, **pdl)
