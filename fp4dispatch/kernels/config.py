@@ -260,8 +260,7 @@ class WgmmaDecodeWarpsConfig(KernelConfig):
 
     def check(self) -> None:
         # two partitions of 8 decode warps at block_n 128 do not get the registers they need to compile
-        self._require("block_n", self.block_n == 64 or (self.block_n == 128 and self.decode_partitions == 1),
-                      "64, or 128 with decode_partitions 1")
+        self._require("block_n", self.block_n == 64, "64")
         self._require("block_m", _pow2(self.block_m) and self.block_m >= 64, "a power of two >= 64")
         self._require("k_blocks", _pow2(self.k_blocks) and self.k_blocks >= 4,
                       "a power of two >= 4 (whole scale groups)")
