@@ -428,7 +428,15 @@ def test_dequant_backend_configs():
     cpu = torch.device("cpu")
     assert b.configs(Problem(4, 8, 16, torch.bfloat16, cpu)) == [{"alpha": "fold"}, {"alpha": "epilogue"}]
     assert b.configs(Problem(4, 8, 16, torch.float32, cpu)) == [{"alpha": "epilogue"}]
-    assert TritonDequantBackend(cache_weight=True).name == "triton:dequant+matmul(cached)"
+    # w4a16: alpha folded into the weight's bf16 values (the activations are the user's), never into fp16 ones nor
+    # into the alpha-free cached weight
+    w4a16 = [Problem(4, 8, 16, dt, cpu, adt) for dt, adt in ((torch.bfloat16, torch.bfloat16),
+                                                                (torch.float16, torch.float16),
+                                                                (torch.float32, torch.bfloat16))]
+    assert [b.configs(p) for p in w4a16] == [[{"alpha": "fold"}, {"alpha": "epilogue"}], [{"alpha": "epilogue"}],
+                                             [{"alpha": "epilogue"}]]
+    cached = TritonDequantBackend(cache_weight=True)
+    assert cached.name == "triton:dequant+matmul(cached)" and cached.configs(w4a16[0]) == [{"alpha": "epilogue"}]
 
 
 def test_dequant_backend_asks_once_whether_mm_takes_out_dtype(monkeypatch):
@@ -458,6 +466,9 @@ def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
     assert {r["cfg"] for r in rows if r["backend"] == "triton:w4a16"} == {"w4a16_gemv_cuda_core", "w4a16_mma",
                                                                          "w4a16_wgmma_register_a"}
     assert {r["backend"] for r in rows} == {"triton:w4a16", "triton:dequant+matmul"}
+    # bf16 in and out: dequant+matmul also with alpha folded into the weight's bf16 values (checked like the rest)
+    assert {r["cfg"] for r in rows if r["backend"] == "triton:dequant+matmul" and r["a"] == r["out"]
+            == "torch.bfloat16"} == {str({"alpha": "fold"}), str({"alpha": "epilogue"})}
     assert {(r["a"], r["out"]) for r in rows} >= {("torch.bfloat16", "torch.float32"), ("torch.float16",
                                                                                        "torch.float16")}
     bad = [r for r in rows if r["why"] is not None]

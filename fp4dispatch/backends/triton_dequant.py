@@ -2,8 +2,10 @@
 (torch on CPU) multiplies them. Where cuBLAS wins (large M) the tuner takes this; the per-call dequant is counted.
 
 Configs: ``alpha="epilogue"`` (exact: fp32-output GEMM, then alpha in fp32 and the cast) and, for bf16 out,
-``alpha="fold"`` (alpha multiplied into A's dequantized values before their bf16 cast — one extra rounding of A,
-relative output error ~1e-3 — so cuBLAS writes bf16 out directly with no extra pass).
+``alpha="fold"`` (alpha multiplied into the dequantized values of A — of B for ``w4a16_mm``, whose A is the user's —
+before their bf16 cast: one extra rounding of that operand, relative output error ~1e-3, so cuBLAS writes bf16 out
+directly with no fp32 pass; at large M that pass costs more than the dequantize). Not with ``cache_weight``: the
+cached copy is alpha-free.
 
 ``TritonDequantBackend(cache_weight=True)`` (explicit opt-in, not a default backend) keeps a bf16 copy of each
 weight it sees, keyed by storage pointer and version: it costs 3.6x the NVFP4 weight memory (2 bytes per value vs
@@ -35,14 +37,16 @@ class TritonDequantBackend(BaseBackend):
     def unavailable(self, device: torch.device) -> str | None:
         return device_problem(device)
 
-    def configs(self, problem: Problem) -> list[Config]:
-        if problem.out_dtype == torch.bfloat16 and problem.op == "fp4_mm":  # w4a16: a is the user's, not ours
-            return [{"alpha": "fold"}, {"alpha": "epilogue"}]
-        return [{"alpha": "epilogue"}]
+    def _can_fold(self, problem: Problem) -> bool:
+        return problem.out_dtype == torch.bfloat16 and (problem.op == "fp4_mm" or (
+            problem.a_dtype == torch.bfloat16 and not self.cache_weight))
 
-    def _weight(self, ops: Operands, dtype: torch.dtype) -> torch.Tensor:
+    def configs(self, problem: Problem) -> list[Config]:
+        return [{"alpha": "fold"}, {"alpha": "epilogue"}] if self._can_fold(problem) else [{"alpha": "epilogue"}]
+
+    def _weight(self, ops: Operands, dtype: torch.dtype, fold: bool = False) -> torch.Tensor:
         if not self.cache_weight:
-            return dequantize_to_scratch("dequant_b", ops.b, ops.b_scale, dtype)
+            return dequantize_to_scratch("dequant_b", ops.b, ops.b_scale, dtype, factor=ops.alpha if fold else None)
         key = (ops.b.data_ptr(), ops.b._version, tuple(ops.b.shape), ops.b_scale.data_ptr(), ops.b_scale._version,
                dtype, ops.b.device)
         w = self._weights.get(key)
@@ -51,13 +55,14 @@ class TritonDequantBackend(BaseBackend):
         return w
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
+        fold = config.get("alpha") == "fold" and self._can_fold(problem)
         if problem.op == "w4a16":  # a as given: the weight is dequantized to its dtype (exact in bf16 and fp16)
-            dt, fold, a = problem.a_dtype, False, ops.a
+            dt, a = problem.a_dtype, ops.a
+            b = self._weight(ops, dt, fold)
         else:
             dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
-            fold = config.get("alpha") == "fold" and problem.out_dtype == torch.bfloat16
             a = dequantize_to_scratch("dequant_a", ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
-        b = self._weight(ops, dt)
+            b = self._weight(ops, dt)
         if fold and a.is_cuda:
             torch.mm(a, b.t(), out=ops.out)
             return
