@@ -18,6 +18,7 @@ device is probed once and a new key meets an already probed device.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -49,7 +50,8 @@ def run_cells(cells: list[tuple[int, int, int]]) -> None:
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     d = Dispatcher()
-    cache = d.cache_for(dev)  # the device probe, unless the cache holds its verdicts
+    d.report(dev, ("fp4_mm",))  # the probe of fp4_mm's backends (its first call's), unless the cache holds them
+    cache = d.cache_for(dev)
     print(json.dumps({"state_s": round(time.perf_counter() - t0, 3),
                       "health": {n: v.get("seconds") for n, v in cache.health.items() if v.get("status") == "ok"}}),
           flush=True)
@@ -90,6 +92,16 @@ def _lines(p: subprocess.CompletedProcess) -> list[dict]:
     out = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode:
         print(p.stderr[-3000:], file=sys.stderr)
+    return out
+
+
+def _probe_seconds(cache_dir: str) -> dict[str, float]:
+    """Seconds of each backend's device probe, from the verdicts a tune run left in its cache files."""
+    out: dict[str, float] = {}
+    for path in glob.glob(os.path.join(cache_dir, "**", "decisions-*.json"), recursive=True):
+        with open(path) as f:
+            for name, v in json.load(f).get("health", {}).items():
+                out[name] = round(out.get(name, 0.0) + float(v.get("seconds", 0.0)), 2)
     return out
 
 
@@ -183,10 +195,15 @@ def main() -> int:
         except ValueError:
             shapes = []
             print(p.stdout[-2000:], p.stderr[-3000:], file=sys.stderr)
-        report[part] = {"wall_s": round(wall, 2), "rc": p.returncode, "keys": len(shapes),
-                        "tune_s": [s.get("tune_s") for s in shapes]}
+        tune_s = [s.get("tune_s") or {} for s in shapes]
+        probe = _probe_seconds(env["FP4DISPATCH_CACHE_DIR"])
+        phases = {ph: round(sum(t.get(ph, 0.0) for t in tune_s), 1) for ph in ("case", "compile", "check", "screen",
+                                                                                  "time")}
+        report[part] = {"wall_s": round(wall, 2), "rc": p.returncode, "keys": len(shapes), "tune_s": tune_s,
+                        "probe_s": probe, "phases_s": phases}
         lines.append(f"\n{part}: `tune {' '.join(extra)}` from empty caches (probe included): {wall:.1f} s wall, "
-                     f"{len(shapes)} keys, rc {p.returncode}")
+                     f"{len(shapes)} keys, rc {p.returncode}; probes {sum(probe.values()):.1f} s {probe}; the keys' "
+                     f"phases summed {phases}")
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_cold_start.json"), "w") as f:

@@ -25,7 +25,7 @@ def native_fp4_backend(device: torch.device, op: str = "fp4_mm") -> str | None:
     hit = _NATIVE.get((device, op))
     if hit is not None and hit[0] is d:
         return hit[1]
-    ok = {r.name for r in d.report(device) if r.status == "ok"}
+    ok = {r.name for r in d.report(device, (op,)) if r.status == "ok"}  # only that op's backends probed
     name = next((b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False) and b.name in ok
                  and computes(b, op)), None)
     _NATIVE[(device, op)] = (d, name)

@@ -229,7 +229,32 @@ def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch)
     seen = []
     monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: seen.append([p.m for p, _ in jobs]))
     d = Dispatcher([FakeBackend("fake", cost=1e-5)], cache_dir=tmp_path, do_bench=fake_do_bench)
-    state = d._state(CPU)  # this machine's verdicts stand in for a GPU's: only the bookkeeping is under test
-    monkeypatch.setattr(d, "_state", lambda dev: d._states.setdefault(dev, state))
+    state = d._state(CPU, "fp4_mm")  # this machine's verdicts stand in for a GPU's: only the bookkeeping is tested
+    monkeypatch.setattr(d, "_state", lambda dev, *ops: d._states.setdefault(dev, state))
     gpu = [p._replace(device=torch.device("cuda", 0)) for p in (problem(1), problem(16), problem(16))]
     assert d.compile_keys(gpu) == 2 and seen == [[1, 16]]  # one job per key, not per problem
+
+
+def test_a_call_probes_only_the_backends_of_its_op(tmp_path):
+    """A probe compiles and runs a backend's kernels: a process that only calls fp4_mm never probes a W4A16-only or
+    grouped backend. The first w4a16_mm call probes those of its op; report() with every op (its default) the rest;
+    a later process reads every verdict from the cache."""
+    from fp4dispatch.testing import make_operands
+
+    dense, w4, moe = FakeBackend("dense"), FakeBackend("w4", ops=("w4a16",)), FakeBackend("moe", ops=("grouped",))
+    d = Dispatcher([dense, w4, moe], cache_dir=tmp_path, do_bench=fake_do_bench)
+    ops = make_operands(problem(3))
+    d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out_dtype=torch.float32)
+    assert dense.calls > 0 and w4.calls == moe.calls == 0 and set(d.cache_for(CPU).health) == {"dense"}
+    rec = {r.name: r for r in d.report(CPU, ("fp4_mm",))}
+    assert (rec["dense"].status, rec["w4"].status, rec["moe"].status) == ("ok", "not probed", "not probed")
+    assert rec["w4"].reason == ("no w4a16 call has needed it yet (report() with every op, or tune --self-test, "
+                                "probes it)")
+    assert w4.calls == moe.calls == 0
+    a16 = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    d.w4a16_mm(a16, ops.b, ops.b_scale, ops.alpha, out_dtype=torch.float32)
+    assert w4.calls > 0 and moe.calls == 0
+    assert [r.status for r in d.report(CPU)] == ["ok"] * 3 and moe.calls > 0
+    again = [FakeBackend("dense"), FakeBackend("w4", ops=("w4a16",)), FakeBackend("moe", ops=("grouped",))]
+    assert [r.status for r in Dispatcher(again, cache_dir=tmp_path).report(CPU)] == ["ok"] * 3
+    assert [b.calls for b in again] == [0, 0, 0]

@@ -135,11 +135,13 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     return rows
 
 
-def backend_rows(d: Dispatcher, device: torch.device) -> list[dict]:
-    """Per backend on ``device``: status, reason, and how many decided keys it won."""
+def backend_rows(d: Dispatcher, device: torch.device, ops: tuple[str, ...] = ("fp4_mm",)) -> list[dict]:
+    """Per backend on ``device``: status, reason, and how many decided keys it won. The backends of ``ops`` are
+    probed (``fp4_mm``'s by default: ``auto_mode_notes`` goes by them); another op's that the run did not need are
+    listed as not probed."""
     native = {b.name for b in d.backends if getattr(b, "fp4_tensor_cores", False)}
     return [{"device": str(device), "name": r.name, "status": r.status, "reason": r.reason, "wins": len(r.wins),
-             "fp4_tensor_cores": r.name in native} for r in d.report(device)]
+             "fp4_tensor_cores": r.name in native} for r in d.report(device, ops)]
 
 
 def auto_mode_notes(backends: list[dict]) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends.base import OPS
 from . import distributed, presets
 from ..dispatch.cache import DecisionCache, remove_leftovers
 from ..settings import default_cache_dir, read_settings
@@ -204,7 +205,7 @@ def _cmd_self_test(args, opts: TuneOptions, backends) -> int:
     # a throw-away cache dir: the self-test always probes now and leaves the real cache alone
     with tempfile.TemporaryDirectory(prefix="fp4dispatch-selftest-") as tmp:
         d = make_dispatcher(dataclasses.replace(opts, cache_dir=tmp), backends)
-        recs = backend_rows(d, dev)
+        recs = backend_rows(d, dev, OPS)  # every backend, whatever op it computes
     usable = any(r["status"] == "ok" for r in recs)
     if args.json:
         print(json.dumps({"command": "self-test", "device": str(dev), "backends": recs,

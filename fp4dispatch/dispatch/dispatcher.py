@@ -1,5 +1,5 @@
-"""The self-selecting dispatcher: probe once per device, tune once per key, prove the pick at every M it serves,
-remember on disk, fall back on faults.
+"""The self-selecting dispatcher: probe each backend once per device (when a call first needs one of its ops), tune
+once per key, prove the pick at every M it serves, remember on disk, fall back on faults.
 
 Key = (device, M bucket, N, K, out_dtype, activation dtype, experts) (``Problem.key``); the device fingerprint (GPU,
 driver, CUDA, library versions, env) names the cache file. Once a key is decided and the call's M proven, a call
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..backends import default_backends
-from ..backends.base import Backend, Config, computes, config_json
+from ..backends.base import OPS, Backend, Config, computes, config_json
 from ..backends.reference import reference_mm
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
@@ -80,6 +80,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         self._named: dict[tuple, Choice] = {}
         self._proven: dict[tuple, set] = {}  # (key, ident) -> M proven, shared by every Choice of that pair
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
+        self._probed_ops: dict[torch.device, set[str]] = {}  # the ops whose backends have verdicts in _states
         self._lock = threading.RLock()
         self._warned: set[str] = set()
         # guard mode (fp4dispatch.dispatch.guard): checks outputs for non-finite values without a host sync per call
@@ -155,7 +156,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         """Ban ``choice``'s backend from its key (memory and disk) and return the next pick, proven at
         ``problem.m`` (the key is tuned again when no verified fallback is left). Raises NoUsableBackendError."""
         with self._lock:
-            cache, _ = self._state(problem.device)
+            cache, _ = self._state(problem.device, problem.op)
             self._ban(cache, choice.key, choice.backend.name, reason)
             new = self._prove(choice.key, problem, self._next(choice))
             self._choices[choice.key] = new
@@ -169,7 +170,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
                 return c
             if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return self._capture_choice(key, problem, c)
-            self._state(problem.device)
+            self._state(problem.device, problem.op)
             if c is None:
                 c = self._cached_choice(key, problem) or self._tune_key(key, problem)
             c = self._prove(key, problem, c)
@@ -348,21 +349,30 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
             log.warning(message, *args)
 
     # -- probing -------------------------------------------------------------------------------------------------
-    def _state(self, device: torch.device) -> tuple[DecisionCache, dict[str, Verdict]]:
+    def _state(self, device: torch.device, *ops: str) -> tuple[DecisionCache, dict[str, Verdict]]:
+        """The device's cache and verdicts, every backend of ``ops`` probed (or read from the cache): a probe compiles
+        and runs kernels, so a process that only calls ``fp4_mm`` never probes the grouped or W4A16-only backends."""
         st = self._states.get(device)
         if st is None:
             check_device(device)
-            cache = DecisionCache(self.cache_dir, device_fingerprint(device))
-            st = self._states[device] = (cache, device_health(self.backends, device, cache, self.settings))
+            st = self._states[device] = (DecisionCache(self.cache_dir, device_fingerprint(device)), {})
+            self._probed_ops[device] = set()
+        if todo := [op for op in ops if op not in self._probed_ops[device]]:
+            # marked first: a backend whose probe calls a dispatcher (loop:fp4_mm's own) must not probe again here
+            self._probed_ops[device].update(todo)
+            cache, health = st
+            new = [b for b in self.backends if b.name not in health and any(computes(b, op) for op in todo)]
+            health.update(device_health(new, device, cache, self.settings))
         return st
 
     # -- public helpers ------------------------------------------------------------------------------------------
-    def report(self, device=None) -> Report:
+    def report(self, device=None, ops: tuple[str, ...] = OPS) -> Report:
         """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
-        table."""
+        table. The backends of ``ops`` are probed first (default: every op); one of another op that no call has
+        needed yet is listed as not probed."""
         dev = resolve_device(device)
         with self._lock:
-            cache, health = self._state(dev)
+            cache, health = self._state(dev, *ops)
             return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)
 
     def entry_for(self, problem: Problem) -> dict | None:
@@ -385,6 +395,6 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
-            return self._state(resolve_device(device))[0]
+            return self._state(resolve_device(device))[0]  # the cache only: nothing is probed
 
 

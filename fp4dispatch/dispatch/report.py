@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..backends.base import backend_ops
+
 __all__ = ["BackendRecord", "Report", "build_report"]
 
 
@@ -34,10 +36,14 @@ class Report(list):
 
 
 def build_report(backends, health: dict, decisions: dict, shape_blacklist: dict, faults: dict) -> Report:
-    """Records from a device's verdicts and cache sections (``health``: name -> Verdict)."""
+    """Records from a device's verdicts and cache sections (``health``: name -> Verdict, for the probed ones)."""
     recs = Report()
     for b in backends:
-        v = health[b.name]
+        v = health.get(b.name)
+        if v is None:  # of an op no call has needed on this device yet
+            recs.append(BackendRecord(b.name, "not probed", f"no {' or '.join(backend_ops(b))} call has needed it "
+                                      "yet (report() with every op, or tune --self-test, probes it)"))
+            continue
         rec = BackendRecord(b.name, v.status, v.reason)
         for ks, e in decisions.items():
             if e.get("backend") == b.name:

@@ -53,7 +53,7 @@ class UntunedChoices:
             raise InvalidInputError(f"{problem.call}: backend {b.name!r} computes {' and '.join(backend_ops(b))} "
                                     f"only; pass one of {ok} or none")
         with self._lock:
-            v = self._state(problem.device)[1][b.name]
+            v = self._state(problem.device, problem.op)[1][b.name]
         if v.status != "ok":
             raise BackendError(f"{problem.call}: backend {b.name!r} was requested but is {v.status} on "
                                f"{problem.device}: {v.reason}")

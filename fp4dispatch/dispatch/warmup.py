@@ -36,7 +36,7 @@ class Warmup:
                 if p.device.type != "cuda" or self._forced is not None or p.key in seen:
                     continue
                 seen.add(p.key)
-                cache, _ = self._state(p.device)
+                cache, _ = self._state(p.device, p.op)
                 if p.key not in self._choices and key_str(p.key) not in cache.decisions:
                     candidates = self._candidates(p.key, p)[0]
                     if candidates:
