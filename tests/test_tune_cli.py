@@ -268,6 +268,19 @@ def test_json_run_ranks_backends_and_reports_speedup(tuned):
     assert flaky16["time_us"] is None and flaky16["reason"].startswith("incorrect: all zeros at M=16")
     assert [(b["name"], b["status"], b["wins"]) for b in data["backends"]] == [
         ("fast", "ok", 2), ("slow", "ok", 0), ("flaky", "ok", 0)]
+    # the wall time of each stage (no cuBLAS baseline on the CPU), for bench_cold_start's breakdown
+    assert set(data["seconds"]) == {"probe", "compile", "decide", "baseline"} and data["seconds"]["baseline"] == 0
+    assert all(v >= 0 for v in data["seconds"].values())
+
+
+def test_a_tune_probes_the_backends_of_its_ops_and_lists_the_others_as_not_probed(capsys, tmp_path):
+    moe = FakeBackend("moe", ops=("grouped",))
+    code, data, _ = _json(capsys, ["--shape", "1,256,512", "--json", "--cache-dir", str(tmp_path / "c")],
+                          backends=[FakeBackend("dense"), moe], do_bench=fake_do_bench)
+    assert code == 0 and moe.calls == 0
+    assert {b["name"]: b["status"] for b in data["backends"]} == {"dense": "ok", "moe": "not probed"}
+    code, data, _ = _json(capsys, ["--self-test", "--json"], backends=[FakeBackend("dense"), moe])
+    assert {b["name"]: b["status"] for b in data["backends"]} == {"dense": "ok", "moe": "ok"} and moe.calls > 0
 
 
 def test_table_shows_winner_config_and_runner_up(capsys):

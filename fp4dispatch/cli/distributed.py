@@ -91,21 +91,26 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
 
 
 def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptions, *, tuned_by: str = "",
-              position: int = 0) -> list[dict]:
-    """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape."""
+              position: int = 0, seconds: dict | None = None) -> list[dict]:
+    """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape.
+    ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline."""
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]
     adt = torch.uint8 if opts.op == "fp4_mm" else dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
-        print(f"probing {len(d.backends)} backends on {device} ...", file=sys.stderr)
-    cache = d.cache_for(device)  # probes every backend on this device once
     problems = [Problem(s.m, s.n, s.k, dt, device, adt, s.experts) for s in shapes]
+    ops = tuple(dict.fromkeys(p.op for p in problems))
+    if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
+        print(f"probing the backends of {', '.join(ops) or 'no op'} on {device} ...", file=sys.stderr)
+    stage = dict.fromkeys(("probe", "compile", "decide", "baseline"), 0.0)
     t0 = time.perf_counter()
+    d.report(device, ops)  # the backends of the ops these shapes need, probed once per device (or cached)
+    cache = d.cache_for(device)
+    t1 = time.perf_counter()
     compiled = d.compile_keys(problems)  # every new key's kernels together; each key is then checked and timed alone
+    stage["probe"], stage["compile"] = t1 - t0, time.perf_counter() - t1
     if compiled and opts.progress and sys.stderr.isatty():
-        print(f"compiled the kernels of {compiled} new keys at once in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"compiled the kernels of {compiled} new keys at once in {stage['compile']:.1f} s", file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
@@ -116,22 +121,29 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
                "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
                "source": "cache" if ks in cache.decisions else "tuned"}
         bar.set_postfix_str(ks)  # the key being decided (the slow part: compiles, checks, timing)
+        t0 = time.perf_counter()
         try:
             entry = d.entry_for(problem)
         except FP4DispatchError as e:  # no usable backend, or FP4DISPATCH_BACKEND names one that cannot run
             row.update(status="no_backend", reasons=getattr(e, "reasons", None) or {"error": str(e)})
             rows.append(row)
             continue
+        finally:
+            stage["decide"] += time.perf_counter() - t0
         if entry is None:  # a forced backend (FP4DISPATCH_BACKEND) decides without tuning
             entry = {"backend": d.choose(problem).backend.name, "mode": "forced"}
         row.update(status="ok", **_summarize(entry, s.n, s.k))
         row["cublas_bf16_us"] = row["speedup_vs_cublas_bf16"] = None
         if device.type == "cuda":
+            t0 = time.perf_counter()
             row["cublas_bf16_us"] = _bf16_baseline_us(row["tuned_at_m"], s.n, s.k, device, d.settings.timer)
+            stage["baseline"] += time.perf_counter() - t0
             if row["time_us"]:
                 row["speedup_vs_cublas_bf16"] = round(row["cublas_bf16_us"] / row["time_us"], 3)
         rows.append(row)
     bar.close()
+    if seconds is not None:
+        seconds.update({k: round(v, 2) for k, v in stage.items()})
     return rows
 
 

@@ -195,8 +195,9 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
         payload.update(mode="devices", devices=args.devices)
         return _finish(args, payload, rows, backs, notes)
     d = make_dispatcher(opts, backends, do_bench)
-    rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev))
-    payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path))
+    seconds: dict = {}
+    rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev), seconds=seconds)
+    payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path), seconds=seconds)
     return _finish(args, payload, rows, backend_rows(d, dev), notes, d.cache_for(dev))
 
 
