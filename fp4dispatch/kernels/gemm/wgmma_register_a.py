@@ -268,6 +268,12 @@ def pdl_after_predecode(pdl: dict) -> tuple[dict, dict]:
     return ({**pdl, "EARLY": True}, {"launch_pdl": True}) if pdl else ({}, {})
 
 
+def k_order_width(k: int) -> int:
+    """Columns of a row in the decode's K order: K padded to whole groups of 4 blocks (the row stride of
+    ``predecode``'s output and of ``wgmma_register_a_w4a16.permute_a``'s)."""
+    return runtime.cdiv(k // 16, 4) * 64
+
+
 def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16, 16, 4), **opts) -> torch.Tensor:
     """One operand (int64 words [m, kb], swizzled scale bytes ``sa``: A, or the weight in a swapped
     ``wgmma_warp_specialized``) decoded once into [m, ceil(kb/4)*64] in this kernel's K order, fp16 (fp32 in the
@@ -275,8 +281,8 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16,
     (m, kb), (br, bkb, warps) = a64.shape, tile
     if bkb % 4:  # the scale swizzle and the K order both go by groups of 4 blocks
         raise ValueError(f"predecode: tile[1] (16-blocks per CTA) must be a multiple of 4; got tile={tile}")
-    ad = workspace.scratch("predecode", (m, runtime.cdiv(kb, 4) * 64), torch.float16 if asm else torch.float32,
-                           a64.device)
+    dt = torch.float16 if asm else torch.float32
+    ad = workspace.scratch("predecode", (m, k_order_width(16 * kb)), dt, a64.device)
     runtime.launch(wmma_prep_a_kernel, (runtime.cdiv(m, br), runtime.cdiv(kb, bkb)), a64, sa, ad, m, kb,
                    runtime.cdiv(kb, 4), BR=br, BKB=bkb, ASM=asm, num_warps=warps, **opts)
     return ad

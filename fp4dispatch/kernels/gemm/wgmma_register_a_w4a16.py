@@ -21,7 +21,7 @@ from ..config import WgmmaRegisterAW4A16Config
 from ..numerics.e2m1_e4m3 import swz_row
 from ..tiles import (gdc_launch_dependents, grid_tile, k_part, pdl_wait, store_out, stream_piece, stream_range,
                      stream_store)
-from .wgmma_register_a import _dec16, _scale_cols, stream_grid, to_k_order
+from .wgmma_register_a import _dec16, _scale_cols, k_order_width, stream_grid, to_k_order
 
 W4A16_UNDO = tl.constexpr(128.0)  # 2**7: undoes the weight values' 2**-7
 
@@ -97,11 +97,6 @@ def wmma_w4a16_sk_kernel(a_ptr, b_ptr, sb_ptr, alpha_ptr, out_ptr, ws_ptr, cnt_p
                                     CB, BM, BN, BKB, ASM, BF16)
         stream_store(acc, tile, start, STEPS, total, c, p, rm, rn, M, N, alpha_ptr, out_ptr, ws_ptr, cnt_ptr)
         it = start + s1
-
-
-def k_order_width(k: int) -> int:
-    """Columns of a row in the decode's K order: K padded to whole groups of 4 blocks (``permute_a``'s row stride)."""
-    return runtime.cdiv(k // 16, 4) * 64
 
 
 def permute_a(a: torch.Tensor, pdl: dict) -> tuple[torch.Tensor, int]:
