@@ -258,3 +258,23 @@ def test_a_call_probes_only_the_backends_of_its_op(tmp_path):
     again = [FakeBackend("dense"), FakeBackend("w4", ops=("w4a16",)), FakeBackend("moe", ops=("grouped",))]
     assert [r.status for r in Dispatcher(again, cache_dir=tmp_path).report(CPU)] == ["ok"] * 3
     assert [b.calls for b in again] == [0, 0, 0]
+
+
+def test_an_interrupted_probe_is_probed_again_by_the_next_call(tmp_path):
+    """Ctrl-C during the probe of an op's backends leaves that op unprobed, not half-probed for the process."""
+    from fp4dispatch.testing import make_operands
+
+    class Interrupted(FakeBackend):
+        def unavailable(self, device):
+            if not self.calls:
+                self.calls += 1
+                raise KeyboardInterrupt
+            return None
+
+    b = Interrupted("ctrl-c")
+    d = Dispatcher([b], cache_dir=tmp_path, do_bench=fake_do_bench)
+    ops = make_operands(problem(3))
+    with pytest.raises(KeyboardInterrupt):
+        d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out_dtype=torch.float32)
+    d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out_dtype=torch.float32)
+    assert [r.status for r in d.report(CPU, ("fp4_mm",))] == ["ok"]

@@ -303,8 +303,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
     def _prove(self, key: tuple, problem: Problem, c: Choice | None, *, retune: bool = True,
                walk: bool = True) -> Choice:
         """``c`` or (``walk``) the first of its fallbacks proven right at ``problem.m`` (each one found wrong is
-        banned from the key); with none left, the key is tuned again at this M (``retune``) or
-        NoUsableBackendError."""
+        banned from the key); with none left, the key is tuned again at this M (``retune``) or NoUsableBackendError."""
         cache, _ = self._states[key[0]]
         m, case = problem.m, None
         while c is not None and m not in c.verified:
@@ -320,8 +319,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         if c is not None:
             return c
         if not retune:
-            raise NoUsableBackendError(f"{problem.call}: no verified fallback is left for {problem} on "
-                                       f"{problem.device}")
+            raise NoUsableBackendError(f"{problem.call}: no verified fallback left for {problem} on {problem.device}")
         return self._tune_key(key, problem)
 
     @staticmethod
@@ -360,16 +358,18 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         if todo := [op for op in ops if op not in self._probed_ops[device]]:
             # marked first: a backend whose probe calls a dispatcher (loop:fp4_mm's own) must not probe again here
             self._probed_ops[device].update(todo)
-            cache, health = st
-            new = [b for b in self.backends if b.name not in health and any(computes(b, op) for op in todo)]
-            health.update(device_health(new, device, cache, self.settings))
+            new = [b for b in self.backends if b.name not in st[1] and any(computes(b, op) for op in todo)]
+            try:
+                st[1].update(device_health(new, device, st[0], self.settings))
+            except BaseException:  # interrupted: the next call probes these ops again
+                self._probed_ops[device].difference_update(todo)
+                raise
         return st
 
     # -- public helpers ------------------------------------------------------------------------------------------
     def report(self, device=None, ops: tuple[str, ...] = OPS) -> Report:
-        """One record per backend: status, reason and its wins/losses per decided key on ``device``; prints as a
-        table. The backends of ``ops`` are probed first (default: every op); one of another op that no call has
-        needed yet is listed as not probed."""
+        """One record per backend: status, reason, wins/losses per decided key on ``device``; prints as a table. The
+        backends of ``ops`` (default: all) are probed first; another op's that no call needed yet shows not probed."""
         dev = resolve_device(device)
         with self._lock:
             cache, health = self._state(dev, *ops)
