@@ -16,6 +16,10 @@ captured; it is left out of the dispatcher here (FP4DISPATCH_DISABLE) unless ``-
 Goals (issue 32): the pick >= Humming's default and >= 1.15x Humming with Stream-K off, >= 75 % of the copy bandwidth
 at B in {8, 32, 128} and >= 60 % at B = 1, >= 3x bf16 at B <= 32.
 
+``--biases 0,1,3`` times each (layer, B) on routings of several per-expert bias spreads (``topk_counts``' bias: 0
+every expert equally likely, 1 as trained routers, 3 a few hot experts) and prints, per (layer, B), the fastest
+backend at each and the pick's time over it (the pick is decided once per key, on the tuner's own routing).
+
     export PYTHONPATH=$PWD; python benchmarks/bench_grouped.py --out $OUT [--layers deepseek-gate_up,... --bs 1,8]
 """
 from __future__ import annotations
@@ -55,13 +59,14 @@ def _weights(e: int, n: int, k: int):
     return b, lin, swizzle_expert_scales(lin), ws2
 
 
-def _tokens(b_tokens: int, e: int, k: int, top_k: int, seed: int):
-    """(a, a_scale swizzled for any routing, offs, bf16 tokens decoded, touched experts) of one routing."""
+def _tokens(b_tokens: int, e: int, k: int, top_k: int, seed: int, bias: float = 1.0):
+    """(a, a_scale swizzled for any routing, offs, bf16 tokens decoded, touched experts) of one routing (``bias``:
+    ``topk_counts``' spread of the per-expert bias, how uneven the load is)."""
     from fp4dispatch.format import dequantize_nvfp4
     from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_grouped_scales
     from fp4dispatch.routing import offs_from_counts, topk_counts
 
-    counts = topk_counts(b_tokens, e, top_k, seed=seed, device="cuda")
+    counts = topk_counts(b_tokens, e, top_k, seed=seed, device="cuda", bias=bias)
     offs = offs_from_counts(counts)
     t = int(offs[-1])
     g = torch.Generator(device="cuda").manual_seed(100 + seed)
@@ -94,7 +99,7 @@ def _humming(b, lin, ws2, e, n, k, stream_k: bool):
     return call
 
 
-def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
+def cell(name: str, b_tokens: int, bw: float, loop: bool, bias: float = 1.0) -> dict:
     import fp4dispatch
     from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
     from fp4dispatch.backends.triton_grouped import TritonGroupedBackend
@@ -103,12 +108,12 @@ def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
     e, n, k, top_k = LAYERS[name]
     b, lin, sb, ws2 = _weights(e, n, k)
     alpha = ws2.float()
-    rs = [_tokens(b_tokens, e, k, top_k, seed) for seed in range(ROUTINGS)]
+    rs = [_tokens(b_tokens, e, k, top_k, seed, bias) for seed in range(ROUTINGS)]
     t = rs[0][0].shape[0]
     outs = [torch.empty(t, n, dtype=torch.bfloat16, device="cuda") for _ in rs]
     touched = sum(r[4] for r in rs) / len(rs)
     nbytes = touched * n * k * 9 // 16 + t * k * 9 // 16 + 2 * t * n
-    row: dict = {"layer": name, "e": e, "n": n, "k": k, "top_k": top_k, "b": b_tokens, "t": t,
+    row: dict = {"layer": name, "e": e, "n": n, "k": k, "top_k": top_k, "b": b_tokens, "bias": bias, "t": t,
                  "touched": touched, "us": {}, "pct_bw": {}}
 
     def grouped(i):
@@ -156,19 +161,39 @@ def cell(name: str, b_tokens: int, bw: float, loop: bool) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| layer (E, N x K, top-k) | B | " + " | ".join(COLUMNS) + " | pick is |",
-             "|---|---|" + "---|" * (len(COLUMNS) + 1)]
+    lines = ["| layer (E, N x K, top-k) | B | bias | touched | " + " | ".join(COLUMNS) + " | pick is |",
+             "|---|---|---|---|" + "---|" * (len(COLUMNS) + 1)]
     for r in rows:
         cells = [f"{r['us'][c]:.1f} ({r['pct_bw'][c]:.0f} %)" if c in r["us"] else "-" for c in COLUMNS]
-        lines.append(f"| {r['layer']} ({r['e']}, {r['n']}x{r['k']}, {r['top_k']}) | {r['b']} | " + " | ".join(cells)
-                     + f" | {r['pick_name']} |")
+        lines.append(f"| {r['layer']} ({r['e']}, {r['n']}x{r['k']}, {r['top_k']}) | {r['b']} | {r['bias']:g} | "
+                     f"{r['touched']:.0f} | " + " | ".join(cells) + f" | {r['pick_name']} |")
     return lines
+
+
+def distribution_lines(rows: list[dict]) -> list[str]:
+    """Per (layer, B) timed at several biases: the fastest fp4dispatch backend at each (``grouped best`` or
+    ``humming:grouped``) and the pick's time over it: how much the token distribution moves the winner."""
+    ours = ("grouped best", "humming:grouped")
+    out = []
+    for layer, b in dict.fromkeys((r["layer"], r["b"]) for r in rows):
+        cells = [r for r in rows if (r["layer"], r["b"]) == (layer, b)]
+        if len(cells) < 2:
+            continue
+        parts = []
+        for r in cells:
+            best = min((c for c in ours if c in r["us"]), key=lambda c: r["us"][c])
+            parts.append(f"bias {r['bias']:g}: {best} {r['us'][best]:.1f} us, pick {r['pick_name']} "
+                         f"{r['us']['pick'] / r['us'][best]:.2f}x")
+        out.append(f"{layer} B={b}: " + "; ".join(parts))
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--bs", default=",".join(map(str, BS)))
+    ap.add_argument("--biases", default="1", help="per-expert router bias spreads (topk_counts' bias): 0 uniform, "
+                    "1 as trained routers, 3 a few hot experts; each (layer, B) is timed at every one")
     ap.add_argument("--loop", action="store_true", help="also time loop:fp4_mm eagerly (tunes many dense keys)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -181,12 +206,13 @@ def main() -> int:
     rows = []
     for name in args.layers.split(","):
         for b_tokens in (int(v) for v in args.bs.split(",")):
-            rows.append(cell(name, b_tokens, bw, args.loop))
-            print(table(rows[-1:])[-1], rows[-1].get("errors", ""), flush=True)
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"bench_grouped-{args.layers.replace(',', '_')}.json"), "w") as f:
-                json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)
-    print("\n".join(table(rows)))
+            for bias in (float(v) for v in args.biases.split(",")):
+                rows.append(cell(name, b_tokens, bw, args.loop, bias))
+                print(table(rows[-1:])[-1], rows[-1].get("errors", ""), flush=True)
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, f"bench_grouped-{args.layers.replace(',', '_')}.json"), "w") as f:
+                    json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)
+    print("\n".join(table(rows) + distribution_lines(rows)))
     return 0
 
 

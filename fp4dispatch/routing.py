@@ -14,16 +14,19 @@ DEFAULT_TOP_K = 8  # DeepSeek-V3/R1, Kimi-K2, GLM-5 and Qwen3-30B-A3B route each
 
 
 def topk_counts(tokens: int, experts: int, top_k: int, *, seed: int = 0, device="cpu",
-                skip_first: bool = False) -> torch.Tensor:
+                skip_first: bool = False, bias: float = 1.0) -> torch.Tensor:
     """Rows per expert (int64 [E]) when ``tokens`` tokens each pick the ``top_k`` largest of random router logits
-    (``skip_first``: expert 0 is never picked, so that a check always holds an expert without rows)."""
+    (``skip_first``: expert 0 is never picked, so that a check always holds an expert without rows). ``bias``: the
+    spread of a per-expert bias added to every token's logits (0: every expert equally likely; the default 1 as
+    uneven as trained routers are; 3: a few hot experts take most tokens)."""
+    if not (isinstance(bias, (int, float)) and 0 <= bias < float("inf")):
+        raise ValueError(f"topk_counts: bias must be a finite number >= 0; got {bias!r}")
     top_k = min(top_k, experts - int(skip_first))
     if tokens == 0 or top_k <= 0:
         return torch.zeros(experts, dtype=torch.int64, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(tokens, experts, generator=g, device=device)
-    # a per-expert bias makes the load uneven, as trained routers are
-    logits += torch.randn(1, experts, generator=g, device=device)
+    logits += bias * torch.randn(1, experts, generator=g, device=device)
     if skip_first:
         logits[:, 0] = -float("inf")
     picked = logits.topk(top_k, dim=1).indices.flatten()

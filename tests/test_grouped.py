@@ -115,6 +115,12 @@ def test_check_routings_sum_to_t_leave_an_expert_empty_or_put_every_row_on_one()
                 assert int(counts[0]) == 0
     counts = topk_counts(64, 256, 8, seed=1)
     assert int(counts.sum()) == 512 and int((counts == 0).sum()) > 0
+    # the per-expert bias sets how uneven the load is: the busiest expert's rows grow with it, the total does not
+    busiest = [int(topk_counts(512, 256, 8, seed=1, bias=s).max()) for s in (0, 1, 3)]
+    assert busiest[0] < busiest[1] < busiest[2] and int(topk_counts(512, 256, 8, seed=1, bias=3).sum()) == 4096
+    assert torch.equal(topk_counts(64, 256, 8, seed=1, bias=1.0), counts)  # the default is bias 1
+    with pytest.raises(ValueError, match=r"topk_counts: bias must be a finite number >= 0; got -1"):
+        topk_counts(8, 16, 2, bias=-1)
 
 
 # -- exactness ------------------------------------------------------------------------------------------------------
