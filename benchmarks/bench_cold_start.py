@@ -10,10 +10,11 @@ device is probed once and a new key meets an already probed device.
   shortcut) and a warm Triton cache. Its rankings hold every candidate's full time, so each fast pick is looked up in
   them: ``pick/best`` is the fast pick's time over the full search's best time (1.00: same pick or as fast).
 - ``preset``: ``python -m fp4dispatch.tune --preset llama-3.1-70b-nvfp4 --tp 8`` with empty caches (its probe
-  included), and ``moe``: the same for ``--preset qwen3.5-397b-a17b-nvfp4 --tp 8 --ep 8 --m 1,16,128`` (its dense
-  layers and its routed experts' grouped keys).
+  included); ``preset-no-humming``: the same with Humming's backends disabled (``FP4DISPATCH_DISABLE``: what
+  Humming's shape compiles cost a cold start, issue 30); ``moe``: ``--preset qwen3.5-397b-a17b-nvfp4 --tp 8 --ep 8
+  --m 1,16,128`` (its dense layers and its routed experts' grouped keys).
 
-    export PYTHONPATH=$PWD; python benchmarks/bench_cold_start.py --out $OUT [--parts probe,fast,full,preset,moe]
+    export PYTHONPATH=$PWD; python benchmarks/bench_cold_start.py --out $OUT [--parts probe,fast,full,preset,moe,...]
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import time
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672), (6144, 2048), (2048, 6144), (768, 6144)]
 MS = [1, 16, 128, 1024, 4096]
 NEIGHBOUR_MS = [8, 2048]
-PARTS = ("probe", "fast", "full", "preset", "moe")
+PARTS = ("probe", "fast", "full", "preset", "preset-no-humming", "moe")
+NO_HUMMING = "humming:w4a16,humming:w4a4,humming:grouped"
 
 
 def _cells(ms: list[int]) -> list[tuple[int, int, int]]:
@@ -183,12 +185,14 @@ def main() -> int:
                   *([_summary(part + " (next to tuned buckets)", near)] if near else []), *_phase_table(rows)]
     if "fast" in report and "full" in report:
         lines += ["\n### fast pick against the full search", *_compare(report["fast"]["rows"], report["full"]["rows"])]
-    for part, extra in (("preset", ["--preset", "llama-3.1-70b-nvfp4", "--tp", "8"]),
-                        ("moe", ["--preset", "qwen3.5-397b-a17b-nvfp4", "--tp", "8", "--ep", "8", "--m", "1,16,128"])):
+    llama = ["--preset", "llama-3.1-70b-nvfp4", "--tp", "8"]
+    for part, extra, more in (("preset", llama, {}), ("preset-no-humming", llama, {"FP4DISPATCH_DISABLE": NO_HUMMING}),
+                              ("moe", ["--preset", "qwen3.5-397b-a17b-nvfp4", "--tp", "8", "--ep", "8", "--m",
+                                       "1,16,128"], {})):
         if part not in parts:
             continue
         env = {**os.environ, "FP4DISPATCH_CACHE_DIR": os.path.join(root, "cache-" + part),
-               "TRITON_CACHE_DIR": os.path.join(root, "triton-" + part)}
+               "TRITON_CACHE_DIR": os.path.join(root, "triton-" + part), **more}
         wall, p = _subprocess(["-m", "fp4dispatch.tune", *extra, "--json"], env, args.timeout)
         try:
             payload = json.loads(p.stdout)
@@ -205,7 +209,8 @@ def main() -> int:
         report[part] = {"wall_s": round(wall, 2), "rc": p.returncode, "keys": len(shapes), "tune_s": tune_s,
                         "probe_s": probe, "phases_s": phases, "stages_s": stages,
                         "startup_s": round(wall - sum(stages.values()), 2)}
-        lines.append(f"\n{part}: `tune {' '.join(extra)}` from empty caches (probe included): {wall:.1f} s wall, "
+        lines.append(f"\n{part}: `tune {' '.join(extra)}`{''.join(f' {k}={v}' for k, v in more.items())} from empty "
+                     f"caches (probe included): {wall:.1f} s wall, "
                      f"{len(shapes)} keys, rc {p.returncode}; stages {stages}, the rest (start-up, output) "
                      f"{report[part]['startup_s']} s; probes {sum(probe.values()):.1f} s {probe}; the keys' phases "
                      f"summed {phases}")
