@@ -197,6 +197,10 @@ def main() -> int:
     ap.add_argument("--loop", action="store_true", help="also time loop:fp4_mm eagerly (tunes many dense keys)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    try:
+        biases = [float(v) for v in args.biases.split(",")]
+    except ValueError:
+        ap.error(f"--biases must be comma-separated numbers >= 0 (e.g. 0,1,3); got {args.biases!r}")
     os.environ.setdefault("FP4DISPATCH_CACHE_DIR", tempfile.mkdtemp(prefix="fp4c-grouped-"))
     if not args.loop:
         os.environ["FP4DISPATCH_DISABLE"] = "loop:fp4_mm"
@@ -206,7 +210,7 @@ def main() -> int:
     rows = []
     for name in args.layers.split(","):
         for b_tokens in (int(v) for v in args.bs.split(",")):
-            for bias in (float(v) for v in args.biases.split(",")):
+            for bias in biases:
                 rows.append(cell(name, b_tokens, bw, args.loop, bias))
                 print(table(rows[-1:])[-1], rows[-1].get("errors", ""), flush=True)
                 os.makedirs(args.out, exist_ok=True)

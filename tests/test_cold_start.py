@@ -251,6 +251,11 @@ def test_a_call_probes_only_the_backends_of_its_op(tmp_path):
     assert rec["w4"].reason == ("no w4a16 call has needed it yet (report() with every op, or tune --self-test, "
                                 "probes it)")
     assert w4.calls == moe.calls == 0
+    for bad in (("fp4mm",), "fp4_mm"):  # a misspelt op, a bare string: said, never an empty probe
+        with pytest.raises(InvalidInputError, match=r"^report: ops must be a tuple of op names from \('fp4_mm', "
+                                                    r"'w4a16', 'grouped', 'w4a16_grouped'\); got .*\. Pass e\.g\. "
+                                                    r"ops=\('fp4_mm',\), or leave it out to probe every op$"):
+            d.report(CPU, bad)
     a16 = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     d.w4a16_mm(a16, ops.b, ops.b_scale, ops.alpha, out_dtype=torch.float32)
     assert w4.calls > 0 and moe.calls == 0

@@ -119,7 +119,8 @@ def test_check_routings_sum_to_t_leave_an_expert_empty_or_put_every_row_on_one()
     busiest = [int(topk_counts(512, 256, 8, seed=1, bias=s).max()) for s in (0, 1, 3)]
     assert busiest[0] < busiest[1] < busiest[2] and int(topk_counts(512, 256, 8, seed=1, bias=3).sum()) == 4096
     assert torch.equal(topk_counts(64, 256, 8, seed=1, bias=1.0), counts)  # the default is bias 1
-    with pytest.raises(ValueError, match=r"topk_counts: bias must be a finite number >= 0; got -1"):
+    with pytest.raises(ValueError, match=r"topk_counts: bias must be a finite number >= 0; got -1\. Pass 0 for "
+                                         r"uniform routing, 1 for a trained router's spread, larger for a few hot"):
         topk_counts(8, 16, 2, bias=-1)
 
 

@@ -36,7 +36,7 @@ from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .records import Verdict, key_str
-from .report import BackendRecord, Report, build_report
+from .report import BackendRecord, Report, build_report, check_ops
 from .timer import DoBench, for_device, screen_for_device
 from .neighbours import neighbour_picks, offered_configs
 from .tuner import FULL, Search, tune, verify_only
@@ -372,7 +372,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
         backends of ``ops`` (default: all) are probed first; another op's that no call needed yet shows not probed."""
         dev = resolve_device(device)
         with self._lock:
-            cache, health = self._state(dev, *ops)
+            cache, health = self._state(dev, *check_ops(ops))
             return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)
 
     def entry_for(self, problem: Problem) -> dict | None:

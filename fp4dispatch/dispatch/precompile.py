@@ -3,8 +3,9 @@
 Two kinds of backend compile on their first run. A Triton backend (``compiles_ahead``) runs each config inside
 ``runtime.compiles_ahead``, which launches no kernel that still needs compiling and hands its compile to Triton's
 async compile mode on a thread pool (a Triton compile is mostly MLIR passes and ptxas, outside the GIL); those runs
-take scratch operands whose values do not matter, since a kernel compiled before does run. A library that compiles a new shape's kernels in its first call (``compiles_on_first_run``:
-Humming, whose compiler runs in subprocesses) is run once, for real, in threads beside them. A run that raises here
+take scratch operands whose values do not matter, since a kernel compiled before does run. A library that compiles
+a new shape's kernels in its first call (``compiles_on_first_run``: Humming, whose compiler runs in subprocesses) is
+run once, for real, in threads beside them. A run that raises here
 raises again in its check, which reports it.
 
 ``compile_ahead`` does this for one key (the tuner's compile phase); ``compile_keys_ahead`` for many keys at once

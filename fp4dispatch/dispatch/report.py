@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..backends.base import backend_ops
+from ..backends.base import OPS, backend_ops
+from ..errors import InvalidInputError
 
-__all__ = ["BackendRecord", "Report", "build_report"]
+__all__ = ["BackendRecord", "Report", "build_report", "check_ops"]
 
 
 @dataclass
@@ -33,6 +34,15 @@ class Report(list):
             for ks, why in sorted(r.losses.items()):
                 lines.append(f"  {r.name} lost {ks}: {why}")
         return "\n".join(lines)
+
+
+def check_ops(ops) -> tuple[str, ...]:
+    """``report()``'s ``ops``: a tuple or list of op names; InvalidInputError naming the ones that are not."""
+    bad = [op for op in ops if op not in OPS] if isinstance(ops, (tuple, list)) else [ops]
+    if bad:
+        raise InvalidInputError(f"report: ops must be a tuple of op names from {OPS}; got {ops!r}. Pass e.g. "
+                                f"ops=('fp4_mm',), or leave it out to probe every op")
+    return tuple(ops)
 
 
 def build_report(backends, health: dict, decisions: dict, shape_blacklist: dict, faults: dict) -> Report:
