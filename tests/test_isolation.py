@@ -116,3 +116,31 @@ def test_isolated_probes_run_concurrently(tmp_path):
     assert all(recs[f"hang{i}"].status == "failed" for i in range(3)) and recs["ok"].status == "ok"
     # one after another they take >= 24 s whatever the load; together ~8 s plus the workers' start
     assert elapsed < 20, f"probes ran one after another ({elapsed:.1f} s for three 8 s timeouts)"
+
+
+def test_isolated_probes_overlap_the_in_process_ones(tmp_path, monkeypatch):
+    """The workers are started before this process probes the safe backends, so a worker's start-up and a library's
+    first compile run beside those probes. The safe backend's probe waits for the (fake) worker to have started:
+    probed one after the other, it would give up and say so in its verdict."""
+    import threading
+
+    from fp4dispatch.dispatch import health as health_mod
+    from fp4dispatch.dispatch.records import Verdict
+    from fp4dispatch.testing import fake_do_bench
+
+    started = threading.Event()
+
+    class Safe(FakeBackend):
+        def unavailable(self, device):
+            return None if started.wait(30) else "the probe workers had not started"
+
+    def fake_worker(backend, device, timeout_s):
+        started.set()
+        return Verdict("ok")
+
+    monkeypatch.setattr(health_mod, "probe_isolated", fake_worker)
+    d = Dispatcher([FakeBackend("native", risky=True), Safe("safe")], cache_dir=tmp_path, do_bench=fake_do_bench,
+                   settings=Settings(isolate=True))
+    recs = {r.name: r for r in d.report(CPU)}
+    assert (recs["safe"].status, recs["safe"].reason) == ("ok", "")
+    assert recs["native"].status == "ok"

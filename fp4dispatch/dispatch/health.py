@@ -22,28 +22,32 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     """Verdicts for ``backends`` on ``device``; new ones are written to ``cache`` (transient ones are not)."""
     health: dict[str, Verdict] = {}
     fresh = {}
-    isolated = []  # probed in worker processes, all at once: each may take up to the probe timeout
-    # safe backends first, native ones last: a crash must not take the safe verdicts with it
-    for b in sorted(backends, key=lambda b: bool(b.risky)):
+    isolated, local = [], []
+    for b in backends:
         if b.name in settings.disabled:
             health[b.name] = Verdict("unavailable", "disabled by FP4DISPATCH_DISABLE")
-            continue
-        cached = cache.health.get(b.name)
-        if cached is not None:
+        elif (cached := cache.health.get(b.name)) is not None:
             health[b.name] = Verdict.from_json(cached)  # checked when the file was read
         elif settings.isolate and b.risky and b.unavailable(device) is None:
             isolated.append(b)
         else:
+            local.append(b)
+    # the workers start first and run while this process probes the others: a worker's start-up and a library's
+    # first compile (Humming's) overlap the in-process probes instead of following them
+    pool = ThreadPoolExecutor(max_workers=len(isolated)) if isolated else None
+    futures = [pool.submit(probe_isolated, b, device, max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)))
+               for b in isolated]  # a backend that compiles its kernels when first run asks for more time
+    try:
+        # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
+        for b in sorted(local, key=lambda b: bool(b.risky)):
             health[b.name] = fresh[b.name] = probe_backend(b, device)
-    if isolated:
-        with ThreadPoolExecutor(max_workers=len(isolated)) as pool:
-            # a backend that compiles its kernels when first run asks for more time (``probe_timeout_s``)
-            verdicts = pool.map(lambda b: probe_isolated(b, device, max(settings.probe_timeout_s, getattr(
-                b, "probe_timeout_s", 0.0))), isolated)
-            for b, v in zip(isolated, verdicts):
-                health[b.name] = v
-                if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
-                    fresh[b.name] = v
+    finally:
+        for b, f in zip(isolated, futures):
+            health[b.name] = v = f.result()
+            if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
+                fresh[b.name] = v
+        if pool is not None:
+            pool.shutdown()
     for name, v in health.items():
         if name in fresh or v.transient:
             log.info("fp4dispatch: probe %s on %s: %s %s", name, device, v.status, v.reason)
