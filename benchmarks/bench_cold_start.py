@@ -87,7 +87,9 @@ def _env(root: str, name: str, triton: str, **extra) -> dict:
     cache = os.path.join(root, "cache-" + name)
     if os.path.isdir(os.path.join(root, "cache-probe")):
         shutil.copytree(os.path.join(root, "cache-probe"), cache)
-    return {**os.environ, "FP4DISPATCH_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(root, triton), **extra}
+    # Humming's compiled kernels live in its own disk cache: it is emptied (or kept warm) along with Triton's
+    return {**os.environ, "FP4DISPATCH_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(root, triton),
+            "HUMMING_CACHE_DIR": os.path.join(root, "humming-" + triton), **extra}
 
 
 def _lines(p: subprocess.CompletedProcess) -> list[dict]:
@@ -192,7 +194,8 @@ def main() -> int:
         if part not in parts:
             continue
         env = {**os.environ, "FP4DISPATCH_CACHE_DIR": os.path.join(root, "cache-" + part),
-               "TRITON_CACHE_DIR": os.path.join(root, "triton-" + part), **more}
+               "TRITON_CACHE_DIR": os.path.join(root, "triton-" + part),
+               "HUMMING_CACHE_DIR": os.path.join(root, "humming-" + part), **more}
         wall, p = _subprocess(["-m", "fp4dispatch.tune", *extra, "--json"], env, args.timeout)
         try:
             payload = json.loads(p.stdout)

@@ -283,3 +283,48 @@ def test_an_interrupted_probe_is_probed_again_by_the_next_call(tmp_path):
         d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out_dtype=torch.float32)
     d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, out_dtype=torch.float32)
     assert [r.status for r in d.report(CPU, ("fp4_mm",))] == ["ok"]
+
+
+def test_compile_keys_runs_a_first_run_library_once_per_its_unit(monkeypatch):
+    """A library that compiles on its first run is run once per ``first_run_unit``: once per shape by default,
+    once per M bucket for one whose kernels depend on the bucket (Humming's dense layers)."""
+    from fp4dispatch.dispatch import precompile
+
+    class Shape(FakeBackend):
+        compiles_on_first_run = True
+
+    class Bucket(Shape):
+        def first_run_unit(self, problem):
+            return super().first_run_unit(problem) + (problem.bucket,)
+
+    runs = []
+    monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
+    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first: runs.extend(
+        (b.name, p.m) for p, _, (b, _) in first))
+    monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
+    gpu = torch.device("cuda", 0)
+    shape, bucket = Shape("shape"), Bucket("bucket")
+    jobs = [(problem(m)._replace(device=gpu), [shape, bucket]) for m in (20, 1, 17, 128)]
+    precompile.compile_keys_ahead(jobs)
+    assert sorted(runs) == [("bucket", 1), ("bucket", 17), ("bucket", 128), ("shape", 1)]  # smallest M of each
+
+
+def test_a_probe_compiles_a_first_run_library_once_per_unit_before_it_runs(monkeypatch):
+    from fp4dispatch.dispatch import probe
+    from fp4dispatch.dispatch.verify import PROBE_MS
+
+    class Bucket(FakeBackend):
+        compiles_on_first_run = True
+
+        def first_run_unit(self, problem):
+            return super().first_run_unit(problem) + (problem.bucket,)
+
+    seen = []
+    monkeypatch.setattr(probe, "scratch_ops", lambda p, seed=0: None)
+    monkeypatch.setattr(probe, "compile_together", lambda ahead, first: seen.append(
+        (len(ahead), sorted(p.m for p, _, _ in first))))
+    monkeypatch.setattr(probe, "reset_cuda_error", lambda dev: None)
+    probe._compile_ahead(Bucket("b"), torch.device("cuda", 0), 0)
+    assert seen == [(0, sorted(PROBE_MS))]  # every probe M is its own bucket: all compiled together
+    probe._compile_ahead(FakeBackend("plain"), torch.device("cuda", 0), 0)
+    assert len(seen) == 1  # a backend that compiles neither way is left alone

@@ -434,3 +434,57 @@ def test_humming_grouped_serves_w4a16_grouped_with_the_activations_as_given(cc, 
     assert fake.calls[-1]["expert_layout"] == [0] + case.ops.offs.tolist()
     assert backend.unsupported(problem._replace(out_dtype=FP16 if dt == BF16 else BF16)).startswith(
         "Humming writes its activations' dtype: out_dtype must be a's dtype")
+
+
+def _table(edges, tag="c"):
+    """A Humming-like tuning table: entry i serves edges[i] < M <= edges[i+1]; the last reaches Humming's end."""
+    ends = list(edges[1:]) + [1 << 30]
+    return [[lo, hi, {tag: i}] for i, (lo, hi) in enumerate(zip(edges, ends))]
+
+
+def _served(table, m):
+    return next(cfg for lo, hi, cfg in table if lo < m <= hi)
+
+
+@pytest.mark.parametrize("edges", [[0, 1, 8, 16, 24, 40, 120, 504, 1056, 4096], [0, 8192], [0, 2, 3, 4000, 5000]])
+def test_bucket_entries_serve_every_m_of_the_bucket_as_the_whole_table(edges):
+    """Humming compiles every entry of the table it is given: a key gets only its bucket's entries, and every M of
+    the bucket (any M at all, for safety) must still run the config the whole table gives it there."""
+    from fp4dispatch.backends.humming import bucket_entries
+    from fp4dispatch.problem import M_BUCKETS, m_bucket
+
+    table = _table(edges)
+    for bucket in M_BUCKETS:
+        part = bucket_entries(table, bucket)
+        assert part[0][0] == 0 and part[-1][1] == 1 << 30  # widened: no M falls outside
+        assert all(a[1] == b[0] for a, b in zip(part, part[1:]))
+        assert len(part) <= len(table)
+        for m in range(max(1, bucket // 2 - 2), min(bucket, 6000) + 3):
+            if m_bucket(m) == bucket:
+                assert _served(part, m) == _served(table, m), (bucket, m)
+        assert table == _table(edges)  # the table itself is left as it was
+
+
+def test_humming_gives_a_dense_key_its_bucket_entries_and_a_grouped_layer_the_whole_table(cc, humming):
+    cc(90)
+    fake = humming()
+    fake.heuristics = _table([0, 8, 16, 24, 32, 64, 128])
+    for cfg in (c for _, _, c in fake.heuristics):
+        cfg["use_stream_k"] = True
+    backend = HummingBackend()
+    problem = Problem(20, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=3)
+    backend.run(problem, ops, {})
+    assert [cfg["c"] for _, _, cfg in fake.calls[-1]["tuning_config"]] == [2, 3]  # 16 < M <= 32: two entries
+    assert all(cfg["use_stream_k"] is False for _, _, cfg in fake.calls[-1]["tuning_config"])
+    backend.run(problem._replace(m=1), ops._replace(a=ops.a[:1], out=ops.out[:1]), {})
+    assert [cfg["c"] for _, _, cfg in fake.calls[-1]["tuning_config"]] == [0]
+    assert backend.prepared.misses == 1  # one prepared weight serves every bucket
+    assert backend.first_run_unit(problem) != backend.first_run_unit(problem._replace(m=1))
+    assert backend.first_run_unit(problem) == backend.first_run_unit(problem._replace(m=17))
+
+    from fp4dispatch.backends.humming_grouped import HummingGroupedBackend
+
+    grouped = HummingGroupedBackend()
+    g = Problem(20, 128, 256, BF16, CPU, experts=4)
+    assert grouped.first_run_unit(g) == grouped.first_run_unit(g._replace(m=1))

@@ -92,6 +92,10 @@ class BaseBackend:
     compiles_ahead = False  # its run only launches Triton kernels through runtime.launch (see above)
     compiles_on_first_run = False  # its first call at a new shape compiles kernels (see above)
 
+    def first_run_unit(self, problem: Problem) -> tuple:
+        """The problems one first run compiles for (``compiles_on_first_run``): by default a whole shape."""
+        return self.name, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts
+
     def unavailable(self, device: torch.device) -> str | None:
         return None
 

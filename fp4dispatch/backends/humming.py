@@ -19,8 +19,10 @@ How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/mode
   tuning config Humming's heuristics choose is passed with ``use_stream_k`` off.
 - Out: bf16 or fp16 (Humming's output dtype is its activation dtype). N % 64 == 0 and K % 32 == 0 (its padded tile;
   fp4dispatch does not pad).
-- Kernels are compiled on first use (NVRTC or nvcc; 8-14 s for a new shape's set on the H200), so a probe in a worker
-  gets ``PROBE_TIMEOUT_S`` at least.
+- Kernels are compiled on first use (NVRTC or nvcc), so a probe in a worker gets ``PROBE_TIMEOUT_S`` at least.
+  ``humming_forward`` compiles every config of the tuning table it is given on its first run (some 30 for a dense
+  shape), so a dense layer is given, per M bucket, only the table's entries that serve that bucket's M
+  (``bucket_entries``): a new key compiles its own few kernels, the same ones the whole table would run at those M.
 """
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ import torch
 
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
 from ..kernels.dequant import dequantize_to_scratch
-from ..problem import Operands, Problem
+from ..problem import M_BUCKETS, Operands, Problem, m_bucket
 from ._native import NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library
 from .base import Config
 
-__all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT"]
+__all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT", "bucket_entries"]
 
 INSTALL_HINT = "pip install fp4dispatch[humming]"
 PROBE_TIMEOUT_S = 120.0  # a worker's probe compiles the probe shape's kernels
@@ -55,6 +57,7 @@ class HummingBackend(NativeBackend):
     compiles_on_first_run = True  # a new shape's kernels: the tuner runs it once while the Triton configs compile
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
+    tuning_per_bucket = True  # dense: each M bucket gets its own entries of the table (``bucket_entries``)
     _transient = ("_lib", "prepared")
 
     def __init__(self) -> None:
@@ -134,11 +137,14 @@ class HummingBackend(NativeBackend):
         tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type=self.gemm_type))
         for _lo, _hi, cfg in tuning:
             cfg["use_stream_k"] = False  # determinism: see the module docstring
-        # as a JSON string: humming_forward serializes a list on every call (host time that grows with the
-        # heuristics' table) and keys its compiled kernels by that string; a string goes through as it is
-        tuning = json.dumps(tuning)
         extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
-        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, tuning, extra
+        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, _Tuning(tuning), extra
+
+    def first_run_unit(self, problem: Problem) -> tuple:
+        """The problems whose first run compiles the same kernels (``precompile``): a dense shape's M bucket, a
+        grouped layer's whole shape."""
+        unit = super().first_run_unit(problem)
+        return unit + (problem.bucket,) if self.tuning_per_bucket else unit
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         # the prepared weight depends on the out dtype (Humming's layer dtype): one cache entry per dtype
@@ -146,7 +152,8 @@ class HummingBackend(NativeBackend):
                                                              variant=problem.out_dtype)
         lib = self._lib or self._load()
         lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(problem, ops),
-                                    outputs=ops.out, locks=locks, tuning_config=tuning,
+                                    outputs=ops.out, locks=locks,
+                                    tuning_config=tuning.for_m(problem.m) if self.tuning_per_bucket else tuning.whole(),
                                     **self.forward_inputs(problem, ops, extra))
 
     def _import(self) -> tuple[ModuleType | None, str | None]:
@@ -185,6 +192,40 @@ class HummingW4A4Backend(HummingBackend):
         scale = unswizzle_scales(ops.a_scale.view(torch.uint8), problem.m, problem.k // BLOCK)
         return {"inputs": ops.a.view(torch.uint8), "input_scale": scale.contiguous().view(torch.int32),
                 "input_scale_2": layer_extra["input_scale_2"]}
+
+
+def bucket_entries(table: list, bucket: int) -> list:
+    """The entries of a Humming tuning table (``[lo, hi, config]``: the config of ``lo < M <= hi``) that serve M
+    bucket ``bucket`` (``bucket/2 < M <= bucket``; bucket 1 is M = 1, the last bucket every larger M), the first
+    widened down to 0 and the last up to the table's end, so that any M still finds an entry."""
+    lo, hi = (bucket // 2 if bucket > 1 else 0), (bucket if bucket < M_BUCKETS[-1] else 1 << 62)
+    entries = [list(e) for e in table if e[0] < hi and e[1] > lo] or [list(table[-1])]
+    entries[0][0], entries[-1][1] = 0, table[-1][1]
+    return entries
+
+
+class _Tuning:
+    """A prepared weight's tuning table (Stream-K off) as ``humming_forward``'s JSON string: whole, or per M bucket.
+    A string, because ``humming_forward`` serializes a list on every call (host time that grows with the table) and
+    keys its compiled kernels by that string; each string is made once."""
+
+    __slots__ = ("table", "strings")
+
+    def __init__(self, table: list) -> None:
+        self.table, self.strings = table, {}
+
+    def whole(self) -> str:
+        s = self.strings.get(0)
+        if s is None:
+            s = self.strings[0] = json.dumps(self.table)
+        return s
+
+    def for_m(self, m: int) -> str:
+        bucket = m_bucket(m)
+        s = self.strings.get(bucket)
+        if s is None:
+            s = self.strings[bucket] = json.dumps(bucket_entries(self.table, bucket))
+        return s
 
 
 def _import_humming() -> tuple[ModuleType | None, str | None]:

@@ -41,6 +41,9 @@ class HummingGroupedBackend(HummingBackend):
     name = "humming:grouped"
     ops = ("grouped", "w4a16_grouped")  # grouped: the tokens decoded first; w4a16_grouped: as given
     gemm_type = "grouped_contiguous"
+    # the whole table: Humming's grouped heuristics are indexed by its own measure of M, which fp4dispatch's bucket
+    # of T (all experts' rows) does not bound; a layer's kernels compile once, at its first run
+    tuning_per_bucket = False
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes  # None: a quarter of the weight's GPU memory

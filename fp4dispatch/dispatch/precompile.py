@@ -5,8 +5,8 @@ Two kinds of backend compile on their first run. A Triton backend (``compiles_ah
 async compile mode on a thread pool (a Triton compile is mostly MLIR passes and ptxas, outside the GIL); those runs
 take scratch operands whose values do not matter, since a kernel compiled before does run. A library that compiles
 a new shape's kernels in its first call (``compiles_on_first_run``: Humming, whose compiler runs in subprocesses) is
-run once, for real, in threads beside them. A run that raises here
-raises again in its check, which reports it.
+run once per ``first_run_unit`` (Humming's: a dense shape's M bucket), for real, in threads beside them. A run that
+raises here raises again in its check, which reports it.
 
 ``compile_ahead`` does this for one key (the tuner's compile phase); ``compile_keys_ahead`` for many keys at once
 (``Dispatcher.compile_keys``: ``warmup`` and ``python -m fp4dispatch.tune``), so that a model's keys compile together
@@ -26,10 +26,10 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["compile_ahead", "compile_keys_ahead", "scratch_ops", "FIRST_RUN_THREADS"]
+__all__ = ["compile_ahead", "compile_keys_ahead", "compile_together", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
-FIRST_RUN_THREADS = 4  # shapes a first-run library compiles at once (each of its compiles is parallel already)
+FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
 
 
 def _workers() -> int:
@@ -52,7 +52,8 @@ def _first_run(problem: Problem, ops, pair: tuple[Backend, Config]) -> None:
         pass
 
 
-def _compile(ahead: list[tuple[Problem, Callable[[], object], list]], first: list[tuple[Problem, object, tuple]]):
+def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
+                     first: list[tuple[Problem, object, tuple]]) -> None:
     """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
     ((problem, operands, pair)) run in threads."""
     from ..kernels import runtime
@@ -94,7 +95,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
                             out=case.frame.clone()[1:problem.m + 1])
 
     try:
-        _compile([(problem, copies, ahead)] if ahead else [], [(problem, case.ops, p) for p in first])
+        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, case.ops, p) for p in first])
     finally:
         reset_cuda_error(problem.device)
         restore_inputs(case)
@@ -102,9 +103,9 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
-    once per shape (N, K, dtypes, experts) at that shape's smallest M, all at once. Scratch operands are made per
+    once per ``first_run_unit`` at that unit's smallest M, all at once. Scratch operands are made per
     key as its compiles are handed out, so only the first-run shapes' stay alive meanwhile."""
-    ahead, first, shapes = [], [], {}
+    ahead, first, units = [], [], {}
     for problem, candidates in sorted(jobs, key=lambda j: j[0].m):
         if problem.device.type != "cuda":
             continue
@@ -118,14 +119,14 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
         if a:
             ahead.append((problem, lambda p=problem: scratch_ops(p), a))
         for b, c in f:
-            shape = (b.name, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts)
-            if shape not in shapes:
-                shapes[shape] = (problem, scratch_ops(problem), (b, c))
-    first = list(shapes.values())
+            unit = b.first_run_unit(problem)
+            if unit not in units:
+                units[unit] = (problem, scratch_ops(problem), (b, c))
+    first = list(units.values())
     if not (ahead or first):
         return
     try:
-        _compile(ahead, first)
+        compile_together(ahead, first)
     finally:
         for dev in {j[0].device for j in jobs}:
             reset_cuda_error(dev)

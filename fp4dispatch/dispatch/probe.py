@@ -16,7 +16,7 @@ from ..backends.base import Backend, probe_op
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
-from .precompile import scratch_ops
+from .precompile import compile_together, scratch_ops
 from .records import STATUSES, Verdict
 from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
@@ -83,20 +83,25 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
 
 
 def _compile_ahead(backend: Backend, device: torch.device, seed: int) -> None:
-    """The kernels of the first config at every probe M, compiled at once (``runtime.compiles_ahead``: Triton's
-    async compile on a thread pool) before the probe runs them one M after another. Anything that fails here
-    fails again in the probe, which reports it."""
-    if not getattr(backend, "compiles_ahead", False) or device.type != "cuda":
+    """The kernels of the first config at every probe M, compiled at once before the probe runs them one M after
+    another (``precompile.compile_together``): a Triton backend's (``compiles_ahead``) on Triton's async-compile
+    pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads. Anything
+    that fails here fails again in the probe, which reports it."""
+    ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
+    if not (ahead or first_run) or device.type != "cuda":
         return
-    from ..kernels import runtime
-
-    with runtime.compiles_ahead(len(PROBE_MS)) as ctx:
-        for i, m in enumerate(PROBE_MS if ctx.active else ()):
-            try:
-                problem = probe_problem(backend, m, device)
-                configs = [] if backend.unsupported(problem) else backend.configs(problem)
-                if configs:
-                    backend.run(problem, scratch_ops(problem, seed + i), configs[0])
-            except Exception as e:  # noqa: BLE001
-                log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
-    reset_cuda_error(device)
+    jobs, units = [], {}
+    for i, m in enumerate(PROBE_MS):
+        try:
+            problem = probe_problem(backend, m, device)
+            configs = [] if backend.unsupported(problem) else backend.configs(problem)
+            if configs and ahead:
+                jobs.append((problem, lambda p=problem, s=seed + i: scratch_ops(p, s), [(backend, configs[0])]))
+            elif configs and (unit := backend.first_run_unit(problem)) not in units:
+                units[unit] = (problem, scratch_ops(problem, seed + i), (backend, configs[0]))
+        except Exception as e:  # noqa: BLE001
+            log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
+    try:
+        compile_together(jobs, list(units.values()))
+    finally:
+        reset_cuda_error(device)
