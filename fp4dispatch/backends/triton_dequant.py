@@ -44,9 +44,11 @@ class TritonDequantBackend(BaseBackend):
     def configs(self, problem: Problem) -> list[Config]:
         return [{"alpha": "fold"}, {"alpha": "epilogue"}] if self._can_fold(problem) else [{"alpha": "epilogue"}]
 
-    def _weight(self, ops: Operands, dtype: torch.dtype, fold: bool = False) -> torch.Tensor:
-        if not self.cache_weight:
-            return dequantize_to_scratch("dequant_b", ops.b, ops.b_scale, dtype, factor=ops.alpha if fold else None)
+    def _weight(self, ops: Operands, dtype: torch.dtype, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """B dequantized (times ``factor``): into scratch, or with ``cache_weight`` the kept copy, which holds no
+        factor (alpha may change from call to call), so a factor always goes through scratch."""
+        if not self.cache_weight or factor is not None:
+            return dequantize_to_scratch("dequant_b", ops.b, ops.b_scale, dtype, factor=factor)
         key = (ops.b.data_ptr(), ops.b._version, tuple(ops.b.shape), ops.b_scale.data_ptr(), ops.b_scale._version,
                dtype, ops.b.device)
         w = self._weights.get(key)
@@ -58,7 +60,7 @@ class TritonDequantBackend(BaseBackend):
         fold = config.get("alpha") == "fold" and self._can_fold(problem)
         if problem.op == "w4a16":  # a as given: the weight is dequantized to its dtype (exact in bf16 and fp16)
             dt, a = problem.a_dtype, ops.a
-            b = self._weight(ops, dt, fold)
+            b = self._weight(ops, dt, ops.alpha if fold else None)
         else:
             dt = torch.float16 if problem.out_dtype == torch.float16 else torch.bfloat16
             a = dequantize_to_scratch("dequant_a", ops.a, ops.a_scale, dt, factor=ops.alpha if fold else None)
