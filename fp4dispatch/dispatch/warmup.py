@@ -27,8 +27,9 @@ class Warmup:
 
     def compile_keys(self, problems) -> int:
         """Compile at once, before they are decided one by one, the kernels that the undecided keys of ``problems``
-        will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and each
-        new shape of a library that compiles on its first run in threads beside it); returns how many keys that was.
+        will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one
+        first run per ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns
+        how many keys that was.
         Nothing is decided or timed here; without CUDA, or with a backend forced, it does nothing."""
         jobs, seen = [], set()
         with self._lock:
