@@ -54,7 +54,7 @@ class HummingBackend(NativeBackend):
     ops = ("fp4_mm", "w4a16")  # fp4_mm: a decoded first; w4a16: a as given
     fp4_tensor_cores = False  # 16-bit MMA on the decoded weight
     probe_timeout_s = PROBE_TIMEOUT_S
-    compiles_on_first_run = True  # a new shape's kernels: the tuner runs it once while the Triton configs compile
+    compiles_on_first_run = True  # a new bucket's kernels: the tuner runs it once while the Triton configs compile
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
     tuning_per_bucket = True  # dense: each M bucket gets its own entries of the table (``bucket_entries``)
@@ -138,7 +138,8 @@ class HummingBackend(NativeBackend):
         for _lo, _hi, cfg in tuning:
             cfg["use_stream_k"] = False  # determinism: see the module docstring
         extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
-        return layer.weight, layer.weight_scale, layer.locks, layer.humming_config, _Tuning(tuning), extra
+        return (layer.weight, layer.weight_scale, layer.locks, layer.humming_config,
+                _Tuning(tuning, self.tuning_per_bucket), extra)
 
     def first_run_unit(self, problem: Problem) -> tuple:
         """The problems whose first run compiles the same kernels (``precompile``): a dense shape's M bucket, a
@@ -152,8 +153,7 @@ class HummingBackend(NativeBackend):
                                                              variant=problem.out_dtype)
         lib = self._lib or self._load()
         lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(problem, ops),
-                                    outputs=ops.out, locks=locks,
-                                    tuning_config=tuning.for_m(problem.m) if self.tuning_per_bucket else tuning.whole(),
+                                    outputs=ops.out, locks=locks, tuning_config=tuning.for_m(problem.m),
                                     **self.forward_inputs(problem, ops, extra))
 
     def _import(self) -> tuple[ModuleType | None, str | None]:
@@ -205,26 +205,20 @@ def bucket_entries(table: list, bucket: int) -> list:
 
 
 class _Tuning:
-    """A prepared weight's tuning table (Stream-K off) as ``humming_forward``'s JSON string: whole, or per M bucket.
-    A string, because ``humming_forward`` serializes a list on every call (host time that grows with the table) and
-    keys its compiled kernels by that string; each string is made once."""
+    """A prepared weight's tuning table (Stream-K off) as ``humming_forward``'s JSON string: per M bucket, or whole
+    (``per_bucket`` False). A string, because ``humming_forward`` serializes a list on every call (host time that
+    grows with the table) and keys its compiled kernels by that string; each string is made once."""
 
-    __slots__ = ("table", "strings")
+    __slots__ = ("table", "per_bucket", "strings")
 
-    def __init__(self, table: list) -> None:
-        self.table, self.strings = table, {}
-
-    def whole(self) -> str:
-        s = self.strings.get(0)
-        if s is None:
-            s = self.strings[0] = json.dumps(self.table)
-        return s
+    def __init__(self, table: list, per_bucket: bool) -> None:
+        self.table, self.per_bucket, self.strings = table, per_bucket, {}
 
     def for_m(self, m: int) -> str:
-        bucket = m_bucket(m)
+        bucket = m_bucket(m) if self.per_bucket else 0
         s = self.strings.get(bucket)
         if s is None:
-            s = self.strings[bucket] = json.dumps(bucket_entries(self.table, bucket))
+            s = self.strings[bucket] = json.dumps(bucket_entries(self.table, bucket) if bucket else self.table)
         return s
 
 

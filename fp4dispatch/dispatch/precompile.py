@@ -104,7 +104,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` at that unit's smallest M, all at once. Scratch operands are made per
-    key as its compiles are handed out, so only the first-run shapes' stay alive meanwhile."""
+    key as its compiles are handed out, so only the first-run units' stay alive meanwhile."""
     ahead, first, units = [], [], {}
     for problem, candidates in sorted(jobs, key=lambda j: j[0].m):
         if problem.device.type != "cuda":
