@@ -83,9 +83,11 @@ def _subprocess(args: list[str], env: dict, timeout: float) -> tuple[float, subp
     return time.perf_counter() - t0, p
 
 
-def _env(root: str, name: str, triton: str, **extra) -> dict:
+def _env(root: str, name: str, triton: str, *, probed: bool = True, **extra) -> dict:
+    """A part's environment: its own decision cache (holding the probe part's verdicts when ``probed`` and there are
+    some), the Triton cache dir ``triton`` and Humming's beside it."""
     cache = os.path.join(root, "cache-" + name)
-    if os.path.isdir(os.path.join(root, "cache-probe")):
+    if probed and os.path.isdir(os.path.join(root, "cache-probe")):
         shutil.copytree(os.path.join(root, "cache-probe"), cache)
     # Humming's compiled kernels live in its own disk cache: it is emptied (or kept warm) along with Triton's
     return {**os.environ, "FP4DISPATCH_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(root, triton),
@@ -193,9 +195,7 @@ def main() -> int:
                                        "1,16,128"], {})):
         if part not in parts:
             continue
-        env = {**os.environ, "FP4DISPATCH_CACHE_DIR": os.path.join(root, "cache-" + part),
-               "TRITON_CACHE_DIR": os.path.join(root, "triton-" + part),
-               "HUMMING_CACHE_DIR": os.path.join(root, "humming-" + part), **more}
+        env = _env(root, part, "triton-" + part, probed=False, **more)  # from empty caches: its probe included
         wall, p = _subprocess(["-m", "fp4dispatch.tune", *extra, "--json"], env, args.timeout)
         try:
             payload = json.loads(p.stdout)

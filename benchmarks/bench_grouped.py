@@ -200,7 +200,9 @@ def main() -> int:
     try:
         biases = [float(v) for v in args.biases.split(",")]
     except ValueError:
-        ap.error(f"--biases must be comma-separated numbers >= 0 (e.g. 0,1,3); got {args.biases!r}")
+        biases = [-1.0]
+    if not all(0 <= v < float("inf") for v in biases):
+        ap.error(f"--biases must be comma-separated finite numbers >= 0 (e.g. 0,1,3); got {args.biases!r}")
     os.environ.setdefault("FP4DISPATCH_CACHE_DIR", tempfile.mkdtemp(prefix="fp4c-grouped-"))
     if not args.loop:
         os.environ["FP4DISPATCH_DISABLE"] = "loop:fp4_mm"

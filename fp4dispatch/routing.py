@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidInputError
+
 __all__ = ["topk_counts", "offs_from_counts", "check_routing", "timing_routing", "DEFAULT_TOP_K"]
 
 DEFAULT_TOP_K = 8  # DeepSeek-V3/R1, Kimi-K2, GLM-5 and Qwen3-30B-A3B route each token to 8 experts
@@ -20,8 +22,8 @@ def topk_counts(tokens: int, experts: int, top_k: int, *, seed: int = 0, device=
     spread of a per-expert bias added to every token's logits (0: every expert equally likely; the default 1 as
     uneven as trained routers are; 3: a few hot experts take most tokens)."""
     if not (isinstance(bias, (int, float)) and 0 <= bias < float("inf")):
-        raise ValueError(f"topk_counts: bias must be a finite number >= 0; got {bias!r}. Pass 0 for uniform routing, "
-                         "1 for a trained router's spread, larger for a few hot experts")
+        raise InvalidInputError(f"topk_counts: bias must be a finite number >= 0; got {bias!r}. Pass 0 for uniform "
+                                "routing, 1 for a trained router's spread, larger for a few hot experts")
     top_k = min(top_k, experts - int(skip_first))
     if tokens == 0 or top_k <= 0:
         return torch.zeros(experts, dtype=torch.int64, device=device)

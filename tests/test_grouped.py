@@ -485,3 +485,17 @@ def test_warmup_decides_grouped_keys_of_both_ops_before_capture(tmp_path):
     with pytest.raises(InvalidInputError, match=r"^warmup: experts must be 0 \(dense calls\) or the E > 0 of "
                                                 r"fp4_grouped_mm / w4a16_grouped_mm calls; got experts=-1$"):
         fp4dispatch.warmup([(8, 64, 128)], experts=-1, dispatcher=d, device="cpu")
+
+
+@pytest.mark.parametrize("value", ["0,-1", "x", "1,inf"])
+def test_bench_grouped_refuses_biases_it_cannot_route_with(value):
+    """bench_grouped's --biases goes to topk_counts: a bad list is a usage error at once, not a failure mid-run."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grouped.py"
+    p = subprocess.run([sys.executable, str(script), "--biases", value], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    assert (f"error: --biases must be comma-separated finite numbers >= 0 (e.g. 0,1,3); got {value!r}"
+            in p.stderr), p.stderr

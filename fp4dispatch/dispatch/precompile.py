@@ -61,9 +61,10 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
-        with runtime.compiles_ahead(_workers()) as ctx:
-            for problem, make_ops, pairs in ahead if ctx.active else ():
-                _runs(problem, make_ops(), pairs)
+        if ahead:
+            with runtime.compiles_ahead(_workers()) as ctx:
+                for problem, make_ops, pairs in ahead if ctx.active else ():
+                    _runs(problem, make_ops(), pairs)
     finally:
         if pool is not None:
             for f in futures:
