@@ -230,7 +230,7 @@ def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch)
     monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: seen.append([p.m for p, _ in jobs]))
     d = Dispatcher([FakeBackend("fake", cost=1e-5)], cache_dir=tmp_path, do_bench=fake_do_bench)
     state = d._state(CPU, "fp4_mm")  # this machine's verdicts stand in for a GPU's: only the bookkeeping is tested
-    monkeypatch.setattr(d, "_state", lambda dev, *ops: d._states.setdefault(dev, state))
+    monkeypatch.setattr(d, "_state", lambda dev, *ops, **kw: d._states.setdefault(dev, state))
     gpu = [p._replace(device=torch.device("cuda", 0)) for p in (problem(1), problem(16), problem(16))]
     assert d.compile_keys(gpu) == 2 and seen == [[1, 16]]  # one job per key, not per problem
 
@@ -328,3 +328,64 @@ def test_a_probe_compiles_a_first_run_library_once_per_unit_before_it_runs(monke
     assert seen == [(0, sorted(PROBE_MS))]  # every probe M is its own bucket: all compiled together
     probe._compile_ahead(FakeBackend("plain"), torch.device("cuda", 0), 0)
     assert len(seen) == 1  # a backend that compiles neither way is left alone
+    gpu = torch.device("cuda", 0)
+    upcoming = [(problem(m)._replace(device=gpu, n=4096), {}) for m in (3, 4, 300)]  # M 3 and 4: one unit
+    probe._compile_ahead(Bucket("b"), gpu, 0, upcoming)
+    assert seen[-1] == (0, sorted(PROBE_MS + (3, 300)))  # the upcoming units join the probe's own
+
+
+def test_first_run_jobs_give_one_run_per_unit_at_its_smallest_m_and_skip_refused_problems():
+    from fp4dispatch.dispatch.precompile import first_run_jobs
+
+    class Bucket(FakeBackend):
+        def first_run_unit(self, problem):
+            return super().first_run_unit(problem) + (problem.bucket,)
+
+        def unsupported(self, problem):
+            return "too many rows" if problem.m > 1024 else None
+
+    # M 900 is refused through its bucket's largest M (1024 is served, 2048 is not: bucket 1024 holds 513..1024)
+    jobs = first_run_jobs(Bucket("b"), [problem(m) for m in (20, 17, 3, 4, 1500, 900)])
+    assert [p.m for p, _ in jobs] == [3, 17, 900]
+    assert first_run_jobs(Bucket("b"), [problem(m) for m in (1500,)]) == []
+
+
+def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tmp_path, monkeypatch):
+    """The safe backends' kernels compile while the probe workers still run, and the worker of a first-run library
+    is handed the new keys' first runs (one per unit; its timeout grows with them). The (fake) worker answers only
+    once the safe backend's compile has started: one after the other, it would give up and fail the library."""
+    import threading
+
+    from fp4dispatch.dispatch import dispatcher as dispatcher_mod, health as health_mod, warmup
+    from fp4dispatch.dispatch.records import Verdict
+    from fp4dispatch.settings import Settings
+
+    class Library(FakeBackend):
+        compiles_on_first_run = True
+
+        def first_run_unit(self, problem):
+            return super().first_run_unit(problem) + (problem.bucket,)
+
+    compiling, compiled, handed = threading.Event(), [], {}
+
+    def fake_worker(backend, device, timeout_s, upcoming=()):
+        handed[backend.name] = ([p.m for p, _ in upcoming], timeout_s)
+        return Verdict("ok") if compiling.wait(30) else Verdict("failed", "nothing compiled beside the worker")
+
+    def fake_compile(jobs):
+        compiled.append(sorted((p.m, b.name) for p, bs in jobs for b in bs))
+        compiling.set()
+
+    monkeypatch.setattr(health_mod, "probe_isolated", fake_worker)
+    monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
+    monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
+    monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})
+    monkeypatch.setattr(warmup, "compile_keys_ahead", fake_compile)
+    d = Dispatcher([Library("lib", risky=True), FakeBackend("safe")], cache_dir=tmp_path, do_bench=fake_do_bench,
+                   settings=Settings(isolate=True, probe_timeout_s=30.0))
+    gpu = torch.device("cuda", 0)
+    stages: dict = {}
+    assert d.compile_keys([problem(m)._replace(device=gpu) for m in (1, 16, 20, 17)], stages=stages) == 3
+    assert compiled == [[(1, "safe"), (16, "safe"), (20, "safe")], [(1, "lib"), (16, "lib"), (20, "lib")]]
+    assert handed == {"lib": ([1, 16, 20], 30.0 + 3 * health_mod.UPCOMING_RUN_S)}  # a key: its first problem
+    assert set(stages) == {"probe", "compile"} and [v.status for v in d._states[gpu][1].values()] == ["ok", "ok"]

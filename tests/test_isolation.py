@@ -134,7 +134,7 @@ def test_isolated_probes_overlap_the_in_process_ones(tmp_path, monkeypatch):
         def unavailable(self, device):
             return None if started.wait(30) else "the probe workers had not started"
 
-    def fake_worker(backend, device, timeout_s):
+    def fake_worker(backend, device, timeout_s, upcoming=()):
         started.set()
         return Verdict("ok")
 

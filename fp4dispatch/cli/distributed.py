@@ -103,12 +103,13 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
         print(f"probing the backends of {', '.join(ops) or 'no op'} on {device} ...", file=sys.stderr)
     stage = dict.fromkeys(("probe", "compile", "decide", "baseline"), 0.0)
+    # the new keys' backends probed and their kernels compiled together (the two overlap); each key is then checked
+    # and timed alone
+    compiled = d.compile_keys(problems, stages=stage)
     t0 = time.perf_counter()
-    d.report(device, ops)  # the backends of the ops these shapes need, probed once per device (or cached)
+    d.report(device, ops)  # every backend of these ops probed once per device (or cached), if no key was new
     cache = d.cache_for(device)
-    t1 = time.perf_counter()
-    compiled = d.compile_keys(problems)  # every new key's kernels together; each key is then checked and timed alone
-    stage["probe"], stage["compile"] = t1 - t0, time.perf_counter() - t1
+    stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():
         print(f"compiled the kernels of {compiled} new keys at once in {stage['compile']:.1f} s", file=sys.stderr)
     rows = []

@@ -105,9 +105,7 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
         problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
-        if problem.m == 0:
-            return ops.out
-        return self.execute(self.choose(problem, backend), problem, ops)
+        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
 
     def w4a16_mm(self, a, b, b_scale, alpha=None, *, out_dtype=None, out=None, scale_layout="swizzled",
                  backend=None) -> torch.Tensor:
@@ -347,9 +345,10 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
             log.warning(message, *args)
 
     # -- probing -------------------------------------------------------------------------------------------------
-    def _state(self, device: torch.device, *ops: str) -> tuple[DecisionCache, dict[str, Verdict]]:
+    def _state(self, device: torch.device, *ops: str, upcoming=(), meanwhile=None) -> tuple[DecisionCache, dict]:
         """The device's cache and verdicts, every backend of ``ops`` probed (or read from the cache): a probe compiles
-        and runs kernels, so a process that only calls ``fp4_mm`` never probes the grouped or W4A16-only backends."""
+        and runs kernels, so a process that only calls ``fp4_mm`` never probes the grouped or W4A16-only backends.
+        ``upcoming``, ``meanwhile()``: ``device_health``'s (the in-process verdicts are in the state when it runs)."""
         st = self._states.get(device)
         if st is None:
             check_device(device)
@@ -360,7 +359,8 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
             self._probed_ops[device].update(todo)
             new = [b for b in self.backends if b.name not in st[1] and any(computes(b, op) for op in todo)]
             try:
-                st[1].update(device_health(new, device, st[0], self.settings))
+                known = (lambda v: (st[1].update(v), meanwhile())) if meanwhile else None
+                st[1].update(device_health(new, device, st[0], self.settings, upcoming=upcoming, meanwhile=known))
             except BaseException:  # interrupted: the next call probes these ops again
                 self._probed_ops[device].difference_update(todo)
                 raise

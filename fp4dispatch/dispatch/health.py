@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
+from ..backends.base import computes
 from .cache import DecisionCache
+from .precompile import first_run_jobs
 from ..settings import Settings
 from .isolate import probe_isolated
 from .probe import probe_backend
@@ -16,10 +19,18 @@ from .records import Verdict
 __all__ = ["device_health", "wrong_in_bucket", "wrong_when_probed"]
 
 log = logging.getLogger("fp4dispatch")
+# added to a worker's timeout per upcoming first run: each compiles a few kernels, FIRST_RUN_THREADS of them at once
+UPCOMING_RUN_S = 10.0
 
 
-def device_health(backends, device: torch.device, cache: DecisionCache, settings: Settings) -> dict[str, Verdict]:
-    """Verdicts for ``backends`` on ``device``; new ones are written to ``cache`` (transient ones are not)."""
+def device_health(backends, device: torch.device, cache: DecisionCache, settings: Settings, *, upcoming=(),
+                  meanwhile: Callable[[dict[str, Verdict]], None] | None = None) -> dict[str, Verdict]:
+    """Verdicts for ``backends`` on ``device``; new ones are written to ``cache`` (transient ones are not).
+
+    ``upcoming``: problems about to be decided. A worker that probes a library compiling on its first run (Humming)
+    also makes their first runs (``precompile.first_run_jobs``), so the library's disk cache holds their kernels
+    when this process runs them. ``meanwhile(verdicts)`` is called once the in-process verdicts are known, before
+    waiting for the workers: the caller compiles the safe backends' kernels while the workers work."""
     health: dict[str, Verdict] = {}
     fresh = {}
     isolated, local = [], []
@@ -35,12 +46,13 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     # the workers start first and run while this process probes the others: a worker's start-up and a library's
     # first compile (Humming's) overlap the in-process probes instead of following them
     pool = ThreadPoolExecutor(max_workers=len(isolated)) if isolated else None
-    futures = [pool.submit(probe_isolated, b, device, max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)))
-               for b in isolated]  # a backend that compiles its kernels when first run asks for more time
+    futures = [pool.submit(_probe_in_worker, b, device, settings, upcoming) for b in isolated]
     try:
         # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
         for b in sorted(local, key=lambda b: bool(b.risky)):
             health[b.name] = fresh[b.name] = probe_backend(b, device)
+        if meanwhile is not None:
+            meanwhile(dict(health))
     finally:
         for b, f in zip(isolated, futures):
             health[b.name] = v = f.result()
@@ -54,6 +66,15 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     if fresh:
         cache.update("health", {n: v.to_json() for n, v in fresh.items()})
     return health
+
+
+def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming) -> Verdict:
+    """``probe_isolated`` with the upcoming first runs of a first-run library; its timeout grows with them (and is
+    at least the backend's own ``probe_timeout_s``: a library that compiles its kernels when first run asks more)."""
+    jobs = first_run_jobs(b, [p for p in upcoming if p.device == device and computes(b, p.op)]) \
+        if getattr(b, "compiles_on_first_run", False) else []
+    timeout_s = max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)) + UPCOMING_RUN_S * len(jobs)
+    return probe_isolated(b, device, timeout_s, tuple(jobs))
 
 
 def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:

@@ -13,11 +13,11 @@ from .probe import Verdict, describe_exception
 __all__ = ["probe_isolated"]
 
 
-def _worker(conn, backend: Backend, device_str: str) -> None:
+def _worker(conn, backend: Backend, device_str: str, upcoming: tuple) -> None:
     from .probe import probe_backend
 
     try:
-        v = probe_backend(backend, torch.device(device_str))
+        v = probe_backend(backend, torch.device(device_str), upcoming=upcoming)
         conn.send(v.to_json())
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
         conn.send({"status": "failed", "reason": describe_exception(e)})
@@ -32,11 +32,12 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0) -> Verdict:
-    """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``."""
+def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = ()) -> Verdict:
+    """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
+    ``upcoming``: first runs the worker makes with the probe's (``probe_backend``); ``timeout_s`` must allow them."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_worker, args=(child, backend, str(device)), daemon=True)
+    proc = ctx.Process(target=_worker, args=(child, backend, str(device), tuple(upcoming)), daemon=True)
     try:
         proc.start()
     except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle

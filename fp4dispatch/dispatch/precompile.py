@@ -26,7 +26,8 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["compile_ahead", "compile_keys_ahead", "compile_together", "scratch_ops", "FIRST_RUN_THREADS"]
+__all__ = ["compile_ahead", "compile_keys_ahead", "compile_together", "first_run_jobs", "scratch_ops",
+           "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
@@ -104,26 +105,24 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
-    once per ``first_run_unit`` at that unit's smallest M, all at once. Scratch operands are made per
-    key as its compiles are handed out, so only the first-run units' stay alive meanwhile."""
-    ahead, first, units = [], [], {}
-    for problem, candidates in sorted(jobs, key=lambda j: j[0].m):
-        if problem.device.type != "cuda":
-            continue
+    once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
+    are handed out, so only the first-run units' stay alive meanwhile."""
+    jobs = [j for j in jobs if j[0].device.type == "cuda"]
+    ahead, libraries = [], {}
+    for problem, candidates in jobs:
         pairs = []
         for b in candidates:
-            try:
-                pairs += [(b, c) for c in b.configs(problem)]
-            except Exception:  # noqa: BLE001 - the key's own tune reports it
-                continue
-        a, f = _split(pairs)
-        if a:
-            ahead.append((problem, lambda p=problem: scratch_ops(p), a))
-        for b, c in f:
-            unit = b.first_run_unit(problem)
-            if unit not in units:
-                units[unit] = (problem, scratch_ops(problem), (b, c))
-    first = list(units.values())
+            if getattr(b, "compiles_on_first_run", False):
+                libraries.setdefault(b.name, (b, []))[1].append(problem)
+            elif getattr(b, "compiles_ahead", False):
+                try:
+                    pairs += [(b, c) for c in b.configs(problem)]
+                except Exception:  # noqa: BLE001 - the key's own tune reports it
+                    continue
+        if pairs:
+            ahead.append((problem, lambda p=problem: scratch_ops(p), pairs))
+    first = [(p, scratch_ops(p), (b, cfg))
+             for b, problems in libraries.values() for p, cfg in first_run_jobs(b, problems)]
     if not (ahead or first):
         return
     try:
@@ -131,6 +130,23 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
     finally:
         for dev in {j[0].device for j in jobs}:
             reset_cuda_error(dev)
+
+
+def first_run_jobs(backend: Backend, problems) -> list[tuple[Problem, Config]]:
+    """One (problem, config) per ``first_run_unit`` of ``backend`` over ``problems``: at the unit's smallest M, the
+    first config offered there. A problem that the backend refuses (at its M or its bucket's largest), or whose
+    configs raise, is left to its key's own tune, which reports it."""
+    units: dict[tuple, tuple[Problem, Config]] = {}
+    for p in sorted(problems, key=lambda p: p.m):
+        try:
+            if backend.unsupported(p) or backend.unsupported(p.with_m(p.bucket)):
+                continue
+            configs = backend.configs(p)
+        except Exception:  # noqa: BLE001
+            continue
+        if configs and (unit := backend.first_run_unit(p)) not in units:
+            units[unit] = (p, configs[0])
+    return list(units.values())
 
 
 def scratch_ops(problem: Problem, seed: int = 0):

@@ -33,8 +33,10 @@ def probe_problem(backend: Backend, m: int, device: torch.device) -> Problem:
                    PROBE_E if op == "grouped" else 0)
 
 
-def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> Verdict:
-    """Run ``backend`` on the probe problems (fresh hostile random inputs, NaN-poisoned out) against the reference."""
+def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upcoming: tuple = ()) -> Verdict:
+    """Run ``backend`` on the probe problems (fresh hostile random inputs, NaN-poisoned out) against the reference.
+    ``upcoming``: (problem, config) first runs of keys about to be decided (``precompile.first_run_jobs``), made with
+    the probe's own before it runs: a first-run library's worker fills its disk cache for the caller that way."""
     t0 = time.perf_counter()
 
     def verdict(status: str, reason: str = "", wrong_ms: tuple = ()) -> Verdict:
@@ -46,7 +48,7 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
         return verdict("unavailable", f"availability check raised {describe_exception(e)}")
     if why:
         return verdict("unavailable", why)
-    _compile_ahead(backend, device, seed)
+    _compile_ahead(backend, device, seed, upcoming)
     wrong: dict[int, str] = {}
     refused: list[str] = []
     ran = 0
@@ -82,11 +84,11 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234) -> V
     return verdict("ok")
 
 
-def _compile_ahead(backend: Backend, device: torch.device, seed: int) -> None:
+def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: tuple = ()) -> None:
     """The kernels of the first config at every probe M, compiled at once before the probe runs them one M after
     another (``precompile.compile_together``): a Triton backend's (``compiles_ahead``) on Triton's async-compile
     pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads. Anything
-    that fails here fails again in the probe, which reports it."""
+    that fails here fails again in the probe, which reports it. ``upcoming`` first runs join the first-run units."""
     ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
     if not (ahead or first_run) or device.type != "cuda":
         return
@@ -101,6 +103,12 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int) -> None:
                 units[unit] = (problem, scratch_ops(problem, seed + i), (backend, configs[0]))
         except Exception as e:  # noqa: BLE001
             log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
+    for i, (problem, cfg) in enumerate(upcoming if first_run else ()):
+        try:
+            if (unit := backend.first_run_unit(problem)) not in units:
+                units[unit] = (problem, scratch_ops(problem, seed + len(PROBE_MS) + i), (backend, cfg))
+        except Exception as e:  # noqa: BLE001 - the key's own tune runs it again and reports it
+            log.debug("probe compile ahead %s for %s: %s", backend.name, problem, describe_exception(e))
     try:
         compile_together(jobs, list(units.values()))
     finally:

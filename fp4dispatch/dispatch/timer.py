@@ -7,11 +7,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "screen_for_device", "DoBench", "SCREEN_REP_MS"]
+__all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "screen_for_device", "DoBench", "SCREEN_REP_MS",
+           "GRAPH_REP_MS", "EAGER_REP_MS"]
 
 DoBench = Callable[[Callable[[], object]], float]
-# milliseconds of work per measurement of the screen timer (the full timers: 40): ranks a key's candidates in a
-# fraction of the time, closely enough to pick the few that the full timer then decides between (docs/tuning.md)
+# milliseconds of work per measurement of the full timers: a graph replay repeats the call that long (Triton's own
+# default for do_bench_cudagraph; each of its ten measurements is one replay); eager launches vary more and get more
+GRAPH_REP_MS, EAGER_REP_MS = 20, 40
+# the screen timer's: ranks a key's candidates in a fraction of the time, closely enough to pick the few that the
+# full timer then decides between (docs/tuning.md)
 SCREEN_REP_MS = 5
 
 
@@ -43,7 +47,7 @@ def screen_for_device(device: torch.device, mode: str = "graph") -> DoBench:
     return lambda fn: default_do_bench(fn, rep=SCREEN_REP_MS)
 
 
-def default_do_bench(fn: Callable[[], object], rep: int = 40) -> float:
+def default_do_bench(fn: Callable[[], object], rep: int = EAGER_REP_MS) -> float:
     """Median time of ``fn`` in ms on CUDA, launched eagerly: ``triton.testing.do_bench`` (CUDA events, L2 flushed),
     else a loop of CUDA events."""
     try:
@@ -53,7 +57,7 @@ def default_do_bench(fn: Callable[[], object], rep: int = 40) -> float:
     return float(do_bench(fn, warmup=min(10, rep), rep=rep, return_mode="median"))
 
 
-def cuda_graph_do_bench(fn: Callable[[], object], rep: int = 40) -> float:
+def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> float:
     """Median GPU time of ``fn`` in ms from CUDA-graph replays (``triton.testing.do_bench_cudagraph``).
 
     Small-M kernels last about as long as their launches from Python, so eager timings of them move with CPU load

@@ -3,6 +3,8 @@ once, the kernels all of them will try. A mixin of :class:`~fp4dispatch.dispatch
 dispatcher's lock, states, choices, forced backend and ``_candidates``."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..problem import Problem
@@ -25,22 +27,44 @@ class Warmup:
         self.compile_keys(problems.values())
         return {s: self.choose(p) for s, p in problems.items()}
 
-    def compile_keys(self, problems) -> int:
+    def compile_keys(self, problems, stages: dict | None = None) -> int:
         """Compile at once, before they are decided one by one, the kernels that the undecided keys of ``problems``
         will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one
         first run per ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns
-        how many keys that was.
-        Nothing is decided or timed here; without CUDA, or with a backend forced, it does nothing."""
-        jobs, seen = [], set()
+        how many keys that was. The backends of their ops are probed first if they were not, and the two overlap: the
+        safe backends' kernels compile while the probe workers work, and a worker probing a first-run library
+        (Humming) makes these keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the
+        rest compile once every verdict is in. ``stages`` (if given) gets the seconds until then ("probe") and
+        after ("compile"). Nothing is decided or timed here; without CUDA, or with a backend forced, it does nothing."""
+        t0 = time.perf_counter()
+        todo: dict[tuple, Problem] = {}
+        for p in problems:
+            if p.device.type == "cuda" and self._forced is None:
+                todo.setdefault(p.key, p)
+        compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
+        keys: set[tuple] = set()
+
+        def jobs(dev: torch.device) -> list:  # each undecided key of dev with its candidates not compiled yet
+            out = []
+            for key, p in todo.items():
+                cands = [] if key[0] != dev else self._candidates(key, p)[0]
+                if cands := [b for b in cands if (key, b.name) not in compiled]:
+                    compiled.update((key, b.name) for b in cands)
+                    keys.add(key)
+                    out.append((p, cands))
+            return out
+
         with self._lock:
-            for p in problems:
-                if p.device.type != "cuda" or self._forced is not None or p.key in seen:
-                    continue
-                seen.add(p.key)
-                cache, _ = self._state(p.device, p.op)
-                if p.key not in self._choices and key_str(p.key) not in cache.decisions:
-                    candidates = self._candidates(p.key, p)[0]
-                    if candidates:
-                        jobs.append((p, candidates))
-        compile_keys_ahead(jobs)
-        return len(jobs)
+            for dev in dict.fromkeys(key[0] for key in todo):
+                cache = self._state(dev)[0]  # the cache only: decided keys compile nothing
+                for key in [k for k in todo if k[0] == dev and (k in self._choices or key_str(k) in cache.decisions)]:
+                    del todo[key]
+                mine = [p for key, p in todo.items() if key[0] == dev]
+                self._state(dev, *dict.fromkeys(p.op for p in mine), upcoming=mine,
+                            meanwhile=lambda d=dev: compile_keys_ahead(jobs(d)))
+            t1 = time.perf_counter()
+            rest = [j for dev in dict.fromkeys(key[0] for key in todo) for j in jobs(dev)]
+        compile_keys_ahead(rest)
+        if stages is not None:
+            stages.update(probe=t1 - t0, compile=time.perf_counter() - t1)
+        return len(keys)
