@@ -309,6 +309,39 @@ def test_compile_keys_runs_a_first_run_library_once_per_its_unit(monkeypatch):
     assert sorted(runs) == [("bucket", 1), ("bucket", 17), ("bucket", 128), ("shape", 1)]  # smallest M of each
 
 
+def test_first_runs_make_their_operands_in_their_threads_and_survive_a_failed_one(monkeypatch):
+    """A first run's scratch operands are made when it starts, in its thread (a large shape's are big: only the units
+    running hold theirs), and one whose operands cannot be made (out of memory, say) leaves the others to run."""
+    import threading
+
+    from fp4dispatch.dispatch import precompile
+
+    class Library(FakeBackend):
+        compiles_on_first_run = True
+
+        def first_run_unit(self, problem):
+            return super().first_run_unit(problem) + (problem.bucket,)
+
+        def run(self, problem, ops, config):
+            ran.append(problem.m)
+
+    made, ran = [], []
+
+    def scratch(p, seed=0):
+        made.append(threading.current_thread().name)
+        if p.m == 16:
+            raise RuntimeError("CUDA out of memory")
+        return ()
+
+    monkeypatch.setattr(precompile, "scratch_ops", scratch)
+    monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
+    gpu = torch.device("cuda", 0)
+    lib = Library("lib")
+    precompile.compile_keys_ahead([(problem(m)._replace(device=gpu), [lib]) for m in (1, 16, 128)])
+    assert sorted(ran) == [1, 128] and len(made) == 3
+    assert all(name.startswith("fp4dispatch-first-run") for name in made), made
+
+
 def test_a_probe_compiles_a_first_run_library_once_per_unit_before_it_runs(monkeypatch):
     from fp4dispatch.dispatch import probe
     from fp4dispatch.dispatch.verify import PROBE_MS

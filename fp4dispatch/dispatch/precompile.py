@@ -45,7 +45,12 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
             log.debug("precompile %s[%s] for %s: %s", b.name, config_id(cfg), problem, describe_exception(e))
 
 
-def _first_run(problem: Problem, ops, pair: tuple[Backend, Config]) -> None:
+def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> None:
+    try:
+        ops = make_ops()  # here, not when listed: only the units running now hold operands (a large shape's are big)
+    except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
+        log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
+        return
     _runs(problem, ops, [pair])
     try:
         torch.cuda.synchronize(problem.device)
@@ -56,7 +61,7 @@ def _first_run(problem: Problem, ops, pair: tuple[Backend, Config]) -> None:
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
                      first: list[tuple[Problem, object, tuple]]) -> None:
     """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
-    ((problem, operands, pair)) run in threads."""
+    ((problem, operands maker, pair)) run in threads."""
     from ..kernels import runtime
 
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
@@ -97,7 +102,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
                             out=case.frame.clone()[1:problem.m + 1])
 
     try:
-        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, case.ops, p) for p in first])
+        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first])
     finally:
         reset_cuda_error(problem.device)
         restore_inputs(case)
@@ -106,7 +111,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
-    are handed out, so only the first-run units' stay alive meanwhile."""
+    are handed out, and per first run as it starts."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
     for problem, candidates in jobs:
@@ -121,7 +126,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
                     continue
         if pairs:
             ahead.append((problem, lambda p=problem: scratch_ops(p), pairs))
-    first = [(p, scratch_ops(p), (b, cfg))
+    first = [(p, lambda p=p: scratch_ops(p), (b, cfg))
              for b, problems in libraries.values() for p, cfg in first_run_jobs(b, problems)]
     if not (ahead or first):
         return

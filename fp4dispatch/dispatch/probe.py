@@ -100,15 +100,12 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
             if configs and ahead:
                 jobs.append((problem, lambda p=problem, s=seed + i: scratch_ops(p, s), [(backend, configs[0])]))
             elif configs and (unit := backend.first_run_unit(problem)) not in units:
-                units[unit] = (problem, scratch_ops(problem, seed + i), (backend, configs[0]))
+                units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, configs[0]))
         except Exception as e:  # noqa: BLE001
             log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
-    for i, (problem, cfg) in enumerate(upcoming if first_run else ()):
-        try:
-            if (unit := backend.first_run_unit(problem)) not in units:
-                units[unit] = (problem, scratch_ops(problem, seed + len(PROBE_MS) + i), (backend, cfg))
-        except Exception as e:  # noqa: BLE001 - the key's own tune runs it again and reports it
-            log.debug("probe compile ahead %s for %s: %s", backend.name, problem, describe_exception(e))
+    for i, (problem, cfg) in enumerate(upcoming if first_run else (), len(PROBE_MS)):
+        if (unit := backend.first_run_unit(problem)) not in units:
+            units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, cfg))
     try:
         compile_together(jobs, list(units.values()))
     finally:
