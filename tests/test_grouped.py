@@ -221,6 +221,15 @@ def test_the_expert_loop_computes_each_expert_with_a_dense_dispatcher(tmp_path):
     assert decided and all(ks.startswith("m") and ks.endswith("-n64-k128-float32") for ks in decided)  # dense keys
 
 
+def test_the_expert_loops_own_dispatcher_leaves_out_libraries_that_compile_on_their_first_run(tmp_path, monkeypatch):
+    """Its keys are verified in priority order, every candidate of each new expert M bucket: Humming there would
+    compile that bucket's kernels (and its probe spawn a worker) only to stand behind fp4dispatch's own kernels."""
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path))
+    names = [b.name for b in ExpertLoopBackend().dense().backends]
+    assert "triton:fused" in names and "reference" in names
+    assert not any(n.startswith("humming:") for n in names) and "loop:fp4_mm" not in names
+
+
 def test_the_default_dispatcher_probes_the_expert_loop_without_calling_back_into_itself(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
     d = Dispatcher([ReferenceBackend(), ExpertLoopBackend()], cache_dir=tmp_path / "c")

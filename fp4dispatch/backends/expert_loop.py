@@ -45,10 +45,14 @@ class ExpertLoopBackend(BaseBackend):
             # a cache directory of its own: its decisions (the probe's shapes among them) stay out of the user's
             # cache, where ``tune`` would report them as decided by nobody. Its keys are verified, not timed
             # (priority order, as FP4DISPATCH_TUNE=0): timing every expert's shape made the loop's device probe
-            # alone take half a minute, for a baseline that the grouped kernels beat
+            # alone take half a minute, for a baseline that the grouped kernels beat. A library that compiles on
+            # its first run (Humming) is left out: verifying every candidate of each new inner M bucket would
+            # compile its kernels for that bucket, and probing it spawn a worker, just to keep a fallback that
+            # priority order puts behind fp4dispatch's own kernels
             settings = read_settings()
             root = settings.cache_dir or default_cache_dir()
-            self._dense = Dispatcher([b for b in default_backends() if computes(b, "fp4_mm")],
+            self._dense = Dispatcher([b for b in default_backends() if computes(b, "fp4_mm")
+                                      and not getattr(b, "compiles_on_first_run", False)],
                                      cache_dir=Path(root) / "expert-loop", settings=replace(settings, tune=False))
         return self._dense
 
