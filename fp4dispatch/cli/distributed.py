@@ -101,7 +101,8 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     problems = [Problem(s.m, s.n, s.k, dt, device, adt, s.experts) for s in shapes]
     ops = tuple(dict.fromkeys(p.op for p in problems))
     if opts.progress and sys.stderr.isatty():  # probing native backends in workers can take a while on a GPU
-        print(f"probing the backends of {', '.join(ops) or 'no op'} on {device} ...", file=sys.stderr)
+        print(f"probing the backends of {', '.join(ops) or 'no op'} on {device} and compiling the new keys' kernels "
+              "...", file=sys.stderr)
     stage = dict.fromkeys(("probe", "compile", "decide", "baseline"), 0.0)
     # the new keys' backends probed and their kernels compiled together (the two overlap); each key is then checked
     # and timed alone
@@ -111,7 +112,8 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     cache = d.cache_for(device)
     stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():
-        print(f"compiled the kernels of {compiled} new keys at once in {stage['compile']:.1f} s", file=sys.stderr)
+        print(f"probed and compiled the kernels of {compiled} new keys in {stage['probe'] + stage['compile']:.1f} s",
+              file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
