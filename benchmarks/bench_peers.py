@@ -8,8 +8,8 @@ Rows per cell: each healthy backend of the key at the config its own tuning rank
 (``backend.run``: no dispatcher in the way; the picked backend first, at the picked config); "pick", ``fp4_mm``
 through the dispatcher (validation and lookup included); cuBLAS bf16 on the dequantized weight. The goal checked at
 the end: the pick within 3 % of the fastest backend in every cell, in both modes; "choice" is the same count for
-the picked backend and config called directly, which sets the dispatcher's own host cost apart. ``tune_s`` is the time the dispatcher took to decide the key (the first call of
-a shape includes Humming's kernel compile).
+the picked backend and config called directly, which sets the dispatcher's own host cost apart. ``tune_s`` is the
+time the dispatcher took to decide the key (the first call of a shape includes Humming's kernel compile).
 
     export PYTHONPATH=$PWD; python benchmarks/bench_peers.py --out $OUT [--shapes 8192x8192,... --ms 1,16,...]
     python benchmarks/bench_peers.py --plot OUT/bench_peers*.json --out OUT   # the table and PNG of several runs
@@ -105,8 +105,10 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def _choice_us(r: dict, mode: str) -> float:
-    """The picked backend at the picked config, called directly: the cell's first backend entry."""
-    return next(iter(r["backends"].values()))[mode]
+    """The picked backend at the picked config, called directly (its entry holds the pick's label); the pick
+    through ``fp4_mm`` where there is none (a skipped backend, or a run before entries held their config)."""
+    own = next((v for v in r["backends"].values() if v.get("config") == r["pick"]), None)
+    return own[mode] if own else r["pick_us"][mode]
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:

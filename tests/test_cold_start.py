@@ -422,3 +422,39 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
     assert compiled == [[(1, "safe"), (16, "safe"), (20, "safe")], [(1, "lib"), (16, "lib"), (20, "lib")]]
     assert handed == {"lib": ([1, 16, 20], 30.0 + 3 * health_mod.UPCOMING_RUN_S)}  # a key: its first problem
     assert set(stages) == {"probe", "compile"} and [v.status for v in d._states[gpu][1].values()] == ["ok", "ok"]
+    # the verdicts cached: no worker to wait for, so every new key compiles after the probe (its "compile" stage),
+    # outside the dispatcher's lock
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda *a, **kw: pytest.fail("probed again"))
+    compiled.clear()
+    again = Dispatcher([Library("lib", risky=True), FakeBackend("safe")], cache_dir=tmp_path, do_bench=fake_do_bench,
+                       settings=Settings(isolate=True, probe_timeout_s=30.0))
+    locked = []
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: (fake_compile(jobs), locked.append(
+        again._lock._is_owned())))
+    assert again.compile_keys([problem(m)._replace(device=gpu) for m in (1, 16)]) == 2
+    assert compiled == [[(1, "lib"), (1, "safe"), (16, "lib"), (16, "safe")]] and locked == [False]
+
+
+def test_a_failed_compile_beside_the_probe_workers_is_logged_and_the_probe_goes_on(tmp_path, monkeypatch, caplog):
+    from fp4dispatch.dispatch import dispatcher as dispatcher_mod, health as health_mod, warmup
+    from fp4dispatch.dispatch.records import Verdict
+    from fp4dispatch.settings import Settings
+
+    calls = []
+
+    def fake_compile(jobs):
+        calls.append(sorted(b.name for _, bs in jobs for b in bs))
+        if len(calls) == 1:
+            raise RuntimeError("a compile went wrong")
+
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, timeout_s, upcoming=(): Verdict("ok"))
+    monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
+    monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
+    monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})
+    monkeypatch.setattr(warmup, "compile_keys_ahead", fake_compile)
+    d = Dispatcher([FakeBackend("native", risky=True), FakeBackend("safe")], cache_dir=tmp_path,
+                   do_bench=fake_do_bench, settings=Settings(isolate=True))
+    gpu = torch.device("cuda", 0)
+    assert d.compile_keys([problem(1)._replace(device=gpu)]) == 1
+    assert calls == [["safe"], ["native"]] and "compiling beside the probe workers failed" in caplog.text
+    assert sorted(d._states[gpu][0].health) == ["native", "safe"]  # both verdicts written, the probe not lost

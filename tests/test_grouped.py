@@ -228,6 +228,13 @@ def test_the_expert_loops_own_dispatcher_leaves_out_libraries_that_compile_on_th
     names = [b.name for b in ExpertLoopBackend().dense().backends]
     assert "triton:fused" in names and "reference" in names
     assert not any(n.startswith("humming:") for n in names) and "loop:fp4_mm" not in names
+    # FP4DISPATCH_BACKEND naming one of them keeps it and forces it there; another op's is not forced there (each
+    # expert's fp4_mm would refuse it)
+    for forced, kept in (("humming:w4a16", "humming:w4a16"), ("triton:grouped", None)):
+        monkeypatch.setenv("FP4DISPATCH_BACKEND", forced)
+        inner = ExpertLoopBackend().dense()
+        assert inner.settings.forced_backend == kept
+        assert (kept in [b.name for b in inner.backends]) if kept else forced not in [b.name for b in inner.backends]
 
 
 def test_the_default_dispatcher_probes_the_expert_loop_without_calling_back_into_itself(tmp_path, monkeypatch):

@@ -48,12 +48,16 @@ class ExpertLoopBackend(BaseBackend):
             # alone take half a minute, for a baseline that the grouped kernels beat. A library that compiles on
             # its first run (Humming) is left out: verifying every candidate of each new inner M bucket would
             # compile its kernels for that bucket, and probing it spawn a worker, just to keep a fallback that
-            # priority order puts behind fp4dispatch's own kernels
+            # priority order puts behind fp4dispatch's own kernels, unless FP4DISPATCH_BACKEND names it. A forced
+            # backend that is not among its own (another op's) is not forced here: each expert's fp4_mm would refuse it
             settings = read_settings()
             root = settings.cache_dir or default_cache_dir()
-            self._dense = Dispatcher([b for b in default_backends() if computes(b, "fp4_mm")
-                                      and not getattr(b, "compiles_on_first_run", False)],
-                                     cache_dir=Path(root) / "expert-loop", settings=replace(settings, tune=False))
+            forced = settings.forced_backend
+            own = [b for b in default_backends() if computes(b, "fp4_mm")
+                   and (not getattr(b, "compiles_on_first_run", False) or b.name == forced)]
+            forced = forced if any(b.name == forced for b in own) else None
+            self._dense = Dispatcher(own, cache_dir=Path(root) / "expert-loop",
+                                     settings=replace(settings, tune=False, forced_backend=forced))
         return self._dense
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:

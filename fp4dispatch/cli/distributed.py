@@ -108,7 +108,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     # and timed alone
     compiled = d.compile_keys(problems, stages=stage)
     t0 = time.perf_counter()
-    d.report(device, ops)  # every backend of these ops probed once per device (or cached), if no key was new
+    d.report(device, ops)  # the ops whose keys were all decided: compile_keys probed only the new keys' ops
     cache = d.cache_for(device)
     stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():

@@ -12,7 +12,7 @@ from .cache import DecisionCache
 from .precompile import first_run_jobs
 from ..settings import Settings
 from .isolate import probe_isolated
-from .probe import probe_backend
+from .probe import describe_exception, probe_backend
 from ..problem import m_bucket
 from .records import Verdict
 
@@ -29,8 +29,9 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
 
     ``upcoming``: problems about to be decided. A worker that probes a library compiling on its first run (Humming)
     also makes their first runs (``precompile.first_run_jobs``), so the library's disk cache holds their kernels
-    when this process runs them. ``meanwhile(verdicts)`` is called once the in-process verdicts are known, before
-    waiting for the workers: the caller compiles the safe backends' kernels while the workers work."""
+    when this process runs them. ``meanwhile(verdicts)`` is called once the in-process verdicts are known, when
+    there are workers to wait for: the caller compiles the safe backends' kernels while they work (an exception
+    there is logged, not raised: it was a head start)."""
     health: dict[str, Verdict] = {}
     fresh = {}
     isolated, local = [], []
@@ -51,8 +52,11 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
         # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
         for b in sorted(local, key=lambda b: bool(b.risky)):
             health[b.name] = fresh[b.name] = probe_backend(b, device)
-        if meanwhile is not None:
-            meanwhile(dict(health))
+        if meanwhile is not None and isolated:  # with no worker to wait for, the caller compiles after this
+            try:
+                meanwhile(dict(health))
+            except Exception as e:  # noqa: BLE001 - a head start only: the caller compiles what is left
+                log.warning("fp4dispatch: compiling beside the probe workers failed (%s)", describe_exception(e))
     finally:
         for b, f in zip(isolated, futures):
             health[b.name] = v = f.result()

@@ -34,7 +34,8 @@ def _signal_name(code: int) -> str:
 
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = ()) -> Verdict:
     """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
-    ``upcoming``: first runs the worker makes with the probe's (``probe_backend``); ``timeout_s`` must allow them."""
+    ``upcoming``: first runs the worker makes with the probe's (``probe_backend``); ``timeout_s`` must allow them.
+    A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(child, backend, str(device), tuple(upcoming)), daemon=True)
@@ -56,9 +57,11 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
             return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s, transient=True)
         proc.join(timeout_s)
         code = proc.exitcode
-        if code is not None and code < 0:
-            return Verdict("failed", f"worker died ({_signal_name(code)})")
-        return Verdict("failed", f"worker died (exit code {code})")
+        how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
+        if upcoming:  # the probe or one of the keys' shapes: kept out of this process, probed again by the next
+            return Verdict("failed", f"worker died ({how}) while probing and making the first runs of "
+                           f"{len(upcoming)} new keys (not cached)", transient=True)
+        return Verdict("failed", f"worker died ({how})")
     finally:
         parent.close()
         if proc.is_alive():

@@ -146,10 +146,10 @@ def first_run_jobs(backend: Backend, problems) -> list[tuple[Problem, Config]]:
         try:
             if backend.unsupported(p) or backend.unsupported(p.with_m(p.bucket)):
                 continue
-            configs = backend.configs(p)
+            configs, unit = backend.configs(p), backend.first_run_unit(p)
         except Exception:  # noqa: BLE001
             continue
-        if configs and (unit := backend.first_run_unit(p)) not in units:
+        if configs and unit not in units:
             units[unit] = (p, configs[0])
     return list(units.values())
 

@@ -104,8 +104,11 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
         except Exception as e:  # noqa: BLE001
             log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
     for i, (problem, cfg) in enumerate(upcoming if first_run else (), len(PROBE_MS)):
-        if (unit := backend.first_run_unit(problem)) not in units:
-            units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, cfg))
+        try:
+            if (unit := backend.first_run_unit(problem)) not in units:
+                units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, cfg))
+        except Exception as e:  # noqa: BLE001 - that key's own tune runs it and reports it
+            log.debug("probe compile ahead %s for %s: %s", backend.name, problem, describe_exception(e))
     try:
         compile_together(jobs, list(units.values()))
     finally:
