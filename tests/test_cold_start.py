@@ -401,7 +401,7 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
 
     compiling, compiled, handed = threading.Event(), [], {}
 
-    def fake_worker(backend, device, timeout_s, upcoming=()):
+    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None):
         handed[backend.name] = ([p.m for p, _ in upcoming], timeout_s)
         return Verdict("ok") if compiling.wait(30) else Verdict("failed", "nothing compiled beside the worker")
 
@@ -447,7 +447,7 @@ def test_a_failed_compile_beside_the_probe_workers_is_logged_and_the_probe_goes_
         if len(calls) == 1:
             raise RuntimeError("a compile went wrong")
 
-    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, timeout_s, upcoming=(): Verdict("ok"))
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok"))
     monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
     monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
     monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})

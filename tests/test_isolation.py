@@ -62,6 +62,23 @@ def test_the_worker_hands_its_upcoming_first_runs_to_the_probe(monkeypatch):
     assert got == [upcoming] and parent.recv()["status"] == "ok"
 
 
+def test_an_interrupted_probe_kills_its_workers_instead_of_waiting_for_their_timeouts(tmp_path):
+    """Ctrl-C while this process probes: a hanging worker is killed at once, not waited for (its timeout may be minutes
+    when it makes the first runs of a model's keys), and the interrupt goes on to the caller."""
+    import time
+
+    class Interrupted(FakeBackend):
+        def unavailable(self, device):
+            raise KeyboardInterrupt
+
+    d = Dispatcher([FakeBackend("hanger", crash="hang", risky=True), Interrupted("safe")], cache_dir=tmp_path,
+                   settings=Settings(isolate=True, probe_timeout_s=600.0))
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        d.report(CPU)
+    assert time.monotonic() - t0 < 300  # the worker's timeout is 600 s; a kill takes well under a second
+
+
 def test_probe_isolated_reports_a_healthy_backend_ok():
     v = probe_isolated(FakeBackend("healthy", risky=True), CPU, 60.0)
     assert (v.status, v.reason) == ("ok", "")
@@ -158,7 +175,7 @@ def test_isolated_probes_overlap_the_in_process_ones(tmp_path, monkeypatch):
         def unavailable(self, device):
             return None if started.wait(30) else "the probe workers had not started"
 
-    def fake_worker(backend, device, timeout_s, upcoming=()):
+    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None):
         started.set()
         return Verdict("ok")
 

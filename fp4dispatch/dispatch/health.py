@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -47,7 +48,8 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     # the workers start first and run while this process probes the others: a worker's start-up and a library's
     # first compile (Humming's) overlap the in-process probes instead of following them
     pool = ThreadPoolExecutor(max_workers=len(isolated)) if isolated else None
-    futures = [pool.submit(_probe_in_worker, b, device, settings, upcoming) for b in isolated]
+    cancel = threading.Event()
+    futures = [pool.submit(_probe_in_worker, b, device, settings, upcoming, cancel) for b in isolated]
     try:
         # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
         for b in sorted(local, key=lambda b: bool(b.risky)):
@@ -57,11 +59,14 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
                 meanwhile(dict(health))
             except Exception as e:  # noqa: BLE001 - a head start only: the caller compiles what is left
                 log.warning("fp4dispatch: compiling beside the probe workers failed (%s)", describe_exception(e))
-    finally:
         for b, f in zip(isolated, futures):
             health[b.name] = v = f.result()
             if not v.transient:  # a timeout may be a one-off JIT compile: probe again next process
                 fresh[b.name] = v
+    except BaseException:
+        cancel.set()  # interrupted (Ctrl-C): the workers are killed, not waited for until their timeouts
+        raise
+    finally:
         if pool is not None:
             pool.shutdown()
     for name, v in health.items():
@@ -72,13 +77,13 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     return health
 
 
-def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming) -> Verdict:
+def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming, cancel: threading.Event) -> Verdict:
     """``probe_isolated`` with the upcoming first runs of a first-run library; its timeout grows with them (and is
     at least the backend's own ``probe_timeout_s``: a library that compiles its kernels when first run asks more)."""
     jobs = first_run_jobs(b, [p for p in upcoming if p.device == device and computes(b, p.op)]) \
         if getattr(b, "compiles_on_first_run", False) else []
     timeout_s = max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)) + UPCOMING_RUN_S * len(jobs)
-    return probe_isolated(b, device, timeout_s, tuple(jobs))
+    return probe_isolated(b, device, timeout_s, tuple(jobs), cancel=cancel)
 
 
 def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import threading
+import time
 
 import torch
 
@@ -11,6 +13,8 @@ from ..backends.base import Backend
 from .probe import Verdict, describe_exception
 
 __all__ = ["probe_isolated"]
+
+CANCEL_POLL_S = 0.25  # how often a waiting caller looks at its cancel event
 
 
 def _worker(conn, backend: Backend, device_str: str, upcoming: tuple) -> None:
@@ -32,10 +36,23 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = ()) -> Verdict:
+def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
+    """``conn.poll(timeout_s)`` in short steps that give up once ``cancel`` is set."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if conn.poll(max(0.0, min(left, CANCEL_POLL_S) if cancel is not None else left)):
+            return True
+        if left <= 0 or (cancel is not None and cancel.is_set()):
+            return False
+
+
+def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
+                   cancel: threading.Event | None = None) -> Verdict:
     """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
     ``upcoming``: first runs the worker makes with the probe's (``probe_backend``); ``timeout_s`` must allow them.
-    A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's."""
+    A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
+    ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(child, backend, str(device), tuple(upcoming)), daemon=True)
@@ -45,11 +62,15 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
     child.close()
     try:
-        if parent.poll(timeout_s):
+        if _wait(parent, timeout_s, cancel):
             try:
                 return Verdict.from_json(parent.recv())
             except EOFError:
                 pass  # the worker died before it could answer
+        elif cancel is not None and cancel.is_set():
+            proc.kill()
+            proc.join(5)
+            return Verdict("failed", "probe interrupted (worker killed)", transient=True)
         else:
             proc.kill()
             proc.join(5)
