@@ -362,7 +362,7 @@ def test_a_probe_compiles_a_first_run_library_once_per_unit_before_it_runs(monke
     probe._compile_ahead(FakeBackend("plain"), torch.device("cuda", 0), 0)
     assert len(seen) == 1  # a backend that compiles neither way is left alone
     gpu = torch.device("cuda", 0)
-    upcoming = [(problem(m)._replace(device=gpu, n=4096), {}) for m in (3, 4, 300)]  # M 3 and 4: one unit
+    upcoming = [problem(m)._replace(device=gpu, n=4096) for m in (3, 4, 300)]  # M 3 and 4: one unit
     probe._compile_ahead(Bucket("b"), gpu, 0, upcoming)
     assert seen[-1] == (0, sorted(PROBE_MS + (3, 300)))  # the upcoming units join the probe's own
 
@@ -402,7 +402,7 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
     compiling, compiled, handed = threading.Event(), [], {}
 
     def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None):
-        handed[backend.name] = ([p.m for p, _ in upcoming], timeout_s)
+        handed[backend.name] = ([p.m for p in upcoming], timeout_s)
         return Verdict("ok") if compiling.wait(30) else Verdict("failed", "nothing compiled beside the worker")
 
     def fake_compile(jobs):

@@ -41,7 +41,7 @@ def test_probe_isolated_turns_a_dead_or_hung_worker_into_a_failed_verdict(crash,
 def test_a_worker_that_dies_making_the_new_keys_first_runs_is_not_cached_as_the_devices_verdict():
     """The crash may come from one of the keys' shapes, not the probe's: the backend stays out of this process (failed)
     and the next process probes it again (transient, not cached)."""
-    upcoming = ((Problem(64, 4096, 4096, torch.bfloat16, CPU), {}),)
+    upcoming = (Problem(64, 4096, 4096, torch.bfloat16, CPU),)
     v = probe_isolated(FakeBackend("crasher-keys", crash="exit", risky=True), CPU, TIMEOUT_S["exit"], upcoming)
     assert (v.status, v.transient) == ("failed", True)
     assert v.reason == "worker died (exit code 3) while probing and making the first runs of 1 new keys (not cached)"
@@ -57,7 +57,7 @@ def test_the_worker_hands_its_upcoming_first_runs_to_the_probe(monkeypatch):
     got = []
     monkeypatch.setattr(probe, "probe_backend", lambda b, dev, upcoming=(): got.append(upcoming) or Verdict("ok"))
     parent, child = mp.Pipe(duplex=False)
-    upcoming = ((Problem(64, 4096, 4096, torch.bfloat16, CPU), {"x": 1}),)
+    upcoming = (Problem(64, 4096, 4096, torch.bfloat16, CPU), Problem(8, 1024, 512, torch.float16, CPU))
     isolate._worker(child, FakeBackend("lib", risky=True), "cpu", upcoming)
     assert got == [upcoming] and parent.recv()["status"] == "ok"
 

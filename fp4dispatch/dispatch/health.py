@@ -83,7 +83,7 @@ def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming, canc
     jobs = first_run_jobs(b, [p for p in upcoming if p.device == device and computes(b, p.op)]) \
         if getattr(b, "compiles_on_first_run", False) else []
     timeout_s = max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)) + UPCOMING_RUN_S * len(jobs)
-    return probe_isolated(b, device, timeout_s, tuple(jobs), cancel=cancel)
+    return probe_isolated(b, device, timeout_s, tuple(p for p, _ in jobs), cancel=cancel)
 
 
 def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:

@@ -50,7 +50,8 @@ def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
                    cancel: threading.Event | None = None) -> Verdict:
     """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
-    ``upcoming``: first runs the worker makes with the probe's (``probe_backend``); ``timeout_s`` must allow them.
+    ``upcoming``: new keys' problems whose first runs the worker makes with the probe's (``probe_backend``), one per
+    ``first_run_unit``; ``timeout_s`` must allow them.
     A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
     ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict."""
     ctx = mp.get_context("spawn")

@@ -16,7 +16,7 @@ from ..backends.base import Backend, probe_op
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
-from .precompile import compile_together, scratch_ops
+from .precompile import compile_together, first_run_jobs, scratch_ops
 from .records import STATUSES, Verdict
 from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
@@ -35,8 +35,8 @@ def probe_problem(backend: Backend, m: int, device: torch.device) -> Problem:
 
 def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upcoming: tuple = ()) -> Verdict:
     """Run ``backend`` on the probe problems (fresh hostile random inputs, NaN-poisoned out) against the reference.
-    ``upcoming``: (problem, config) first runs of keys about to be decided (``precompile.first_run_jobs``), made with
-    the probe's own before it runs: a first-run library's worker fills its disk cache for the caller that way."""
+    ``upcoming``: problems of keys about to be decided; a first-run library makes their first runs with the probe's
+    own before it runs (a worker fills the library's disk cache for its caller that way)."""
     t0 = time.perf_counter()
 
     def verdict(status: str, reason: str = "", wrong_ms: tuple = ()) -> Verdict:
@@ -87,29 +87,24 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upco
 def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: tuple = ()) -> None:
     """The kernels of the first config at every probe M, compiled at once before the probe runs them one M after
     another (``precompile.compile_together``): a Triton backend's (``compiles_ahead``) on Triton's async-compile
-    pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads. Anything
-    that fails here fails again in the probe, which reports it. ``upcoming`` first runs join the first-run units."""
+    pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads, the units
+    of the ``upcoming`` problems with them. Anything that fails here fails again in the probe, which reports it."""
     ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
     if not (ahead or first_run) or device.type != "cuda":
         return
-    jobs, units = [], {}
-    for i, m in enumerate(PROBE_MS):
+    problems = [probe_problem(backend, m, device) for m in PROBE_MS]
+    jobs = []
+    for problem in problems if ahead else ():
         try:
-            problem = probe_problem(backend, m, device)
             configs = [] if backend.unsupported(problem) else backend.configs(problem)
-            if configs and ahead:
-                jobs.append((problem, lambda p=problem, s=seed + i: scratch_ops(p, s), [(backend, configs[0])]))
-            elif configs and (unit := backend.first_run_unit(problem)) not in units:
-                units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, configs[0]))
         except Exception as e:  # noqa: BLE001
-            log.debug("probe compile ahead %s at M=%d: %s", backend.name, m, describe_exception(e))
-    for i, (problem, cfg) in enumerate(upcoming if first_run else (), len(PROBE_MS)):
-        try:
-            if (unit := backend.first_run_unit(problem)) not in units:
-                units[unit] = (problem, lambda p=problem, s=seed + i: scratch_ops(p, s), (backend, cfg))
-        except Exception as e:  # noqa: BLE001 - that key's own tune runs it and reports it
-            log.debug("probe compile ahead %s for %s: %s", backend.name, problem, describe_exception(e))
+            log.debug("probe compile ahead %s at M=%d: %s", backend.name, problem.m, describe_exception(e))
+            continue
+        if configs:
+            jobs.append((problem, lambda p=problem: scratch_ops(p, seed), [(backend, configs[0])]))
+    first = [(p, lambda p=p: scratch_ops(p, seed), (backend, cfg))
+             for p, cfg in (first_run_jobs(backend, problems + list(upcoming)) if first_run else ())]
     try:
-        compile_together(jobs, list(units.values()))
+        compile_together(jobs, first)
     finally:
         reset_cuda_error(device)
