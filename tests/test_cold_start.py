@@ -458,3 +458,94 @@ def test_a_failed_compile_beside_the_probe_workers_is_logged_and_the_probe_goes_
     assert d.compile_keys([problem(1)._replace(device=gpu)]) == 1
     assert calls == [["safe"], ["native"]] and "compiling beside the probe workers failed" in caplog.text
     assert sorted(d._states[gpu][0].health) == ["native", "safe"]  # both verdicts written, the probe not lost
+
+
+def _pending(d: Dispatcher, name: str):
+    """Probe ``d``'s backends on the CPU, then take ``name``'s verdict out again: as while its worker still runs."""
+    d._state(CPU, "fp4_mm")
+    return d._states[CPU][1].pop(name)
+
+
+def test_keys_are_searched_among_the_probed_backends_first_and_recorded_only_with_every_verdict(tmp_path):
+    safe = FakeBackend("safe", cost=3e-5, configs=configs(1.0, 2.0, 3.0))
+    late = FakeBackend("late", cost=1e-5, configs=configs(1.0, 1.5, 4.0))
+    d = Dispatcher([safe, late], cache_dir=tmp_path, do_bench=fake_do_bench)
+    verdict = _pending(d, "late")
+    cache = d.cache_for(CPU)
+    rounds = d.decide_beside([problem(16), problem(8), problem(16)])
+    assert list(rounds) == [problem(16).key, problem(8).key] and all(r.pending == {"late"} for r in rounds.values())
+    assert {t.backend for r in rounds.values() for t in r.tuning.trials} == {"safe"}
+    # nothing recorded or served yet: a key is never decided without all of its candidates
+    assert cache.decisions == {} and d._choices == {}
+    # the second key's first round drew on the first's (its neighbour bucket): the two best configs only
+    assert rounds[problem(8).key].sources == (key_str(problem(16).key),)
+    assert sorted(t.config["cost_factor"] for t in rounds[problem(8).key].tuning.trials) == [1.0, 2.0]
+    d._states[CPU][1]["late"] = verdict  # the worker's verdict is in
+    assert d.finish_beside(rounds) == 2
+    e16, e8 = (cache.decisions[key_str(problem(m).key)] for m in (16, 8))
+    assert (e16["backend"], e16["config"]["cost_factor"]) == ("late", 1.0)  # the faster, found in the second round
+    # the first key's late backend is tried in full (no recorded neighbour then); the second's next to the first
+    assert sorted(t["config"]["cost_factor"] for t in e16["ranking"] if t["backend"] == "late") == [1.0, 1.5, 4.0]
+    assert sorted(t["config"]["cost_factor"] for t in e8["ranking"] if t["backend"] == "late") == [1.0, 1.5]
+    assert e8["mode"] == "neighbours" and e8["from"] == [key_str(problem(16).key)]
+    assert [t["time_us"] for t in e16["ranking"]] == sorted(t["time_us"] for t in e16["ranking"])
+    c = d.choose(problem(16))
+    assert c is d._choices[problem(16).key] and c.backend is late and 16 in c.verified
+    assert [b.name for b, _ in c.fallbacks] == ["safe"]
+    assert set(e16["tune_s"]) == set(PHASES)
+
+
+def test_a_pending_backend_that_fails_its_probe_leaves_the_first_round_as_the_decision(tmp_path):
+    from fp4dispatch.dispatch.records import Verdict
+
+    d = Dispatcher([FakeBackend("safe"), FakeBackend("late", cost=1e-6)], cache_dir=tmp_path,
+                   do_bench=fake_do_bench)
+    _pending(d, "late")
+    rounds = d.decide_beside([problem(4)])
+    d._states[CPU][1]["late"] = Verdict("failed", "its worker died")
+    assert d.finish_beside(rounds) == 1
+    entry = d.cache_for(CPU).decisions[key_str(problem(4).key)]
+    assert entry["backend"] == "safe" and {t["backend"] for t in entry["ranking"]} == {"safe"}
+
+
+def test_nothing_is_searched_beside_the_probe_without_a_pending_backend_or_a_timer(tmp_path):
+    d = Dispatcher([FakeBackend("safe"), FakeBackend("late")], cache_dir=tmp_path, do_bench=fake_do_bench)
+    d._state(CPU, "fp4_mm")
+    assert d.decide_beside([problem(1)]) == {}  # every verdict in: decided the usual way
+    untimed = Dispatcher([FakeBackend("safe"), FakeBackend("late")], cache_dir=tmp_path / "u")
+    _pending(untimed, "late")
+    assert untimed.decide_beside([problem(1)]) == {}  # priority order needs every backend's place
+
+
+def test_compile_keys_decides_beside_the_probe_workers_when_asked(tmp_path, monkeypatch):
+    """``decide=True``: the first rounds run while the (fake) worker still works (it answers only once they ran),
+    the second after its verdict; the stages say how long each took."""
+    import threading
+
+    from fp4dispatch.dispatch import dispatcher as dispatcher_mod, health as health_mod, warmup
+    from fp4dispatch.dispatch.records import Verdict
+    from fp4dispatch.settings import Settings
+
+    decided, calls = threading.Event(), []
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok")
+                        if decided.wait(30) else Verdict("failed", "nothing decided beside the worker"))
+    monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
+    monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
+    monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: None)
+    d = Dispatcher([FakeBackend("native", risky=True), FakeBackend("safe")], cache_dir=tmp_path,
+                   do_bench=fake_do_bench, settings=Settings(isolate=True))
+
+    def beside(problems):
+        calls.append(("beside", [p.m for p in problems], sorted(d._states[gpu][1])))
+        decided.set()
+        return {"a round": None}
+
+    monkeypatch.setattr(d, "decide_beside", beside)
+    monkeypatch.setattr(d, "finish_beside", lambda rounds: calls.append(("finish", rounds,
+                                                                         sorted(d._states[gpu][1]))))
+    gpu = torch.device("cuda", 0)
+    stages: dict = {}
+    assert d.compile_keys([problem(m)._replace(device=gpu) for m in (1, 16)], stages=stages, decide=True) == 2
+    assert calls == [("beside", [1, 16], ["safe"]), ("finish", {"a round": None}, ["native", "safe"])]
+    assert set(stages) == {"probe", "compile", "beside", "decide"}

@@ -93,7 +93,8 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
 def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptions, *, tuned_by: str = "",
               position: int = 0, seconds: dict | None = None) -> list[dict]:
     """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape.
-    ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline."""
+    ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline, and "beside":
+    the part of the probe's spent deciding the keys among the backends already probed (``compile_keys``)."""
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]
@@ -104,16 +105,17 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
         print(f"probing the backends of {', '.join(ops) or 'no op'} on {device} and compiling the new keys' kernels "
               "...", file=sys.stderr)
     stage = dict.fromkeys(("probe", "compile", "decide", "baseline"), 0.0)
-    # the new keys' backends probed and their kernels compiled together (the two overlap); each key is then checked
-    # and timed alone
-    compiled = d.compile_keys(problems, stages=stage)
+    # the new keys' backends probed and their kernels compiled together (the two overlap), and each key checked and
+    # timed alone: among the backends already probed while the probe workers still work, among the rest after them
+    compiled = d.compile_keys(problems, stages=stage, decide=True)
     t0 = time.perf_counter()
     d.report(device, ops)  # the ops whose keys were all decided: compile_keys probed only the new keys' ops
     cache = d.cache_for(device)
     stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():
-        print(f"probed and compiled the kernels of {compiled} new keys in {stage['probe'] + stage['compile']:.1f} s",
-              file=sys.stderr)
+        print(f"probed and compiled the kernels of {compiled} new keys in {stage['probe'] + stage['compile']:.1f} s "
+              f"(deciding them beside the probe: {stage.get('beside', 0.0):.1f} s of it; the rest: "
+              f"{stage['decide']:.1f} s)", file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)

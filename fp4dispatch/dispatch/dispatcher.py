@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -35,11 +34,10 @@ from .faults import FAULT_LIMIT, FaultRecovery
 from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
+from .key_tuning import KeyTuning
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report, check_ops
-from .timer import DoBench, for_device, screen_for_device
-from .neighbours import neighbour_picks, offered_configs
-from .tuner import FULL, Search, tune, verify_only
+from .timer import DoBench
 from .warmup import Warmup
 from .verify import check_run, make_case
 
@@ -49,7 +47,7 @@ log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
 
 
-class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
+class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
@@ -221,82 +219,6 @@ class Dispatcher(FaultRecovery, UntunedChoices, Warmup):
             who = ident(b, cfg)
             self._proven.setdefault((key, who), set()).update(proven.get(who, ()))
         return self._choice(key, *ranked[0], tuple(ranked[1:]))
-
-    def _timer(self, problem: Problem) -> DoBench | None:
-        if not self.settings.tune:
-            return None
-        if self._do_bench is not None:
-            return self._do_bench
-        return None if problem.device.type == "cpu" else for_device(problem.device, self.settings.timer)
-
-    def _screen(self, problem: Problem) -> DoBench | None:
-        if self.settings.search == "full":
-            return None
-        if self._screen_bench is not None or self._do_bench is not None:
-            return self._screen_bench
-        return screen_for_device(problem.device, self.settings.timer)
-
-    def _candidates(self, key: tuple, problem: Problem) -> tuple[list[Backend], dict[str, str]]:
-        """The backends that may serve ``key`` (its op's, usable, accepting the bucket's largest M too), and why
-        each other backend of its op may not."""
-        reasons: dict[str, str] = {}
-        candidates = []
-        for b in self.backends:
-            if not computes(b, problem.op):
-                continue  # another op's backend: not a candidate, and no reason to list
-            why = self._usable(key, b.name)
-            # a decision serves the whole M bucket: a backend must accept the bucket's largest M too
-            if why is None and (u := b.unsupported(problem) or b.unsupported(problem.with_m(key[1]))) is not None:
-                why = f"unsupported: {u}"
-            if why is None:
-                candidates.append(b)
-            else:
-                reasons[b.name] = why
-        return candidates, reasons
-
-    def _tune_key(self, key: tuple, problem: Problem) -> Choice:
-        cache, _ = self._states[key[0]]
-        ks = key_str(key)
-        candidates, reasons = self._candidates(key, problem)
-        if not candidates:
-            raise self._no_backend(problem, reasons)
-        timer = self._timer(problem)
-        only, sources = set(), []
-        if timer and self.settings.search == "fast":  # next to tuned buckets: their best few only (neighbours.py)
-            only, sources = neighbour_picks(key, cache.decisions, offered_configs(candidates, problem))
-        if timer:
-            search, screen = FULL if self.settings.search == "full" else Search(), self._screen(problem)
-            tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None)
-            if only and not all(t.ok for t in tuning.trials):  # a neighbours' pick fails here: every candidate
-                tuning, sources = tune(problem, candidates, timer, screen=screen, search=search), []
-        else:
-            tuning = verify_only(problem, candidates)
-        trials = tuning.trials
-        best: dict[str, object] = {}
-        for t in trials:  # sorted: the first trial of a backend is its best config
-            best.setdefault(t.backend, t)
-        bad = {n: t.reason for n, t in best.items() if not t.ok}
-        health = self._states[key[0]][1]
-        bad.update((n, r) for n, r in reasons.items() if r == wrong_when_probed(health[n], key[1]))
-        if bad:
-            cache.update("shape_blacklist", {ks: bad}, merge_nested=True, defer=True)  # one write per key, below
-            reasons.update(bad)
-        ok = [t for t in best.values() if t.ok]
-        if not ok:
-            cache.flush()
-            raise self._no_backend(problem, reasons)
-        entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
-                 "mode": ("neighbours" if sources else "tuned") if timer else "priority", "at": round(time.time()),
-                 "tune_s": {p: round(v, 3) for p, v in tuning.seconds.items()}, **({"from": sources} if sources
-                                                                                   else {})}
-        ranked = tuple((self._by_name[t.backend], t.config) for t in ok)
-        for b, cfg in ranked:  # every ok trial was proven right at this M on the same inputs
-            self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
-        cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven,
-                     defer=True)
-        cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
-        log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
-        return self._choice(key, *ranked[0], ranked[1:])
 
     def _prove(self, key: tuple, problem: Problem, c: Choice | None, *, retune: bool = True,
                walk: bool = True) -> Choice:

@@ -29,7 +29,7 @@ from .timer import DoBench
 from .precompile import compile_ahead
 from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
-__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "PHASES"]
+__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES"]
 
 log = logging.getLogger("fp4dispatch")
 PHASES = ("case", "compile", "check", "screen", "time")
@@ -165,9 +165,19 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
     run_timer("time", do_bench, final)
     for t in trials:
         log.debug("tune %s: %s[%s] -> %s", problem, t.backend, config_id(t.config), t.to_json())
-    # fully timed first, then the screened-out ones (their times come from the other timer), then the failures
-    trials.sort(key=lambda t: (not t.ok, t.screened, t.time_ms))
+    trials.sort(key=_rank)
     return Tuning(trials, seconds)
+
+
+def _rank(t: Trial) -> tuple:
+    # fully timed first, then the screened-out ones (their times come from the other timer), then the failures
+    return not t.ok, t.screened, t.time_ms
+
+
+def merge_tunings(first: Tuning, second: Tuning) -> Tuning:
+    """One key's two tunings (same timers, disjoint candidates) as one: trials ranked together, phase seconds added."""
+    return Tuning(sorted(first.trials + second.trials, key=_rank),
+                  {p: first.seconds.get(p, 0.0) + second.seconds.get(p, 0.0) for p in PHASES})
 
 
 def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> Tuning:

@@ -1,6 +1,7 @@
-"""Deciding many keys ahead of their first calls: ``warmup`` decides them, after ``compile_keys`` has compiled, at
-once, the kernels all of them will try. A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`: it uses the
-dispatcher's lock, states, choices, forced backend and ``_candidates``."""
+"""Deciding many keys ahead of their first calls: ``warmup`` decides them after ``compile_keys`` has compiled, at
+once, the kernels all of them will try; while probe workers run, each key is already searched among the backends
+probed so far. A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`: it uses the dispatcher's lock,
+states, choices, forced backend and key tuning (key_tuning.py)."""
 from __future__ import annotations
 
 import time
@@ -24,18 +25,23 @@ class Warmup:
         dev = resolve_device(device)
         problems = {(m, n, k): Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts))
                     for m, n, k in shapes}
-        self.compile_keys(problems.values())
+        self.compile_keys(problems.values(), decide=True)
         return {s: self.choose(p) for s, p in problems.items()}
 
-    def compile_keys(self, problems, stages: dict | None = None) -> int:
+    def compile_keys(self, problems, stages: dict | None = None, *, decide: bool = False) -> int:
         """Compile at once, before they are decided one by one, the kernels that the undecided keys of ``problems``
         will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one
         first run per ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns
         how many keys that was. The backends of their ops are probed first if they were not, and the two overlap: the
         safe backends' kernels compile while the probe workers work, and a worker probing a first-run library
         (Humming) makes these keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the
-        rest compile once every verdict is in. ``stages`` (if given) gets the seconds until then ("probe") and
-        after ("compile"). Nothing is decided or timed here; without CUDA, or with a backend forced, it does nothing."""
+        rest compile once every verdict is in. Without CUDA, or with a backend forced, it does nothing.
+
+        ``decide``: the keys are also decided, and the part of that which needs no pending verdict runs while the
+        workers still work: each key is searched among the backends already probed (``decide_beside``), and once
+        every verdict is in, among the rest (``finish_beside``, key_tuning.py). Otherwise nothing is decided or timed
+        here. ``stages`` (if given) gets the seconds until every verdict is in ("probe"; "beside": the part of it
+        spent deciding), after it compiling ("compile") and, with ``decide``, finishing the decisions ("decide")."""
         t0 = time.perf_counter()
         todo: dict[tuple, Problem] = {}
         for p in problems:
@@ -43,6 +49,8 @@ class Warmup:
                 todo.setdefault(p.key, p)
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
+        rounds: dict = {}
+        beside = [0.0]
 
         def jobs(dev: torch.device) -> list:  # each undecided key of dev with its candidates not compiled yet
             out = []
@@ -54,6 +62,13 @@ class Warmup:
                     out.append((p, cands))
             return out
 
+        def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
+            compile_keys_ahead(jobs(dev))
+            if decide:
+                t = time.perf_counter()
+                rounds.update(self.decide_beside(mine))
+                beside[0] += time.perf_counter() - t
+
         with self._lock:
             for dev in dict.fromkeys(key[0] for key in todo):
                 cache = self._state(dev)[0]  # the cache only: decided keys compile nothing
@@ -61,10 +76,16 @@ class Warmup:
                     del todo[key]
                 mine = [p for key, p in todo.items() if key[0] == dev]
                 self._state(dev, *dict.fromkeys(p.op for p in mine), upcoming=mine,
-                            meanwhile=lambda d=dev: compile_keys_ahead(jobs(d)))
+                            meanwhile=lambda d=dev, mine=mine: meanwhile(d, mine))
             t1 = time.perf_counter()
             rest = [j for dev in dict.fromkeys(key[0] for key in todo) for j in jobs(dev)]
         compile_keys_ahead(rest)
+        t2 = time.perf_counter()
+        if rounds:
+            with self._lock:
+                self.finish_beside(rounds)
         if stages is not None:
-            stages.update(probe=t1 - t0, compile=time.perf_counter() - t1)
+            stages.update(probe=t1 - t0, compile=t2 - t1)
+            if decide:
+                stages.update(beside=beside[0], decide=time.perf_counter() - t2)
         return len(keys)
