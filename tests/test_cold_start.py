@@ -472,7 +472,8 @@ def test_keys_are_searched_among_the_probed_backends_first_and_recorded_only_wit
     d = Dispatcher([safe, late], cache_dir=tmp_path, do_bench=fake_do_bench)
     verdict = _pending(d, "late")
     cache = d.cache_for(CPU)
-    rounds = d.decide_beside([problem(16), problem(8), problem(16)])
+    rounds: dict = {}
+    d.decide_beside([problem(16), problem(8), problem(16)], rounds)
     assert list(rounds) == [problem(16).key, problem(8).key] and all(r.pending == {"late"} for r in rounds.values())
     assert {t.backend for r in rounds.values() for t in r.tuning.trials} == {"safe"}
     # nothing recorded or served yet: a key is never decided without all of its candidates
@@ -501,7 +502,8 @@ def test_a_pending_backend_that_fails_its_probe_leaves_the_first_round_as_the_de
     d = Dispatcher([FakeBackend("safe"), FakeBackend("late", cost=1e-6)], cache_dir=tmp_path,
                    do_bench=fake_do_bench)
     _pending(d, "late")
-    rounds = d.decide_beside([problem(4)])
+    rounds: dict = {}
+    d.decide_beside([problem(4)], rounds)
     d._states[CPU][1]["late"] = Verdict("failed", "its worker died")
     assert d.finish_beside(rounds) == 1
     entry = d.cache_for(CPU).decisions[key_str(problem(4).key)]
@@ -511,41 +513,88 @@ def test_a_pending_backend_that_fails_its_probe_leaves_the_first_round_as_the_de
 def test_nothing_is_searched_beside_the_probe_without_a_pending_backend_or_a_timer(tmp_path):
     d = Dispatcher([FakeBackend("safe"), FakeBackend("late")], cache_dir=tmp_path, do_bench=fake_do_bench)
     d._state(CPU, "fp4_mm")
-    assert d.decide_beside([problem(1)]) == {}  # every verdict in: decided the usual way
+    rounds: dict = {}
+    d.decide_beside([problem(1)], rounds)
+    assert rounds == {}  # every verdict in: decided the usual way
     untimed = Dispatcher([FakeBackend("safe"), FakeBackend("late")], cache_dir=tmp_path / "u")
     _pending(untimed, "late")
-    assert untimed.decide_beside([problem(1)]) == {}  # priority order needs every backend's place
+    untimed.decide_beside([problem(1)], rounds)
+    assert rounds == {}  # priority order needs every backend's place
 
 
-def test_compile_keys_decides_beside_the_probe_workers_when_asked(tmp_path, monkeypatch):
-    """``decide=True``: the first rounds run while the (fake) worker still works (it answers only once they ran),
-    the second after its verdict; the stages say how long each took."""
+def test_the_merged_ranking_keeps_ahead_only_what_one_screened_search_would():
+    """Round 1 screened three configs and timed the best in full; the late backend, alone, was timed in full. Merged,
+    the late backend is far behind the best: it ranks with the screened-out ones, by time, as one search would
+    have ranked it."""
+    from fp4dispatch.dispatch.tuner import Trial, Tuning, merge_tunings
+
+    first = Tuning([Trial("safe", {"c": 1}, 0.010), Trial("safe", {"c": 2}, 0.015, screened=True),
+                    Trial("safe", {"c": 3}, 0.020, screened=True), Trial("bad", {}, reason="failed: x")],
+                   dict.fromkeys(PHASES, 1.0))
+    second = Tuning([Trial("late", {}, 0.050)], dict.fromkeys(PHASES, 0.5))
+    merged = merge_tunings(first, second, Search())
+    assert [(t.backend, t.time_ms, t.screened) for t in merged.trials] == [
+        ("safe", 0.010, False), ("safe", 0.015, True), ("safe", 0.020, True), ("late", 0.050, True),
+        ("bad", float("inf"), False)]
+    assert merged.seconds == dict.fromkeys(PHASES, 1.5)
+    close = merge_tunings(first, Tuning([Trial("late", {}, 0.011)], {}), Search())
+    assert [(t.backend, t.screened) for t in close.trials[:2]] == [("safe", False), ("late", False)]
+    # without a screen nothing is put behind: a full search's ranking is by time alone
+    assert [t.backend for t in merge_tunings(first, second).trials][:2] == ["safe", "safe"]
+
+
+def test_a_first_round_trial_that_raised_bans_nothing_and_a_failing_second_round_leaves_the_key_alone(tmp_path,
+                                                                                                     caplog):
+    flaky = FakeBackend("flaky", cost=1e-6)
+    d = Dispatcher([flaky, FakeBackend("safe"), FakeBackend("late")], cache_dir=tmp_path, do_bench=fake_do_bench)
+    verdict = _pending(d, "late")
+    flaky.raises = RuntimeError("out of memory while the workers held it")
+    rounds: dict = {}
+    d.decide_beside([problem(2), problem(64)], rounds)
+    flaky.raises = None
+    d._states[CPU][1]["late"] = verdict
+    d._search = lambda key, p, cands, decisions: (_ for _ in ()).throw(RuntimeError("boom")) \
+        if p.m == 64 else Dispatcher._search(d, key, p, cands, decisions)
+    assert d.finish_beside(rounds) == 1 and "not decided after the probe workers (RuntimeError: boom)" in caplog.text
+    cache = d.cache_for(CPU)
+    entry = cache.decisions[key_str(problem(2).key)]
+    assert {t["backend"] for t in entry["ranking"]} == {"safe", "late"}  # flaky's raise dropped, not ranked
+    assert key_str(problem(2).key) not in cache.shape_blacklist
+    assert key_str(problem(64).key) not in cache.decisions and problem(64).key not in d._choices
+    del d._search
+    assert d.choose(problem(64)).backend is flaky  # decided alone, every backend tried again
+
+
+def test_a_tune_run_decides_its_keys_in_two_rounds_around_the_probe_worker(tmp_path, monkeypatch, capsys):
+    """The whole path on the CPU (warmup's CUDA-only gate opened): the tune CLI probes a risky backend in a (fake)
+    worker, which answers only once the first rounds ran; the keys are then recorded with both backends, reported
+    as tuned by this run, and the stages say how long deciding beside the worker took."""
+    import json
     import threading
 
-    from fp4dispatch.dispatch import dispatcher as dispatcher_mod, health as health_mod, warmup
+    from fp4dispatch.cli.tune import main
+    from fp4dispatch.dispatch import health as health_mod, warmup
     from fp4dispatch.dispatch.records import Verdict
-    from fp4dispatch.settings import Settings
 
-    decided, calls = threading.Event(), []
+    first_rounds = threading.Event()
+    real = Dispatcher.decide_beside
+
+    def beside(self, problems, rounds):
+        real(self, problems, rounds)
+        first_rounds.set()
+
+    monkeypatch.setattr(Dispatcher, "decide_beside", beside)
     monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok")
-                        if decided.wait(30) else Verdict("failed", "nothing decided beside the worker"))
-    monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
-    monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
-    monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})
+                        if first_rounds.wait(30) else Verdict("failed", "no first round beside the worker"))
+    monkeypatch.setattr(warmup, "_compiles", lambda dev: True)
     monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs: None)
-    d = Dispatcher([FakeBackend("native", risky=True), FakeBackend("safe")], cache_dir=tmp_path,
-                   do_bench=fake_do_bench, settings=Settings(isolate=True))
-
-    def beside(problems):
-        calls.append(("beside", [p.m for p in problems], sorted(d._states[gpu][1])))
-        decided.set()
-        return {"a round": None}
-
-    monkeypatch.setattr(d, "decide_beside", beside)
-    monkeypatch.setattr(d, "finish_beside", lambda rounds: calls.append(("finish", rounds,
-                                                                         sorted(d._states[gpu][1]))))
-    gpu = torch.device("cuda", 0)
-    stages: dict = {}
-    assert d.compile_keys([problem(m)._replace(device=gpu) for m in (1, 16)], stages=stages, decide=True) == 2
-    assert calls == [("beside", [1, 16], ["safe"]), ("finish", {"a round": None}, ["native", "safe"])]
-    assert set(stages) == {"probe", "compile", "beside", "decide"}
+    backends = [FakeBackend("safe", cost=3e-5, configs=configs(1.0, 2.0)),
+                FakeBackend("late", cost=1e-5, risky=True)]
+    code = main(["--shape", "1,16,32,64", "--json", "--isolate", "--cache-dir", str(tmp_path)], backends=backends,
+                do_bench=fake_do_bench)
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and [(r["m"], r["source"], r["winner"]) for r in data["shapes"]] == [(1, "tuned", "late"),
+                                                                                        (16, "tuned", "late")]
+    assert all({t["backend"] for t in r["tried"]} == {"safe", "late"} for r in data["shapes"])
+    # "late" took part only because the worker's verdict waited for the first rounds; their time is part of the probe
+    assert data["seconds"]["probe"] >= data["seconds"]["beside"] >= 0

@@ -107,15 +107,15 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     stage = dict.fromkeys(("probe", "compile", "decide", "baseline"), 0.0)
     # the new keys' backends probed and their kernels compiled together (the two overlap), and each key checked and
     # timed alone: among the backends already probed while the probe workers still work, among the rest after them
+    cached = set(d.cache_for(device).decisions)  # before compile_keys, which records the keys it decides
     compiled = d.compile_keys(problems, stages=stage, decide=True)
     t0 = time.perf_counter()
     d.report(device, ops)  # the ops whose keys were all decided: compile_keys probed only the new keys' ops
-    cache = d.cache_for(device)
     stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():
         print(f"probed and compiled the kernels of {compiled} new keys in {stage['probe'] + stage['compile']:.1f} s "
-              f"(deciding them beside the probe: {stage.get('beside', 0.0):.1f} s of it; the rest: "
-              f"{stage['decide']:.1f} s)", file=sys.stderr)
+              f"(deciding them beside the probe: {stage.get('beside', 0.0):.1f} s of it; then "
+              f"{stage['decide']:.1f} s more)", file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
@@ -124,7 +124,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
         row = {"key": ks, "op": opts.op if not s.experts else problem.call, "experts": s.experts, "m": s.m,
                "m_bucket": m_bucket(s.m), "n": s.n, "k": s.k,
                "layers": list(s.layers), "out_dtype": opts.out_dtype, "tuned_by": tuned_by,
-               "source": "cache" if ks in cache.decisions else "tuned"}
+               "source": "cache" if ks in cached else "tuned"}
         bar.set_postfix_str(ks)  # the key being decided (the slow part: compiles, checks, timing)
         t0 = time.perf_counter()
         try:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ..backends.base import Backend, computes
-from ..errors import NoUsableBackendError, describe_exception
+from ..errors import describe_exception
 from ..problem import Problem
 from .choice import Choice, add_proven, ident
 from .health import wrong_when_probed
@@ -130,22 +130,21 @@ class KeyTuning:
         return self._choice(key, *ranked[0], ranked[1:])
 
     # -- two rounds: beside the probe workers, then with every verdict ----------------------------------------------
-    def decide_beside(self, problems) -> dict[tuple, FirstRound]:
-        """The first round of each undecided key of ``problems`` whose op has backends without a verdict yet (being
-        probed in workers): searched among the others. Not recorded; ``finish_beside`` completes them. Keys
-        without a timer, or with no candidate yet, are left to the usual decision."""
-        rounds: dict[tuple, FirstRound] = {}
+    def decide_beside(self, problems, rounds: dict[tuple, FirstRound]) -> None:
+        """Into ``rounds``, the first round of each undecided key of ``problems`` whose op has backends without a
+        verdict yet (being probed in workers): searched among the others. Not recorded; ``finish_beside`` completes
+        them. Keys without a timer, with no candidate yet, or whose search raised are left to the usual decision."""
         provisional: dict[str, dict] = {}  # the first rounds as neighbours of the next keys
         for p in problems:
             key = p.key
-            cache, health = self._states[key[0]]
-            if key in rounds or key in self._choices or key_str(key) in cache.decisions or self._timer(p) is None:
-                continue
-            pending = frozenset(b.name for b in self.backends if computes(b, p.op) and b.name not in health)
-            candidates = self._candidates(key, p)[0] if pending else []
-            if not candidates:
-                continue
             try:
+                cache, health = self._states[key[0]]
+                if key in rounds or key in self._choices or key_str(key) in cache.decisions or not self._timer(p):
+                    continue
+                pending = frozenset(b.name for b in self.backends if computes(b, p.op) and b.name not in health)
+                candidates = self._candidates(key, p)[0] if pending else []
+                if not candidates:
+                    continue
                 tuning, sources = self._search(key, p, candidates, {**cache.decisions, **provisional})
             except Exception as e:  # noqa: BLE001 - a head start only: the key is decided as usual afterwards
                 log.warning("fp4dispatch: deciding %s beside the probe workers failed (%s)", key_str(key),
@@ -154,27 +153,36 @@ class KeyTuning:
             rounds[key] = FirstRound(p, tuning, sources, pending)
             provisional[key_str(key)] = {"mode": "neighbours" if sources else "tuned",
                                          "ranking": [t.to_json() for t in tuning.trials]}
-        return rounds
 
     def finish_beside(self, rounds: dict[tuple, FirstRound]) -> int:
         """Each first round completed now that every verdict is in: the backends that were pending and are usable on
         the key are searched on it (next to already recorded keys, their best few only), and the two tunings are
-        recorded as one decision. Returns how many keys were decided; a key none of whose candidates ran right is
-        left to the usual decision (which raises NoUsableBackendError with every reason)."""
+        recorded as one decision (``merge_tunings``: ranked as one search). A first-round trial of a backend that
+        can no longer serve the key is dropped, and so is one that raised (the GPU was shared with the workers then):
+        neither bans its backend, which the next tune of the key tries again. Returns how many keys were decided; a
+        key that is decided already, or that this fails on, is left to the usual decision (which raises
+        NoUsableBackendError with every reason when none can serve it)."""
         done = 0
         for key, r in rounds.items():
-            if key in self._choices:
-                continue
-            candidates, reasons = self._candidates(key, r.problem)
-            late = [b for b in candidates if b.name in r.pending]
-            tuning, sources = r.tuning, r.sources
-            if late:
-                more, near = self._search(key, r.problem, late, self._states[key[0]][0].decisions)
-                tuning, sources = merge_tunings(tuning, more), tuple(dict.fromkeys(sources + near))
             try:
+                if key in self._choices or key_str(key) in self._states[key[0]][0].decisions:
+                    continue
+                candidates, reasons = self._candidates(key, r.problem)
+                usable = {b.name for b in candidates}
+                first = [t for t in r.tuning.trials if t.backend in usable and not t.reason.startswith("failed")]
+                tuning, sources = Tuning(first, r.tuning.seconds), r.sources
+                if late := [b for b in candidates if b.name in r.pending]:
+                    more, near = self._search(key, r.problem, late, self._states[key[0]][0].decisions)
+                    tuning = merge_tunings(tuning, more, self._keep(r.problem))
+                    sources = tuple(dict.fromkeys(sources + near))
                 self._choices[key] = self._settle(key, r.problem, tuning, reasons, sources)
-            except NoUsableBackendError as e:  # the usual decision of the key tells the caller
-                log.debug("fp4dispatch: %s not decided after the probe (%s)", key_str(key), describe_exception(e))
+            except Exception as e:  # noqa: BLE001 - the usual decision of the key tells the caller
+                log.warning("fp4dispatch: %s not decided after the probe workers (%s); deciding it alone",
+                            key_str(key), describe_exception(e))
                 continue
             done += 1
         return done
+
+    def _keep(self, problem: Problem) -> Search | None:
+        """The screen's rule for a merged ranking, or None when nothing was screened."""
+        return None if self.settings.search == "full" or self._screen(problem) is None else Search()

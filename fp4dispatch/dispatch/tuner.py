@@ -63,7 +63,9 @@ class Trial:
     reason: str = ""  # empty when the trial is correct and timed
     # wall seconds of its check, its first run on this shape: a JIT compile or a weight preparation shows here
     check_s: float | None = None
-    screened: bool = False  # its time is the screen timer's: it was not among the candidates timed in full
+    # ranked behind the fully timed ones: not among the few the screen kept, so its time is the screen timer's (or,
+    # in a key tuned in two rounds, a full time that the merge put behind the kept ones: merge_tunings)
+    screened: bool = False
 
     @property
     def ok(self) -> bool:
@@ -174,10 +176,20 @@ def _rank(t: Trial) -> tuple:
     return not t.ok, t.screened, t.time_ms
 
 
-def merge_tunings(first: Tuning, second: Tuning) -> Tuning:
-    """One key's two tunings (same timers, disjoint candidates) as one: trials ranked together, phase seconds added."""
-    return Tuning(sorted(first.trials + second.trials, key=_rank),
-                  {p: first.seconds.get(p, 0.0) + second.seconds.get(p, 0.0) for p in PHASES})
+def merge_tunings(first: Tuning, second: Tuning, search: Search | None = None) -> Tuning:
+    """One key's two tunings (same timers, disjoint candidates) as one: trials ranked together, phase seconds
+    added. ``search`` (when the two were screened): of the fully timed trials of both, only the ``keep`` fastest
+    within ``margin`` of the best stay ahead, as one screened search would have left them; the others rank with the
+    screened-out ones."""
+    trials = sorted(first.trials + second.trials, key=_rank)
+    if search is not None and search.keep:
+        full = [t for t in trials if t.ok and not t.screened]
+        if full:
+            best = full[0].time_ms
+            for i, t in enumerate(full):
+                t.screened = i >= search.keep or t.time_ms > best * (1 + search.margin)
+            trials.sort(key=_rank)
+    return Tuning(trials, {p: first.seconds.get(p, 0.0) + second.seconds.get(p, 0.0) for p in PHASES})
 
 
 def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> Tuning:

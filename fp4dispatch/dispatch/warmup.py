@@ -16,6 +16,11 @@ from .precompile import compile_keys_ahead
 __all__ = ["Warmup"]
 
 
+def _compiles(device: torch.device) -> bool:
+    """Whether keys on ``device`` have kernels to compile ahead (and probe workers to decide beside): CUDA only."""
+    return device.type == "cuda"
+
+
 class Warmup:
     def warmup(self, shapes, *, out_dtype: torch.dtype = torch.bfloat16, device=None,
                activations: torch.dtype = torch.uint8, experts: int = 0) -> dict[tuple, Choice]:
@@ -45,7 +50,7 @@ class Warmup:
         t0 = time.perf_counter()
         todo: dict[tuple, Problem] = {}
         for p in problems:
-            if p.device.type == "cuda" and self._forced is None:
+            if _compiles(p.device) and self._forced is None:
                 todo.setdefault(p.key, p)
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
@@ -66,7 +71,7 @@ class Warmup:
             compile_keys_ahead(jobs(dev))
             if decide:
                 t = time.perf_counter()
-                rounds.update(self.decide_beside(mine))
+                self.decide_beside(mine, rounds)
                 beside[0] += time.perf_counter() - t
 
         with self._lock:
