@@ -94,7 +94,7 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
               position: int = 0, seconds: dict | None = None) -> list[dict]:
     """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape.
     ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline, and "beside":
-    the part of the probe's spent deciding the keys among the backends already probed (``compile_keys``)."""
+    the part of the probe spent deciding the keys among the backends already probed (``compile_keys``)."""
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]
