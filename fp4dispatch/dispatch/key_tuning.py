@@ -73,6 +73,10 @@ class KeyTuning:
                 reasons[b.name] = why
         return candidates, reasons
 
+    def _rule(self, problem: Problem) -> tuple[Search, DoBench | None]:
+        """How much of a key's candidates is timed in full, and the screen timer that picks them (none: all)."""
+        return FULL if self.settings.search == "full" else Search(), self._screen(problem)
+
     def _tune_key(self, key: tuple, problem: Problem) -> Choice:
         candidates, reasons = self._candidates(key, problem)
         if not candidates:
@@ -90,7 +94,7 @@ class KeyTuning:
         only, sources = set(), []
         if self.settings.search == "fast":
             only, sources = neighbour_picks(key, decisions, offered_configs(candidates, problem))
-        search, screen = FULL if self.settings.search == "full" else Search(), self._screen(problem)
+        search, screen = self._rule(problem)
         tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None)
         if only and not all(t.ok for t in tuning.trials):  # a neighbours' pick fails here: every candidate
             tuning, sources = tune(problem, candidates, timer, screen=screen, search=search), []
@@ -173,7 +177,8 @@ class KeyTuning:
                 tuning, sources = Tuning(first, r.tuning.seconds), r.sources
                 if late := [b for b in candidates if b.name in r.pending]:
                     more, near = self._search(key, r.problem, late, self._states[key[0]][0].decisions)
-                    tuning = merge_tunings(tuning, more, self._keep(r.problem))
+                    search, screen = self._rule(r.problem)
+                    tuning = merge_tunings(tuning, more, search if screen is not None else None)
                     sources = tuple(dict.fromkeys(sources + near))
                 self._choices[key] = self._settle(key, r.problem, tuning, reasons, sources)
             except Exception as e:  # noqa: BLE001 - the usual decision of the key tells the caller
@@ -182,7 +187,3 @@ class KeyTuning:
                 continue
             done += 1
         return done
-
-    def _keep(self, problem: Problem) -> Search | None:
-        """The screen's rule for a merged ranking, or None when nothing was screened."""
-        return None if self.settings.search == "full" or self._screen(problem) is None else Search()

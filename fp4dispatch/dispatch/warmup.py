@@ -55,7 +55,7 @@ class Warmup:
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
         rounds: dict = {}
-        beside = [0.0]
+        beside = 0.0  # seconds of decide_beside
 
         def jobs(dev: torch.device) -> list:  # each undecided key of dev with its candidates not compiled yet
             out = []
@@ -68,11 +68,12 @@ class Warmup:
             return out
 
         def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
+            nonlocal beside
             compile_keys_ahead(jobs(dev))
             if decide:
                 t = time.perf_counter()
                 self.decide_beside(mine, rounds)
-                beside[0] += time.perf_counter() - t
+                beside += time.perf_counter() - t
 
         with self._lock:
             for dev in dict.fromkeys(key[0] for key in todo):
@@ -92,5 +93,5 @@ class Warmup:
         if stages is not None:
             stages.update(probe=t1 - t0, compile=t2 - t1)
             if decide:
-                stages.update(beside=beside[0], decide=time.perf_counter() - t2)
+                stages.update(beside=beside, decide=time.perf_counter() - t2)
         return len(keys)
