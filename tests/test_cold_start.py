@@ -299,7 +299,7 @@ def test_compile_keys_runs_a_first_run_library_once_per_its_unit(monkeypatch):
 
     runs = []
     monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
-    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first: runs.extend(
+    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first, then=None: runs.extend(
         (b.name, p.m) for p, _, (b, _) in first))
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
     gpu = torch.device("cuda", 0)
@@ -598,3 +598,129 @@ def test_a_tune_run_decides_its_keys_in_two_rounds_around_the_probe_worker(tmp_p
     assert all({t["backend"] for t in r["tried"]} == {"safe", "late"} for r in data["shapes"])
     # "late" took part only because the worker's verdict waited for the first rounds; their time is part of the probe
     assert data["seconds"]["probe"] >= data["seconds"]["beside"] >= 0
+
+
+class _Recorded:
+    """Stands in for ``runtime.compiles_ahead``: records entering and leaving, and in which thread."""
+
+    def __init__(self, events: list, workers: int):
+        self.events, self.active = events, workers > 0
+
+    def __enter__(self):
+        import threading
+
+        self.events.append(("enter", threading.current_thread().name))
+        return self
+
+    def __exit__(self, *exc):
+        import threading
+
+        self.events.append(("exit", threading.current_thread().name))
+
+
+def _compiling_setup(monkeypatch, events: list) -> list:
+    """Jobs for ``precompile.compiling_keys`` on a fake GPU: a compile-ahead backend and a first-run library whose
+    runs record their thread."""
+    import threading
+
+    from fp4dispatch.dispatch import precompile
+
+    def note(what):
+        return lambda self, problem, ops, config: events.append((what, threading.current_thread().name))
+
+    Ahead = type("Ahead", (FakeBackend,), {"compiles_ahead": True, "run": note("run")})
+    Library = type("Library", (FakeBackend,), {"compiles_on_first_run": True, "run": note("first run")})
+    monkeypatch.setattr(runtime, "compiles_ahead", lambda workers: _Recorded(events, workers))
+    monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
+    monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: events.append(("sync", dev.type)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
+    gpu = torch.device("cuda", 0)
+    return [(problem(m)._replace(device=gpu), [Ahead("a", configs=configs(1.0, 2.0)), Library("lib")])
+            for m in (1, 16)]
+
+
+def _worker_alive() -> bool:
+    import threading
+
+    return any(t.name == "fp4dispatch-compile-keys" for t in threading.enumerate())
+
+
+def test_compiling_keys_runs_its_body_between_handing_the_compiles_out_and_waiting_for_them(monkeypatch):
+    """The compiles of many keys are handed out on a thread of their own, and every CUDA call of that thread (runs
+    on scratch operands, first runs, the synchronize after them) is over before the body starts; the compiles are
+    waited for (Triton's async mode left) only after the body, which runs in the caller's thread."""
+    import threading
+
+    from fp4dispatch.dispatch.precompile import compiling_keys
+
+    events: list = []
+    jobs = _compiling_setup(monkeypatch, events)
+    with compiling_keys(jobs):
+        events.append(("body", threading.current_thread().name))
+    kinds = [k for k, _ in events]
+    assert kinds[-3:] == ["body", "exit", "sync"] and kinds.index("enter") < kinds.index("run"), kinds
+    assert kinds.count("run") == 4 and kinds.count("first run") == 1  # 2 configs x 2 keys; one unit of the library
+    assert kinds.index("sync") < kinds.index("body")
+    assert events[kinds.index("body")][1] == threading.main_thread().name
+    assert {t for k, t in events if k in ("enter", "run", "exit")} == {"fp4dispatch-compile-keys"}
+    assert not _worker_alive()
+
+
+def test_compiling_keys_raises_a_failed_hand_out_in_the_caller_and_skips_the_body(monkeypatch):
+    from fp4dispatch.dispatch import precompile
+
+    events: list = []
+    jobs = _compiling_setup(monkeypatch, events)
+
+    def broken(ahead, first, *, then=None):
+        raise RuntimeError("scratch operands: out of memory")
+
+    monkeypatch.setattr(precompile, "compile_together", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with precompile.compiling_keys(jobs):
+            events.append(("body", ""))
+    assert ("body", "") not in events and not _worker_alive()
+
+
+def test_compiling_keys_lets_the_compiles_finish_when_its_body_raises(monkeypatch):
+    from fp4dispatch.dispatch.precompile import compiling_keys
+
+    events: list = []
+    jobs = _compiling_setup(monkeypatch, events)
+    with pytest.raises(ValueError, match="a decision failed"):
+        with compiling_keys(jobs):
+            raise ValueError("a decision failed")
+    assert [k for k, _ in events][-2:] == ["exit", "sync"] and not _worker_alive()
+
+
+def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, monkeypatch):
+    """With ``decide`` and no probe worker (every verdict cached), each new key is decided inside
+    ``compiling_keys``, before the compiles are waited for; a key no backend can serve is left to the caller's
+    ``choose``, which raises with the reason."""
+    from contextlib import contextmanager
+
+    from fp4dispatch.dispatch import warmup
+    from fp4dispatch.errors import NoUsableBackendError
+
+    class NotN48(FakeBackend):
+        def unsupported(self, problem):
+            return "N = 48 is not served" if problem.n == 48 else None
+
+    events = []
+
+    @contextmanager
+    def compiling(jobs):
+        events.append(("compiling", sorted(p.m for p, _ in jobs)))
+        yield
+        events.append(("compiled", sorted(key_str(k) for k in d._choices)))
+
+    monkeypatch.setattr(warmup, "_compiles", lambda dev: True)
+    monkeypatch.setattr(warmup, "compiling_keys", compiling)
+    d = Dispatcher([NotN48("fake", configs=configs(1.0, 2.0))], cache_dir=tmp_path, do_bench=fake_do_bench)
+    probs = [problem(1), problem(16), problem(1, n=48)]
+    stages: dict = {}
+    assert d.compile_keys(probs, stages=stages, decide=True) == 2  # the N = 48 key has no candidate to compile
+    assert events == [("compiling", [1, 16]), ("compiled", sorted(key_str(p.key) for p in probs[:2]))]
+    assert set(stages) == {"probe", "compile", "beside", "decide"}
+    with pytest.raises(NoUsableBackendError, match="N = 48 is not served"):
+        d.choose(probs[2])

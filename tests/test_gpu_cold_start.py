@@ -1,6 +1,7 @@
 """GPU test of the tuner's compile-ahead phase (issue 34): in a fresh process with an empty Triton cache, every
 Triton kernel of a key's candidates is compiled in the compile phase, none in the checks, and every candidate still
-computes its check right (the checks and timings run the kernels compiled ahead)."""
+computes its check right (the checks and timings run the kernels compiled ahead); many keys' kernels are handed out
+at once and the keys decided while they compile."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,12 @@ import sys
 
 import pytest
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the tests below skip without CUDA anyway
+    triton = None
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: Triton compiles the candidates' kernels for it")
@@ -52,30 +59,85 @@ def test_every_kernel_compiles_ahead_and_the_checks_pass(tmp_path, m, adt, backe
 
 
 _WARMUP = r"""
-import json, sys, torch
+import json, sys, threading, torch
 from triton import knobs
 from fp4dispatch.backends.triton_fused import TritonFusedBackend
+from fp4dispatch.dispatch import precompile
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 
-phase, seen = ["ahead"], []
-knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(phase[0])
+phase, seen = ["probe"], []
+knobs.runtime.jit_cache_hook = lambda **kw: seen.append((phase[0], threading.current_thread().name))
+ahead = precompile.compile_keys_ahead
+def marked(jobs, then=None):
+    phase[0] = "keys"
+    ahead(jobs, then)
+precompile.compile_keys_ahead = marked
 d = Dispatcher([TritonFusedBackend()], cache_dir=sys.argv[1])
-compile_keys = d.compile_keys
-def marked(problems, **kw):
-    compile_keys(problems, **kw)
-    phase[0] = "decide"
-d.compile_keys = marked
 choices = d.warmup([(1, 3072, 4096), (16, 3072, 4096), (300, 3072, 4096)])
-print(json.dumps({"ahead": seen.count("ahead"), "decide": seen.count("decide"),
-                  "modes": [e["mode"] for e in d.cache_for("cuda").decisions.values()]}))
+threads = [t for p, t in seen if p == "keys"]
+entries = d.cache_for("cuda").decisions.values()
+print(json.dumps({"handed_out": threads.count("fp4dispatch-compile-keys"),
+                  "elsewhere": sorted(set(threads) - {"fp4dispatch-compile-keys"}),
+                  "modes": [e["mode"] for e in entries],
+                  "failed": [t for e in entries for t in e["ranking"] if t.get("reason")]}))
 """
 
 
-def test_warmup_compiles_every_key_before_deciding_any(tmp_path):
+def test_warmup_hands_out_every_kernel_of_its_keys_and_decides_them_on_those_kernels(tmp_path):
+    """Every kernel compiled after the probe was handed out by ``compiling_keys``' thread: the decisions, made while
+    those compiles ran, compiled nothing themselves, and every trial ran right on the kernels whose compiles they
+    waited for."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     p = subprocess.run([sys.executable, "-c", _WARMUP, str(tmp_path / "cache")], env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert got["ahead"] >= 3 and got["decide"] == 0, got
+    assert got["handed_out"] >= 3 and got["elsewhere"] == [] and got["failed"] == [], got
     assert got["modes"] == ["tuned"] * 3
+
+
+if triton is not None:
+    @triton.jit
+    def _plus_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+def test_a_launch_finishes_the_compile_another_thread_handed_out():
+    """``compiling_keys``' body launches kernels whose compiles another thread's ``compiles_ahead`` handed out:
+    Triton returns its placeholder, the launch waits for the compile and runs right, and the launcher keeps the
+    compiled kernel, not the placeholder, for the next launches."""
+    import threading
+
+    from triton.runtime._async_compile import FutureKernel
+
+    from fp4dispatch.kernels import runtime
+
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    y = torch.full_like(x, float("nan"))
+    handed, release, active = threading.Event(), threading.Event(), []
+
+    def hand_out():
+        with runtime.compiles_ahead(2) as ctx:
+            active.append(ctx.active)
+            runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)
+            handed.set()
+            release.wait(120)
+
+    worker = threading.Thread(target=hand_out)
+    worker.start()
+    try:
+        assert handed.wait(120) and active == [True]
+        assert torch.isnan(y).all()  # handing out launches nothing
+        runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)
+        torch.cuda.synchronize()
+        assert torch.equal(y, x + 1)
+        y.fill_(float("nan"))
+        runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)  # the launcher's own cache now
+        torch.cuda.synchronize()
+        assert torch.equal(y, x + 1)
+    finally:
+        release.set()
+        worker.join()
+    kept = [hit[0] for key, hit in runtime._COMPILED.items() if key[0] == id(_plus_one)]
+    assert len(kept) == 1 and not isinstance(kept[0], FutureKernel)

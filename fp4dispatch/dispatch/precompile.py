@@ -10,13 +10,15 @@ raises here raises again in its check, which reports it.
 
 ``compile_ahead`` does this for one key (the tuner's compile phase); ``compile_keys_ahead`` for many keys at once
 (``Dispatcher.compile_keys``: ``warmup`` and ``python -m fp4dispatch.tune``), so that a model's keys compile together
-and are then timed one by one.
+and are then timed one by one; ``compiling_keys`` does that while its body times the first keys.
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -26,8 +28,8 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["compile_ahead", "compile_keys_ahead", "compile_together", "first_run_jobs", "scratch_ops",
-           "FIRST_RUN_THREADS"]
+__all__ = ["compile_ahead", "compile_keys_ahead", "compiling_keys", "compile_together", "first_run_jobs",
+           "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
@@ -59,18 +61,22 @@ def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Bac
 
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
-                     first: list[tuple[Problem, object, tuple]]) -> None:
+                     first: list[tuple[Problem, object, tuple]], *, then: Callable[[], None] | None = None) -> None:
     """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
-    ((problem, operands maker, pair)) run in threads."""
+    ((problem, operands maker, pair)) run in threads. ``then()``, if given, is called once every compile is handed
+    out and every first run is over, while the compiles still run; they are waited for after it returns."""
     from ..kernels import runtime
 
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
-        if ahead:
-            with runtime.compiles_ahead(_workers()) as ctx:
-                for problem, make_ops, pairs in ahead if ctx.active else ():
-                    _runs(problem, make_ops(), pairs)
+        with runtime.compiles_ahead(_workers() if ahead else 0) as ctx:
+            for problem, make_ops, pairs in ahead if ctx.active else ():
+                _runs(problem, make_ops(), pairs)
+            for f in futures:
+                f.result()
+            if then is not None:
+                then()
     finally:
         if pool is not None:
             for f in futures:
@@ -108,10 +114,11 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
         restore_inputs(case)
 
 
-def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
+def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], then: Callable[[], None] | None = None) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
-    are handed out, and per first run as it starts."""
+    are handed out, and per first run as it starts. ``then``: ``compile_together``'s, called after the kernels
+    launched on scratch operands have finished."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
     for problem, candidates in jobs:
@@ -130,11 +137,52 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]]) -> None:
              for b, problems in libraries.values() for p, cfg in first_run_jobs(b, problems)]
     if not (ahead or first):
         return
-    try:
-        compile_together(ahead, first)
-    finally:
-        for dev in {j[0].device for j in jobs}:
+    devices = {j[0].device for j in jobs}
+
+    def settled() -> None:
+        for dev in devices:
             reset_cuda_error(dev)
+        then()
+
+    try:
+        compile_together(ahead, first, then=settled if then is not None else None)
+    finally:
+        for dev in devices:
+            reset_cuda_error(dev)
+
+
+@contextmanager
+def compiling_keys(jobs: list[tuple[Problem, list[Backend]]]):
+    """``compile_keys_ahead(jobs)`` while the body runs: entering returns once every compile is handed out and every
+    first run is over, and the compiles go on meanwhile, so that the body can time a model's first keys while its
+    last ones compile. A launch in the body of a kernel still compiling waits for that compile: Triton leaves a
+    placeholder in its kernel cache, whose use finishes the compile (or raises its error) in the launching thread.
+    The compiles are handed out by a thread of its own (Triton's async compile mode belongs to the thread that entered
+    it), but every CUDA call of that thread (scratch operands, runs on them, first runs) is over before the body
+    starts: it cannot spoil a CUDA graph that the body captures. Leaving waits for the rest of the compiles."""
+    handed_out, body_done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def hand_out() -> None:
+        try:
+            compile_keys_ahead(jobs, then=lambda: (handed_out.set(), body_done.wait()))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(e)
+        finally:
+            handed_out.set()
+
+    worker = threading.Thread(target=hand_out, name="fp4dispatch-compile-keys", daemon=True)
+    worker.start()
+    handed_out.wait()
+    try:
+        if failed:  # handing out raised: no body
+            raise failed[0]
+        yield
+    finally:
+        body_done.set()
+        worker.join()
+    if failed:  # waiting for the compiles raised
+        raise failed[0]
 
 
 def first_run_jobs(backend: Backend, problems) -> list[tuple[Problem, Config]]:

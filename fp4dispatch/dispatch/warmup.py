@@ -4,16 +4,20 @@ probed so far. A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`: 
 states, choices, forced backend and key tuning (key_tuning.py)."""
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from ..errors import describe_exception
 from ..problem import Problem
 from .choice import Choice, resolve_device
 from .records import key_str
-from .precompile import compile_keys_ahead
+from .precompile import compile_keys_ahead, compiling_keys
 
 __all__ = ["Warmup"]
+
+log = logging.getLogger("fp4dispatch")
 
 
 def _compiles(device: torch.device) -> bool:
@@ -42,11 +46,14 @@ class Warmup:
         (Humming) makes these keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the
         rest compile once every verdict is in. Without CUDA, or with a backend forced, it does nothing.
 
-        ``decide``: the keys are also decided, and the part of that which needs no pending verdict runs while the
-        workers still work: each key is searched among the backends already probed (``decide_beside``), and once
-        every verdict is in, among the rest (``finish_beside``, key_tuning.py). Otherwise nothing is decided or timed
-        here. ``stages`` (if given) gets the seconds until every verdict is in ("probe"; "beside": the part of it
-        spent deciding), after it compiling ("compile") and, with ``decide``, finishing the decisions ("decide")."""
+        ``decide``: the keys are also decided, while the kernels of the later keys still compile
+        (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no
+        pending verdict runs while the workers still work: each key is searched among the backends already probed
+        (``decide_beside``), and once every verdict is in, among the rest (``finish_beside``, key_tuning.py); a key
+        without such a first round is decided as usual. Otherwise nothing is decided or timed here. ``stages`` (if
+        given) gets the seconds until every verdict is in ("probe"; "beside": the part of it spent deciding), after
+        it compiling ("compile"; with ``decide``, handing the compiles out) and, with ``decide``, deciding the rest
+        ("decide")."""
         t0 = time.perf_counter()
         todo: dict[tuple, Problem] = {}
         for p in problems:
@@ -69,8 +76,9 @@ class Warmup:
 
         def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
             nonlocal beside
-            compile_keys_ahead(jobs(dev))
-            if decide:
+            if not decide:
+                return compile_keys_ahead(jobs(dev))
+            with compiling_keys(jobs(dev)):  # each key is searched once its own kernels are compiled
                 t = time.perf_counter()
                 self.decide_beside(mine, rounds)
                 beside += time.perf_counter() - t
@@ -85,13 +93,21 @@ class Warmup:
                             meanwhile=lambda d=dev, mine=mine: meanwhile(d, mine))
             t1 = time.perf_counter()
             rest = [j for dev in dict.fromkeys(key[0] for key in todo) for j in jobs(dev)]
-        compile_keys_ahead(rest)
-        t2 = time.perf_counter()
-        if rounds:
-            with self._lock:
-                self.finish_beside(rounds)
+        if not decide:
+            compile_keys_ahead(rest)
+        else:
+            with compiling_keys(rest):  # the keys are decided while the compiles run, each once its kernels are
+                t2 = time.perf_counter()
+                with self._lock:
+                    self.finish_beside(rounds)
+                for p in todo.values():  # the keys not decided in two rounds (no probe worker ran, say)
+                    try:
+                        self.choose(p)
+                    except Exception as e:  # noqa: BLE001 - the caller's choose raises it again, with its reasons
+                        log.debug("fp4dispatch: deciding %s ahead: %s", key_str(p.key), describe_exception(e))
+        t3 = time.perf_counter()
         if stages is not None:
-            stages.update(probe=t1 - t0, compile=t2 - t1)
+            stages.update(probe=t1 - t0, compile=(t2 if decide else t3) - t1)
             if decide:
-                stages.update(beside=beside, decide=time.perf_counter() - t2)
+                stages.update(beside=beside, decide=t3 - t2)
         return len(keys)

@@ -195,13 +195,14 @@ class compiles_ahead:
     flag), which is why callers pass scratch operands.
     Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
-    async compile. Callers run each candidate once inside, on operands whose values do not matter."""
+    async compile; or with no ``workers``. Callers run each candidate once inside, on operands whose values do not
+    matter."""
 
     def __init__(self, workers: int):
         self.workers, self.active, self._mode, self._pool = workers, False, None, None
 
     def __enter__(self) -> "compiles_ahead":
-        if jit_interpreted() or compiling_ahead():
+        if self.workers < 1 or jit_interpreted() or compiling_ahead():
             return self
         try:
             from concurrent.futures import ThreadPoolExecutor
@@ -251,6 +252,23 @@ def direct_launcher(compiled) -> tuple | str:
     return fn, compiled.function, lw.launch_cooperative_grid, lw.launch_pdl, compiled.packed_metadata
 
 
+@functools.cache
+def _future_kernel() -> type | None:
+    try:
+        from triton.runtime._async_compile import FutureKernel
+    except ImportError:
+        return None
+    return FutureKernel
+
+
+def _finished(kernel):
+    """The compiled kernel that ``kernel[grid]`` returned: for a kernel whose compile another thread's
+    ``compiles_ahead`` handed out (``precompile.compiling_keys``), Triton returns its placeholder (``FutureKernel``),
+    which the launch has waited for; its ``result()`` is the kernel, whose ``[grid]`` a later launch may call."""
+    cls = _future_kernel()
+    return kernel.result() if cls is not None and isinstance(kernel, cls) else kernel
+
+
 def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     """``launch``'s work; returns (compiled kernel, remaining parameters, ``direct_launcher``'s or None) when the
     compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
@@ -270,7 +288,7 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
         if getattr(_tls, "ahead", False):  # compiles_ahead: start the compile only (read on a miss, not per launch)
             fn.warmup(*args, grid=grid, **kwargs)
             return None
-        compiled = fn[grid](*args, **kwargs)
+        compiled = _finished(fn[grid](*args, **kwargs))
         if compiled is not None and hasattr(compiled, "run"):
             names, defaults = _params(fn)
             # the rest of the argument list kernel[grid] passes to the compiled kernel: every remaining parameter
