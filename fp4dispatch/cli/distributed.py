@@ -113,9 +113,10 @@ def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptio
     d.report(device, ops)  # the ops whose keys were all decided: compile_keys probed only the new keys' ops
     stage["probe"] += time.perf_counter() - t0
     if compiled and opts.progress and sys.stderr.isatty():
-        print(f"probed and compiled the kernels of {compiled} new keys in {stage['probe'] + stage['compile']:.1f} s "
-              f"(deciding them beside the probe: {stage.get('beside', 0.0):.1f} s of it; then "
-              f"{stage['decide']:.1f} s more)", file=sys.stderr)
+        print(f"probed the backends and compiled or handed out the kernels of {compiled} new keys in "
+              f"{stage['probe'] + stage['compile']:.1f} s (deciding them beside the probe: "
+              f"{stage.get('beside', 0.0):.1f} s of it), then decided them while those compiled: "
+              f"{stage['decide']:.1f} s", file=sys.stderr)
     rows = []
     bar = tqdm(shapes, desc=f"tuning {device}", unit="shape", file=sys.stderr, position=position,
                disable=None if opts.progress else True)
