@@ -66,7 +66,7 @@ from fp4dispatch.dispatch import precompile
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 
 phase, seen = ["probe"], []
-knobs.runtime.jit_cache_hook = lambda **kw: seen.append((phase[0], threading.current_thread().name))
+knobs.runtime.jit_cache_hook = lambda **kw: seen.append((phase[0], threading.current_thread().name, kw.get("repr")))
 ahead = precompile.compile_keys_ahead
 def marked(jobs, then=None):
     phase[0] = "keys"
@@ -74,10 +74,10 @@ def marked(jobs, then=None):
 precompile.compile_keys_ahead = marked
 d = Dispatcher([TritonFusedBackend()], cache_dir=sys.argv[1])
 choices = d.warmup([(1, 3072, 4096), (16, 3072, 4096), (300, 3072, 4096)])
-threads = [t for p, t in seen if p == "keys"]
+keys = [(t, r) for p, t, r in seen if p == "keys"]
 entries = d.cache_for("cuda").decisions.values()
-print(json.dumps({"handed_out": threads.count("fp4dispatch-compile-keys"),
-                  "elsewhere": sorted(set(threads) - {"fp4dispatch-compile-keys"}),
+print(json.dumps({"handed_out": sum(t == "fp4dispatch-compile-keys" for t, _ in keys),
+                  "elsewhere": [[t, str(r)[:300]] for t, r in keys if t != "fp4dispatch-compile-keys"],
                   "modes": [e["mode"] for e in entries],
                   "failed": [t for e in entries for t in e["ranking"] if t.get("reason")]}))
 """
