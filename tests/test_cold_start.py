@@ -299,7 +299,7 @@ def test_compile_keys_runs_a_first_run_library_once_per_its_unit(monkeypatch):
 
     runs = []
     monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
-    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first, then=None: runs.extend(
+    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first, **kw: runs.extend(
         (b.name, p.m) for p, _, (b, _) in first))
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
     gpu = torch.device("cuda", 0)
@@ -579,8 +579,8 @@ def test_a_tune_run_decides_its_keys_in_two_rounds_around_the_probe_worker(tmp_p
     first_rounds = threading.Event()
     real = Dispatcher.decide_beside
 
-    def beside(self, problems, rounds):
-        real(self, problems, rounds)
+    def beside(self, problems, rounds, wait):
+        real(self, problems, rounds, wait)
         first_rounds.set()
 
     monkeypatch.setattr(Dispatcher, "decide_beside", beside)
@@ -612,6 +612,10 @@ class _Recorded:
         self.events.append(("enter", threading.current_thread().name))
         return self
 
+    def collect(self) -> list:
+        self.events.append(("collect", ""))
+        return [("handed", len(self.events))]
+
     def __exit__(self, *exc):
         import threading
 
@@ -631,6 +635,7 @@ def _compiling_setup(monkeypatch, events: list) -> list:
     Ahead = type("Ahead", (FakeBackend,), {"compiles_ahead": True, "run": note("run")})
     Library = type("Library", (FakeBackend,), {"compiles_on_first_run": True, "run": note("first run")})
     monkeypatch.setattr(runtime, "compiles_ahead", lambda workers: _Recorded(events, workers))
+    monkeypatch.setattr(runtime, "finish", lambda handed: events.append(("finish", handed[0][1])))
     monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: events.append(("sync", dev.type)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
@@ -645,22 +650,32 @@ def _worker_alive() -> bool:
     return any(t.name == "fp4dispatch-compile-keys" for t in threading.enumerate())
 
 
-def test_compiling_keys_runs_its_body_between_handing_the_compiles_out_and_waiting_for_them(monkeypatch):
+def test_compiling_keys_runs_its_body_while_the_handed_out_compiles_are_waited_for_key_by_key(monkeypatch):
     """The compiles of many keys are handed out on a thread of their own, and every CUDA call of that thread (runs
-    on scratch operands, first runs, the synchronize after them) is over before the body starts; the compiles are
-    waited for (Triton's async mode left) only after the body, which runs in the caller's thread."""
+    on scratch operands, first runs, the synchronize after them) is over before the body starts; the thread then
+    waits for the compiles key by key, in the order handed out, and ``wait(key)`` in the body returns once that
+    key's are in (finish called on its collected compiles)."""
     import threading
 
     from fp4dispatch.dispatch.precompile import compiling_keys
 
     events: list = []
     jobs = _compiling_setup(monkeypatch, events)
-    with compiling_keys(jobs):
+    with compiling_keys(jobs) as compiles:
         events.append(("body", threading.current_thread().name))
+        for p, _ in jobs:
+            compiles.wait(p.key)
+            events.append(("decide", p.m))
+        compiles.wait(problem(99).key)  # a key it was not given: at once
     kinds = [k for k, _ in events]
-    assert kinds[-3:] == ["body", "exit", "sync"] and kinds.index("enter") < kinds.index("run"), kinds
     assert kinds.count("run") == 4 and kinds.count("first run") == 1  # 2 configs x 2 keys; one unit of the library
-    assert kinds.index("sync") < kinds.index("body")
+    assert kinds.index("sync") < kinds.index("body") and kinds.index("enter") < kinds.index("collect")
+    assert max(i for i, k in enumerate(kinds) if k in ("run", "first run")) < kinds.index("body")
+    finishes = [(i, e[1]) for i, e in enumerate(events) if e[0] == "finish"]
+    collects = [i for i, e in enumerate(events) if e[0] == "collect"]
+    assert [h for _, h in finishes] == [c + 1 for c in collects]  # each key's own compiles, in the order handed out
+    decides = {e[1]: i for i, e in enumerate(events) if e[0] == "decide"}
+    assert finishes[0][0] < decides[1] and finishes[1][0] < decides[16]  # a key decided only after its finish
     assert events[kinds.index("body")][1] == threading.main_thread().name
     assert {t for k, t in events if k in ("enter", "run", "exit")} == {"fp4dispatch-compile-keys"}
     assert not _worker_alive()
@@ -672,7 +687,7 @@ def test_compiling_keys_raises_a_failed_hand_out_in_the_caller_and_skips_the_bod
     events: list = []
     jobs = _compiling_setup(monkeypatch, events)
 
-    def broken(ahead, first, *, then=None):
+    def broken(ahead, first, *, handed_out=None, compiled=None):
         raise RuntimeError("scratch operands: out of memory")
 
     monkeypatch.setattr(precompile, "compile_together", broken)
@@ -680,6 +695,33 @@ def test_compiling_keys_raises_a_failed_hand_out_in_the_caller_and_skips_the_bod
         with precompile.compiling_keys(jobs):
             events.append(("body", ""))
     assert ("body", "") not in events and not _worker_alive()
+
+
+def test_compiling_keys_never_leaves_a_wait_hanging(monkeypatch):
+    """A compile wait that raises in the handing-out thread, after the body started: every ``wait`` returns, and the
+    error is raised when the body is left."""
+    import threading
+
+    from fp4dispatch.dispatch import precompile
+
+    events: list = []
+    jobs = _compiling_setup(monkeypatch, events)
+
+    in_body = threading.Event()
+
+    def fails_after_handing_out(ahead, first, *, handed_out=None, compiled=None):
+        handed_out()
+        in_body.wait(30)
+        raise RuntimeError("a compile pool broke")
+
+    monkeypatch.setattr(precompile, "compile_together", fails_after_handing_out)
+    with pytest.raises(RuntimeError, match="a compile pool broke"):
+        with precompile.compiling_keys(jobs) as compiles:
+            in_body.set()
+            for p, _ in jobs:
+                compiles.wait(p.key)
+            events.append(("body", ""))
+    assert ("body", "") in events and not _worker_alive()
 
 
 def test_compiling_keys_lets_the_compiles_finish_when_its_body_raises(monkeypatch):
@@ -708,10 +750,14 @@ def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, m
 
     events = []
 
+    class Compiles:
+        def wait(self, key):
+            events.append(("wait", key_str(key)))
+
     @contextmanager
     def compiling(jobs):
         events.append(("compiling", sorted(p.m for p, _ in jobs)))
-        yield
+        yield Compiles()
         events.append(("compiled", sorted(key_str(k) for k in d._choices)))
 
     monkeypatch.setattr(warmup, "_compiles", lambda dev: True)
@@ -720,7 +766,8 @@ def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, m
     probs = [problem(1), problem(16), problem(1, n=48)]
     stages: dict = {}
     assert d.compile_keys(probs, stages=stages, decide=True) == 2  # the N = 48 key has no candidate to compile
-    assert events == [("compiling", [1, 16]), ("compiled", sorted(key_str(p.key) for p in probs[:2]))]
+    assert events == [("compiling", [1, 16]), *[("wait", key_str(p.key)) for p in probs],
+                      ("compiled", sorted(key_str(p.key) for p in probs[:2]))]
     assert set(stages) == {"probe", "compile", "beside", "decide"}
     with pytest.raises(NoUsableBackendError, match="N = 48 is not served"):
         d.choose(probs[2])

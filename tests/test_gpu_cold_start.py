@@ -68,9 +68,9 @@ from fp4dispatch.dispatch.dispatcher import Dispatcher
 phase, seen = ["probe"], []
 knobs.runtime.jit_cache_hook = lambda **kw: seen.append((phase[0], threading.current_thread().name, kw.get("repr")))
 ahead = precompile.compile_keys_ahead
-def marked(jobs, then=None):
+def marked(jobs, *rest):
     phase[0] = "keys"
-    ahead(jobs, then)
+    ahead(jobs, *rest)
 precompile.compile_keys_ahead = marked
 d = Dispatcher([TritonFusedBackend()], cache_dir=sys.argv[1])
 choices = d.warmup([(1, 3072, 4096), (16, 3072, 4096), (300, 3072, 4096)])
@@ -103,41 +103,41 @@ if triton is not None:
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
 
 
-def test_a_launch_finishes_the_compile_another_thread_handed_out():
-    """``compiling_keys``' body launches kernels whose compiles another thread's ``compiles_ahead`` handed out:
-    Triton returns its placeholder, the launch waits for the compile and runs right, and the launcher keeps the
-    compiled kernel, not the placeholder, for the next launches."""
+def test_a_kernel_handed_out_and_finished_by_another_thread_is_launched_without_a_compile():
+    """``compiling_keys``' thread hands a compile out (``compiles_ahead.collect``) and waits for it (``runtime.finish``)
+    while its async mode is still open; the caller's thread then launches the kernel without compiling it again
+    (Triton 3.6 keeps a handed-out kernel in the async mode only, until it is waited for), and right."""
     import threading
 
-    from triton.runtime._async_compile import FutureKernel
+    from triton import knobs
 
     from fp4dispatch.kernels import runtime
 
     x = torch.arange(1000, device="cuda", dtype=torch.float32)
     y = torch.full_like(x, float("nan"))
-    handed, release, active = threading.Event(), threading.Event(), []
+    finished, release, seen, compiled_in = threading.Event(), threading.Event(), [], []
 
     def hand_out():
         with runtime.compiles_ahead(2) as ctx:
-            active.append(ctx.active)
+            kernels = ctx.collect()
             runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)
-            handed.set()
+            torch.cuda.synchronize()
+            seen.append((ctx.active, len(kernels), bool(torch.isnan(y).all())))  # handing out launches nothing
+            runtime.finish(kernels)
+            finished.set()
             release.wait(120)
 
-    worker = threading.Thread(target=hand_out)
+    hook = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: compiled_in.append(threading.current_thread().name)
+    worker = threading.Thread(target=hand_out, name="hand-out")
     worker.start()
     try:
-        assert handed.wait(120) and active == [True]
-        assert torch.isnan(y).all()  # handing out launches nothing
+        assert finished.wait(120) and seen == [(True, 1, True)]
         runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)
-        torch.cuda.synchronize()
-        assert torch.equal(y, x + 1)
-        y.fill_(float("nan"))
-        runtime.launch(_plus_one, (4,), x, y, 1000, BLOCK=256)  # the launcher's own cache now
         torch.cuda.synchronize()
         assert torch.equal(y, x + 1)
     finally:
         release.set()
         worker.join()
-    kept = [hit[0] for key, hit in runtime._COMPILED.items() if key[0] == id(_plus_one)]
-    assert len(kept) == 1 and not isinstance(kept[0], FutureKernel)
+        knobs.runtime.jit_cache_hook = hook
+    assert compiled_in == ["hand-out"]

@@ -134,10 +134,11 @@ class KeyTuning:
         return self._choice(key, *ranked[0], ranked[1:])
 
     # -- two rounds: beside the probe workers, then with every verdict ----------------------------------------------
-    def decide_beside(self, problems, rounds: dict[tuple, FirstRound]) -> None:
+    def decide_beside(self, problems, rounds: dict[tuple, FirstRound], wait=lambda key: None) -> None:
         """Into ``rounds``, the first round of each undecided key of ``problems`` whose op has backends without a
-        verdict yet (being probed in workers): searched among the others. Not recorded; ``finish_beside`` completes
-        them. Keys without a timer, with no candidate yet, or whose search raised are left to the usual decision."""
+        verdict yet (being probed in workers): searched among the others, once ``wait(key)`` says its kernels are
+        compiled. Not recorded; ``finish_beside`` completes them. Keys without a timer, with no candidate yet, or whose
+        search raised are left to the usual decision."""
         provisional: dict[str, dict] = {}  # the first rounds as neighbours of the next keys
         for p in problems:
             key = p.key
@@ -149,6 +150,7 @@ class KeyTuning:
                 candidates = self._candidates(key, p)[0] if pending else []
                 if not candidates:
                     continue
+                wait(key)
                 tuning, sources = self._search(key, p, candidates, {**cache.decisions, **provisional})
             except Exception as e:  # noqa: BLE001 - a head start only: the key is decided as usual afterwards
                 log.warning("fp4dispatch: deciding %s beside the probe workers failed (%s)", key_str(key),
@@ -158,14 +160,14 @@ class KeyTuning:
             provisional[key_str(key)] = {"mode": "neighbours" if sources else "tuned",
                                          "ranking": [t.to_json() for t in tuning.trials]}
 
-    def finish_beside(self, rounds: dict[tuple, FirstRound]) -> int:
+    def finish_beside(self, rounds: dict[tuple, FirstRound], wait=lambda key: None) -> int:
         """Each first round completed now that every verdict is in: the backends that were pending and are usable on
         the key are searched on it (next to already recorded keys, their best few only), and the two tunings are
         recorded as one decision (``merge_tunings``: ranked as one search). A first-round trial of a backend that
         can no longer serve the key is dropped, and so is one that raised (the GPU was shared with the workers then):
         neither bans its backend, which the next tune of the key tries again. Returns how many keys were decided; a
         key that is decided already, or that this fails on, is left to the usual decision (which raises
-        NoUsableBackendError with every reason when none can serve it)."""
+        NoUsableBackendError with every reason when none can serve it). ``wait(key)``: as in ``decide_beside``."""
         done = 0
         for key, r in rounds.items():
             try:
@@ -176,6 +178,7 @@ class KeyTuning:
                 first = [t for t in r.tuning.trials if t.backend in usable and not t.reason.startswith("failed")]
                 tuning, sources = Tuning(first, r.tuning.seconds), r.sources
                 if late := [b for b in candidates if b.name in r.pending]:
+                    wait(key)
                     more, near = self._search(key, r.problem, late, self._states[key[0]][0].decisions)
                     search, screen = self._rule(r.problem)
                     tuning = merge_tunings(tuning, more, search if screen is not None else None)

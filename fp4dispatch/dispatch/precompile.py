@@ -28,8 +28,8 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
-__all__ = ["compile_ahead", "compile_keys_ahead", "compiling_keys", "compile_together", "first_run_jobs",
-           "scratch_ops", "FIRST_RUN_THREADS"]
+__all__ = ["compile_ahead", "compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
+           "first_run_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
@@ -61,22 +61,30 @@ def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Bac
 
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
-                     first: list[tuple[Problem, object, tuple]], *, then: Callable[[], None] | None = None) -> None:
+                     first: list[tuple[Problem, object, tuple]], *, handed_out: Callable[[], None] | None = None,
+                     compiled: Callable[[Problem], None] | None = None) -> None:
     """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
-    ((problem, operands maker, pair)) run in threads. ``then()``, if given, is called once every compile is handed
-    out and every first run is over, while the compiles still run; they are waited for after it returns."""
+    ((problem, operands maker, pair)) run in threads. ``handed_out()``, if given, is called once every compile is
+    handed out and every first run is over; then the compiles are waited for in ``ahead``'s order (the pool's), and
+    ``compiled(problem)`` is called once the kernels of that problem's pairs are in Triton's cache."""
     from ..kernels import runtime
 
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
         with runtime.compiles_ahead(_workers() if ahead else 0) as ctx:
+            handed = []
             for problem, make_ops, pairs in ahead if ctx.active else ():
+                handed.append((problem, ctx.collect()))
                 _runs(problem, make_ops(), pairs)
             for f in futures:
                 f.result()
-            if then is not None:
-                then()
+            if handed_out is not None:
+                handed_out()
+            for problem, kernels in handed:
+                runtime.finish(kernels)
+                if compiled is not None:
+                    compiled(problem)
     finally:
         if pool is not None:
             for f in futures:
@@ -114,11 +122,12 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
         restore_inputs(case)
 
 
-def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], then: Callable[[], None] | None = None) -> None:
+def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Callable[[], None] | None = None,
+                       compiled: Callable[[Problem], None] | None = None) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
-    are handed out, and per first run as it starts. ``then``: ``compile_together``'s, called after the kernels
-    launched on scratch operands have finished."""
+    are handed out, and per first run as it starts. ``handed_out`` and ``compiled``: ``compile_together``'s; the
+    kernels launched on scratch operands have finished when ``handed_out`` is called."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
     for problem, candidates in jobs:
@@ -142,34 +151,57 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], then: Callable
     def settled() -> None:
         for dev in devices:
             reset_cuda_error(dev)
-        then()
+        handed_out()
 
     try:
-        compile_together(ahead, first, then=settled if then is not None else None)
+        compile_together(ahead, first, handed_out=settled if handed_out is not None else None, compiled=compiled)
     finally:
         for dev in devices:
             reset_cuda_error(dev)
 
 
+class KeyCompiles:
+    """``compiling_keys``' handle: ``wait(key)`` returns once the kernels handed out for that key are in Triton's
+    cache (at once for a key it was not given, and once the compiles are over or have failed)."""
+
+    def __init__(self, keys):
+        self._events = {key: threading.Event() for key in keys}
+
+    def wait(self, key: tuple) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.wait()
+
+    def _done(self, key: tuple) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
+    def _all_done(self) -> None:
+        for event in self._events.values():
+            event.set()
+
+
 @contextmanager
 def compiling_keys(jobs: list[tuple[Problem, list[Backend]]]):
     """``compile_keys_ahead(jobs)`` while the body runs: entering returns once every compile is handed out and every
-    first run is over, and the compiles go on meanwhile, so that the body can time a model's first keys while its
-    last ones compile. A launch in the body of a kernel still compiling waits for that compile: Triton leaves a
-    placeholder in its kernel cache, whose use finishes the compile (or raises its error) in the launching thread.
-    The compiles are handed out by a thread of its own (Triton's async compile mode belongs to the thread that entered
-    it), but every CUDA call of that thread (scratch operands, runs on them, first runs) is over before the body
-    starts: it cannot spoil a CUDA graph that the body captures. Leaving waits for the rest of the compiles."""
-    handed_out, body_done = threading.Event(), threading.Event()
+    first run is over, and yields a :class:`KeyCompiles`, whose ``wait(key)`` returns once that key's kernels are
+    compiled: the body can check and time a model's first keys while its last ones compile. The compiles are handed
+    out, and waited for key by key in the order of ``jobs`` (the pool's), by a thread of its own; that thread's CUDA
+    calls (scratch operands, runs on them, first runs) are over before the body starts, so that none can spoil a
+    CUDA graph that the body captures. Leaving waits for the rest of the compiles."""
+    compiles = KeyCompiles(p.key for p, _ in jobs)
+    handed_out = threading.Event()
     failed: list[BaseException] = []
 
     def hand_out() -> None:
         try:
-            compile_keys_ahead(jobs, then=lambda: (handed_out.set(), body_done.wait()))
+            compile_keys_ahead(jobs, handed_out.set, lambda p: compiles._done(p.key))
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(e)
         finally:
             handed_out.set()
+            compiles._all_done()
 
     worker = threading.Thread(target=hand_out, name="fp4dispatch-compile-keys", daemon=True)
     worker.start()
@@ -177,9 +209,8 @@ def compiling_keys(jobs: list[tuple[Problem, list[Backend]]]):
     try:
         if failed:  # handing out raised: no body
             raise failed[0]
-        yield
+        yield compiles
     finally:
-        body_done.set()
         worker.join()
     if failed:  # waiting for the compiles raised
         raise failed[0]

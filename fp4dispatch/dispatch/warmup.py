@@ -78,9 +78,9 @@ class Warmup:
             nonlocal beside
             if not decide:
                 return compile_keys_ahead(jobs(dev))
-            with compiling_keys(jobs(dev)):  # each key is searched once its own kernels are compiled
+            with compiling_keys(jobs(dev)) as compiles:  # each key is searched once its own kernels are compiled
                 t = time.perf_counter()
-                self.decide_beside(mine, rounds)
+                self.decide_beside(mine, rounds, compiles.wait)
                 beside += time.perf_counter() - t
 
         with self._lock:
@@ -96,12 +96,13 @@ class Warmup:
         if not decide:
             compile_keys_ahead(rest)
         else:
-            with compiling_keys(rest):  # the keys are decided while the compiles run, each once its kernels are
+            with compiling_keys(rest) as compiles:  # each key is decided once its own kernels are compiled
                 t2 = time.perf_counter()
                 with self._lock:
-                    self.finish_beside(rounds)
+                    self.finish_beside(rounds, compiles.wait)
                 for p in todo.values():  # the keys not decided in two rounds (no probe worker ran, say)
                     try:
+                        compiles.wait(p.key)
                         self.choose(p)
                     except Exception as e:  # noqa: BLE001 - the caller's choose raises it again, with its reasons
                         log.debug("fp4dispatch: deciding %s ahead: %s", key_str(p.key), describe_exception(e))

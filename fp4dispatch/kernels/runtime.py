@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
            "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
-           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead"]
+           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "finish"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -194,6 +194,9 @@ class compiles_ahead:
     and ptxas, which run without the GIL). A kernel already compiled is launched as usual (the hot path reads no
     flag), which is why callers pass scratch operands.
     Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
+    Until a compile is waited for, its kernel is in no cache that a launch reads (Triton keeps it in the async mode
+    only, or, in later Tritons, as a placeholder): ``collect`` and ``finish`` wait for some of them earlier, so that
+    another thread can launch those while the rest still compile (``precompile.compiling_keys``).
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
     async compile; or with no ``workers``. Callers run each candidate once inside, on operands whose values do not
     matter."""
@@ -216,14 +219,36 @@ class compiles_ahead:
         self.active = _tls.ahead = True
         return self
 
+    def collect(self) -> list:
+        """The compiles this thread hands out from now on (until the next ``collect`` or the end of the context) are
+        appended to the returned list, for ``finish``."""
+        _tls.handed = []
+        return _tls.handed
+
     def __exit__(self, *exc) -> None:
         if not self.active:
             return
-        _tls.ahead = False
+        _tls.ahead, _tls.handed = False, None
         try:
             self._mode.__exit__(None, None, None)
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _hand_out(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    kernel = fn.warmup(*args, grid=grid, **kwargs)  # Triton's placeholder of the compile, or the kernel compiled before
+    handed = getattr(_tls, "handed", None)
+    if handed is not None and kernel is not None and hasattr(kernel, "result"):
+        handed.append(kernel)
+
+
+def finish(handed: list) -> None:
+    """Wait for the compiles of ``handed`` (``compiles_ahead.collect``'s list) and put their kernels in Triton's kernel
+    cache, where a launch from any thread finds them. A compile that failed is left out, for the first real launch to
+    compile it again and raise its error. Call it in the thread that handed them out: Triton's placeholder is not
+    meant to be finished from two threads at once."""
+    for kernel in handed:
+        kernel.result(ignore_errors=True)
 
 
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
@@ -252,30 +277,13 @@ def direct_launcher(compiled) -> tuple | str:
     return fn, compiled.function, lw.launch_cooperative_grid, lw.launch_pdl, compiled.packed_metadata
 
 
-@functools.cache
-def _future_kernel() -> type | None:
-    try:
-        from triton.runtime._async_compile import FutureKernel
-    except ImportError:
-        return None
-    return FutureKernel
-
-
-def _finished(kernel):
-    """The compiled kernel that ``kernel[grid]`` returned: for a kernel whose compile another thread's
-    ``compiles_ahead`` handed out (``precompile.compiling_keys``), Triton returns its placeholder (``FutureKernel``),
-    which the launch has waited for; its ``result()`` is the kernel, whose ``[grid]`` a later launch may call."""
-    cls = _future_kernel()
-    return kernel.result() if cls is not None and isinstance(kernel, cls) else kernel
-
-
 def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     """``launch``'s work; returns (compiled kernel, remaining parameters, ``direct_launcher``'s or None) when the
     compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
     global _fast
     if not _fast or jit_interpreted():
         if getattr(_tls, "ahead", False):
-            fn.warmup(*args, grid=grid, **kwargs)
+            _hand_out(fn, grid, args, kwargs)
         else:
             fn[grid](*args, **kwargs)
         return None
@@ -286,9 +294,9 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     hit = _COMPILED.get(key)
     if hit is None:
         if getattr(_tls, "ahead", False):  # compiles_ahead: start the compile only (read on a miss, not per launch)
-            fn.warmup(*args, grid=grid, **kwargs)
+            _hand_out(fn, grid, args, kwargs)
             return None
-        compiled = _finished(fn[grid](*args, **kwargs))
+        compiled = fn[grid](*args, **kwargs)
         if compiled is not None and hasattr(compiled, "run"):
             names, defaults = _params(fn)
             # the rest of the argument list kernel[grid] passes to the compiled kernel: every remaining parameter
