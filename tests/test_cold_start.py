@@ -313,6 +313,7 @@ def test_first_runs_make_their_operands_in_their_threads_and_survive_a_failed_on
     """A first run's scratch operands are made when it starts, in its thread (a large shape's are big: only the units
     running hold theirs), and one whose operands cannot be made (out of memory, say) leaves the others to run."""
     import threading
+    from contextlib import nullcontext
 
     from fp4dispatch.dispatch import precompile
 
@@ -335,6 +336,7 @@ def test_first_runs_make_their_operands_in_their_threads_and_survive_a_failed_on
 
     monkeypatch.setattr(precompile, "scratch_ops", scratch)
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
+    monkeypatch.setattr(precompile, "_on", lambda dev: nullcontext())  # no CUDA device to make current here
     gpu = torch.device("cuda", 0)
     lib = Library("lib")
     precompile.compile_keys_ahead([(problem(m)._replace(device=gpu), [lib]) for m in (1, 16, 128)])
@@ -623,9 +625,10 @@ class _Recorded:
 
 
 def _compiling_setup(monkeypatch, events: list) -> list:
-    """Jobs for ``precompile.compiling_keys`` on a fake GPU: a compile-ahead backend and a first-run library whose
+    """Jobs for ``precompile.compiling_keys`` on two fake GPUs: a compile-ahead backend and a first-run library whose
     runs record their thread."""
     import threading
+    from contextlib import contextmanager
 
     from fp4dispatch.dispatch import precompile
 
@@ -639,9 +642,16 @@ def _compiling_setup(monkeypatch, events: list) -> list:
     monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: events.append(("sync", dev.type)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
-    gpu = torch.device("cuda", 0)
-    return [(problem(m)._replace(device=gpu), [Ahead("a", configs=configs(1.0, 2.0)), Library("lib")])
-            for m in (1, 16)]
+
+    @contextmanager
+    def on(device):  # precompile._on: the worker thread makes each problem's device current
+        events.append(("device", str(device)))
+        yield
+
+    monkeypatch.setattr(precompile, "_on", on)
+    return [(problem(m)._replace(device=torch.device("cuda", i)), [Ahead("a", configs=configs(1.0, 2.0)),
+                                                                   Library("lib")])
+            for i, m in enumerate((1, 16))]
 
 
 def _worker_alive() -> bool:
@@ -668,9 +678,12 @@ def test_compiling_keys_runs_its_body_while_the_handed_out_compiles_are_waited_f
             events.append(("decide", p.m))
         compiles.wait(problem(99).key)  # a key it was not given: at once
     kinds = [k for k, _ in events]
-    assert kinds.count("run") == 4 and kinds.count("first run") == 1  # 2 configs x 2 keys; one unit of the library
+    assert kinds.count("run") == 4 and kinds.count("first run") == 1  # 2 configs x 2 keys; one unit (one shape)
     assert kinds.index("sync") < kinds.index("body") and kinds.index("enter") < kinds.index("collect")
-    assert max(i for i, k in enumerate(kinds) if k in ("run", "first run")) < kinds.index("body")
+    # no CUDA call of the worker once the body runs (it may capture a CUDA graph)
+    assert max(i for i, k in enumerate(kinds) if k in ("run", "first run", "sync")) < kinds.index("body")
+    devices = [e[1] for e in events if e[0] == "device"]
+    assert sorted(devices) == ["cuda:0", "cuda:0", "cuda:1"]  # each key's runs, and the first run, on its GPU
     finishes = [(i, e[1]) for i, e in enumerate(events) if e[0] == "finish"]
     collects = [i for i, e in enumerate(events) if e[0] == "collect"]
     assert [h for _, h in finishes] == [c + 1 for c in collects]  # each key's own compiles, in the order handed out
@@ -732,12 +745,12 @@ def test_compiling_keys_lets_the_compiles_finish_when_its_body_raises(monkeypatc
     with pytest.raises(ValueError, match="a decision failed"):
         with compiling_keys(jobs):
             raise ValueError("a decision failed")
-    assert [k for k, _ in events][-2:] == ["exit", "sync"] and not _worker_alive()
+    assert [k for k, _ in events][-1] == "exit" and not _worker_alive()
 
 
 def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, monkeypatch):
     """With ``decide`` and no probe worker (every verdict cached), each new key is decided inside
-    ``compiling_keys``, before the compiles are waited for; a key no backend can serve is left to the caller's
+    ``compiling_keys``, after waiting for its own compiles; a key no backend can serve is left to the caller's
     ``choose``, which raises with the reason."""
     from contextlib import contextmanager
 
@@ -771,3 +784,53 @@ def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, m
     assert set(stages) == {"probe", "compile", "beside", "decide"}
     with pytest.raises(NoUsableBackendError, match="N = 48 is not served"):
         d.choose(probs[2])
+
+
+def test_compiling_keys_releases_a_key_with_nothing_to_compile_ahead_at_once(monkeypatch):
+    """A key whose candidates only compile on their first run (done before the body) is not held until every other
+    key's compiles are over."""
+    import threading
+
+    from fp4dispatch.dispatch.precompile import compiling_keys
+
+    events: list = []
+    jobs = _compiling_setup(monkeypatch, events)
+    only_library = (problem(128)._replace(device=torch.device("cuda", 0)), [jobs[0][1][1]])
+    release = threading.Event()
+    finish = runtime.finish
+    monkeypatch.setattr(runtime, "finish", lambda handed: (release.wait(30), finish(handed)))
+    with compiling_keys([jobs[0], only_library]) as compiles:
+        compiles.wait(only_library[0].key)  # while the other key's compiles are held back
+        events.append(("library key decided", ""))
+        release.set()
+    kinds = [k for k, _ in events]
+    assert kinds.index("library key decided") < kinds.index("finish")
+
+
+def test_launch_inside_compiles_ahead_collects_what_it_hands_out_and_finish_waits_for_it(monkeypatch):
+    """``runtime.launch`` in a thread inside ``compiles_ahead`` hands the compile out (Triton's ``warmup``) and keeps
+    Triton's placeholder in the list ``collect`` returned; a kernel compiled before is not kept; ``finish`` waits for
+    each placeholder, ignoring a failed compile (the first real launch raises it)."""
+    finished = []
+
+    class Placeholder:
+        def result(self, ignore_errors=False):
+            finished.append((self, ignore_errors))
+
+    class Jit:  # what launch calls of a Triton JITFunction in this mode
+        def __init__(self, gives):
+            self.gives = gives
+
+        def warmup(self, *args, grid, **kwargs):
+            return self.gives
+
+    monkeypatch.setattr(runtime, "_fast", False)
+    monkeypatch.setattr(runtime._tls, "ahead", True, raising=False)
+    monkeypatch.setattr(runtime._tls, "handed", None, raising=False)
+    handed = runtime.compiles_ahead(1).collect()
+    p = Placeholder()
+    for gives in (p, object(), None):  # a compile handed out; a kernel compiled before; a compile a hook skipped
+        runtime.launch(Jit(gives), (1,), 0)
+    assert handed == [p]
+    runtime.finish(handed)
+    assert finished == [(p, True)]

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -39,6 +39,12 @@ def _workers() -> int:
     return max(1, min(os.cpu_count() or 1, 16))
 
 
+def _on(device: torch.device):
+    """``device`` made current in this thread: a thread starts on CUDA device 0, and Triton compiles and caches a
+    kernel for the current device."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
     for b, cfg in pairs:
         try:
@@ -48,16 +54,17 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
 
 
 def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> None:
-    try:
-        ops = make_ops()  # here, not when listed: only the units running now hold operands (a large shape's are big)
-    except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
-        log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
-        return
-    _runs(problem, ops, [pair])
-    try:
-        torch.cuda.synchronize(problem.device)
-    except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
-        pass
+    with _on(problem.device):
+        try:
+            ops = make_ops()  # here, not when listed: only the units running now hold operands (large shapes' are big)
+        except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
+            log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
+            return
+        _runs(problem, ops, [pair])
+        try:
+            torch.cuda.synchronize(problem.device)
+        except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
+            pass
 
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
@@ -76,7 +83,8 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
             handed = []
             for problem, make_ops, pairs in ahead if ctx.active else ():
                 handed.append((problem, ctx.collect()))
-                _runs(problem, make_ops(), pairs)
+                with _on(problem.device):
+                    _runs(problem, make_ops(), pairs)
             for f in futures:
                 f.result()
             if handed_out is not None:
@@ -147,16 +155,23 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
     if not (ahead or first):
         return
     devices = {j[0].device for j in jobs}
+    settled = []  # set once the CUDA work is over: none after that (the caller may be capturing a CUDA graph)
 
-    def settled() -> None:
+    def over() -> None:
         for dev in devices:
             reset_cuda_error(dev)
+        settled.append(True)
         handed_out()
+        if compiled is not None:  # the keys with nothing to compile ahead: nothing to wait for
+            with_pairs = {id(p) for p, _, _ in ahead}
+            for p, _ in jobs:
+                if id(p) not in with_pairs:
+                    compiled(p)
 
     try:
-        compile_together(ahead, first, handed_out=settled if handed_out is not None else None, compiled=compiled)
+        compile_together(ahead, first, handed_out=over if handed_out is not None else None, compiled=compiled)
     finally:
-        for dev in devices:
+        for dev in devices if not settled else ():
             reset_cuda_error(dev)
 
 
@@ -205,14 +220,17 @@ def compiling_keys(jobs: list[tuple[Problem, list[Backend]]]):
 
     worker = threading.Thread(target=hand_out, name="fp4dispatch-compile-keys", daemon=True)
     worker.start()
-    handed_out.wait()
     try:
-        if failed:  # handing out raised: no body
-            raise failed[0]
-        yield compiles
-    finally:
+        handed_out.wait()
+        if not failed:  # else handing out raised: no body
+            yield compiles
+    except BaseException:
         worker.join()
-    if failed:  # waiting for the compiles raised
+        if failed:  # the body's error goes up; the worker's is logged
+            log.warning("fp4dispatch: compiling keys ahead failed too (%s)", describe_exception(failed[0]))
+        raise
+    worker.join()
+    if failed:
         raise failed[0]
 
 

@@ -1,7 +1,7 @@
-"""Deciding many keys ahead of their first calls: ``warmup`` decides them after ``compile_keys`` has compiled, at
-once, the kernels all of them will try; while probe workers run, each key is already searched among the backends
-probed so far. A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`: it uses the dispatcher's lock,
-states, choices, forced backend and key tuning (key_tuning.py)."""
+"""Deciding many keys ahead of their first calls: ``warmup`` has ``compile_keys`` compile, at once, the kernels all of
+them will try, and decide each key as soon as its own kernels are compiled; while probe workers run, each key is
+already searched among the backends probed so far. A mixin of :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher`:
+it uses the dispatcher's lock, states, choices, forced backend and key tuning (key_tuning.py)."""
 from __future__ import annotations
 
 import logging
@@ -30,7 +30,7 @@ class Warmup:
                activations: torch.dtype = torch.uint8, experts: int = 0) -> dict[tuple, Choice]:
         """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys;
         ``experts`` E > 0: fp4_grouped_mm's keys (w4a16_grouped_mm's with bf16/fp16 ``activations``; M is then T,
-        the routed rows of all E experts). The kernels of all new keys are compiled first, at once."""
+        the routed rows of all E experts). The kernels of all new keys are compiled at once (``compile_keys``)."""
         dev = resolve_device(device)
         problems = {(m, n, k): Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts))
                     for m, n, k in shapes}
@@ -38,13 +38,13 @@ class Warmup:
         return {s: self.choose(p) for s, p in problems.items()}
 
     def compile_keys(self, problems, stages: dict | None = None, *, decide: bool = False) -> int:
-        """Compile at once, before they are decided one by one, the kernels that the undecided keys of ``problems``
-        will try (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one
-        first run per ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns
-        how many keys that was. The backends of their ops are probed first if they were not, and the two overlap: the
-        safe backends' kernels compile while the probe workers work, and a worker probing a first-run library
-        (Humming) makes these keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the
-        rest compile once every verdict is in. Without CUDA, or with a backend forced, it does nothing.
+        """Compile at once the kernels that the undecided keys of ``problems`` will try
+        (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one first run per
+        ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns how many keys
+        that was. The backends of their ops are probed first if they were not, and the two overlap: the safe backends'
+        kernels compile while the probe workers work, and a worker probing a first-run library (Humming) makes these
+        keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the rest compile once every
+        verdict is in. Without CUDA, or with a backend forced, it does nothing.
 
         ``decide``: the keys are also decided, while the kernels of the later keys still compile
         (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no

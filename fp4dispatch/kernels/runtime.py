@@ -194,9 +194,10 @@ class compiles_ahead:
     and ptxas, which run without the GIL). A kernel already compiled is launched as usual (the hot path reads no
     flag), which is why callers pass scratch operands.
     Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
-    Until a compile is waited for, its kernel is in no cache that a launch reads (Triton keeps it in the async mode
-    only, or, in later Tritons, as a placeholder): ``collect`` and ``finish`` wait for some of them earlier, so that
-    another thread can launch those while the rest still compile (``precompile.compiling_keys``).
+    Until a compile is waited for, Triton 3.6 keeps its kernel in the async mode only, where a launch from another
+    thread does not find it (and compiles it again); later Tritons put a placeholder in the kernel cache, which such
+    a launch would wait on. ``collect`` and ``finish`` wait for some compiles earlier, in the handing-out thread, so
+    that another thread can launch those kernels while the rest still compile (``precompile.compiling_keys``).
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
     async compile; or with no ``workers``. Callers run each candidate once inside, on operands whose values do not
     matter."""
@@ -245,8 +246,8 @@ def _hand_out(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
 def finish(handed: list) -> None:
     """Wait for the compiles of ``handed`` (``compiles_ahead.collect``'s list) and put their kernels in Triton's kernel
     cache, where a launch from any thread finds them. A compile that failed is left out, for the first real launch to
-    compile it again and raise its error. Call it in the thread that handed them out: Triton's placeholder is not
-    meant to be finished from two threads at once."""
+    compile it again and raise its error. Called in the thread that handed them out, before any other thread launches
+    those kernels: Triton's placeholder is not meant to be finished from two threads at once."""
     for kernel in handed:
         kernel.result(ignore_errors=True)
 
@@ -297,6 +298,8 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
             _hand_out(fn, grid, args, kwargs)
             return None
         compiled = fn[grid](*args, **kwargs)
+        if hasattr(type(compiled), "result"):  # a later Triton's placeholder of a compile handed out and finished
+            compiled = compiled.result()
         if compiled is not None and hasattr(compiled, "run"):
             names, defaults = _params(fn)
             # the rest of the argument list kernel[grid] passes to the compiled kernel: every remaining parameter
