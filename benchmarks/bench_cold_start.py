@@ -207,11 +207,12 @@ def main() -> int:
         probe = _probe_seconds(env["FP4DISPATCH_CACHE_DIR"])
         phases = {ph: round(sum(t.get(ph, 0.0) for t in tune_s), 1) for ph in ("case", "compile", "check", "screen",
                                                                                   "time")}
-        # stages: the tune CLI's wall time of probe, compile_keys, deciding the keys, the cuBLAS baselines ("beside":
-        # the part of the probe spent deciding); the rest of the wall time is the process's start-up and its output
+        # stages: the tune CLI's wall time of probe, compile_keys, deciding the keys, the cuBLAS baselines ("beside"
+        # and "hand_out": parts of the probe); the rest of the wall time is the process's start-up and its output
         report[part] = {"wall_s": round(wall, 2), "rc": p.returncode, "keys": len(shapes), "tune_s": tune_s,
                         "probe_s": probe, "phases_s": phases, "stages_s": stages,
-                        "startup_s": round(wall - sum(v for k, v in stages.items() if k != "beside"), 2)}
+                        "startup_s": round(wall - sum(v for k, v in stages.items()
+                                                      if k not in ("beside", "hand_out")), 2)}
         lines.append(f"\n{part}: `tune {' '.join(extra)}`{''.join(f' {k}={v}' for k, v in more.items())} from empty "
                      f"caches (probe included): {wall:.1f} s wall, "
                      f"{len(shapes)} keys, rc {p.returncode}; stages {stages}, the rest (start-up, output) "

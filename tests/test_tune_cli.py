@@ -269,8 +269,9 @@ def test_json_run_ranks_backends_and_reports_speedup(tuned):
     assert [(b["name"], b["status"], b["wins"]) for b in data["backends"]] == [
         ("fast", "ok", 2), ("slow", "ok", 0), ("flaky", "ok", 0)]
     # the wall time of each stage (no cuBLAS baseline on the CPU), for bench_cold_start's breakdown
-    assert set(data["seconds"]) == {"probe", "compile", "decide", "baseline", "beside"}
-    assert data["seconds"]["baseline"] == data["seconds"]["beside"] == 0  # nothing probed in workers on the CPU
+    assert set(data["seconds"]) == {"probe", "compile", "decide", "baseline", "beside", "hand_out"}
+    # nothing probed in workers on the CPU
+    assert data["seconds"]["baseline"] == data["seconds"]["beside"] == data["seconds"]["hand_out"] == 0
     assert all(v >= 0 for v in data["seconds"].values())
 
 

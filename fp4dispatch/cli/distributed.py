@@ -93,8 +93,9 @@ def _summarize(entry: dict, n: int, k: int) -> dict:
 def tune_rows(d: Dispatcher, device: torch.device, shapes: list, opts: TuneOptions, *, tuned_by: str = "",
               position: int = 0, seconds: dict | None = None) -> list[dict]:
     """Decide every shape on ``device`` (cached decisions are reused) and return one JSON-able row per shape.
-    ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline, and "beside":
-    the part of the probe spent deciding the keys among the backends already probed (``compile_keys``)."""
+    ``seconds`` (if given) receives the wall time of each stage: probe, compile, decide, baseline, and "beside" and
+    "hand_out": the parts of the probe spent deciding the keys among the backends already probed, and handing their
+    compiles out before that (``compile_keys``)."""
     from tqdm import tqdm
 
     dt = OUT_DTYPES[opts.out_dtype]

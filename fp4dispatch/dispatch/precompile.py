@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Callable
@@ -111,6 +112,14 @@ def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     return ahead, first
 
 
+def _timed(fn, arg, spent: list):
+    t = time.perf_counter()
+    try:
+        return fn(arg)
+    finally:
+        spent[0] += time.perf_counter() - t
+
+
 def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
     """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
     (inputs that such a run changed are put back; its check finds it out)."""
@@ -138,6 +147,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
     kernels launched on scratch operands have finished when ``handed_out`` is called."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
+    start, spent = time.perf_counter(), [0.0]  # spent: making the scratch operands of ``ahead``
     for problem, candidates in jobs:
         pairs = []
         for b in candidates:
@@ -149,7 +159,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
                 except Exception:  # noqa: BLE001 - the key's own tune reports it
                     continue
         if pairs:
-            ahead.append((problem, lambda p=problem: scratch_ops(p), pairs))
+            ahead.append((problem, lambda p=problem: _timed(scratch_ops, p, spent), pairs))
     first = [(p, lambda p=p: scratch_ops(p), (b, cfg))
              for b, problems in libraries.values() for p, cfg in first_run_jobs(b, problems)]
     if not (ahead or first):
@@ -161,6 +171,9 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
         for dev in devices:
             reset_cuda_error(dev)
         settled.append(True)
+        log.info("fp4dispatch: handed out the compiles of %d configs of %d keys and made %d first runs in %.1f s "
+                 "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), len(ahead), len(first),
+                 time.perf_counter() - start, spent[0])
         handed_out()
         if compiled is not None:  # the keys with nothing to compile ahead: nothing to wait for
             with_pairs = {id(p) for p, _, _ in ahead}

@@ -47,13 +47,13 @@ class Warmup:
         verdict is in. Without CUDA, or with a backend forced, it does nothing.
 
         ``decide``: the keys are also decided, while the kernels of the later keys still compile
-        (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no
-        pending verdict runs while the workers still work: each key is searched among the backends already probed
+        (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no pending
+        verdict runs while the workers still work: each key is searched among the backends already probed
         (``decide_beside``), and once every verdict is in, among the rest (``finish_beside``, key_tuning.py); a key
         without such a first round is decided as usual. Otherwise nothing is decided or timed here. ``stages`` (if
-        given) gets the seconds until every verdict is in ("probe"; "beside": the part of it spent deciding), after
-        it compiling ("compile"; with ``decide``, handing the compiles out) and, with ``decide``, deciding the rest
-        ("decide")."""
+        given) gets the seconds until every verdict is in ("probe"; "beside": the part of it spent deciding; "hand_out":
+        the part spent handing the compiles out before that), after it compiling ("compile"; with ``decide``, handing
+        the compiles out) and, with ``decide``, deciding the rest ("decide")."""
         t0 = time.perf_counter()
         todo: dict[tuple, Problem] = {}
         for p in problems:
@@ -62,7 +62,7 @@ class Warmup:
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
         rounds: dict = {}
-        beside = 0.0  # seconds of decide_beside
+        beside = hand_out = 0.0  # seconds of decide_beside, and of handing its keys' compiles out before it
 
         def jobs(dev: torch.device) -> list:  # each undecided key of dev with its candidates not compiled yet
             out = []
@@ -75,10 +75,12 @@ class Warmup:
             return out
 
         def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
-            nonlocal beside
+            nonlocal beside, hand_out
             if not decide:
                 return compile_keys_ahead(jobs(dev))
+            t = time.perf_counter()
             with compiling_keys(jobs(dev)) as compiles:  # each key is searched once its own kernels are compiled
+                hand_out += time.perf_counter() - t
                 t = time.perf_counter()
                 self.decide_beside(mine, rounds, compiles.wait)
                 beside += time.perf_counter() - t
@@ -110,5 +112,5 @@ class Warmup:
         if stages is not None:
             stages.update(probe=t1 - t0, compile=(t2 if decide else t3) - t1)
             if decide:
-                stages.update(beside=beside, decide=t3 - t2)
+                stages.update(beside=beside, hand_out=hand_out, decide=t3 - t2)
         return len(keys)
