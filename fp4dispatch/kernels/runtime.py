@@ -236,10 +236,16 @@ class compiles_ahead:
             self._pool.shutdown(wait=True)
 
 
+def _placeholder(kernel) -> bool:
+    """Whether ``kernel`` is Triton's placeholder of a compile handed out (``FutureKernel``), not a compiled kernel;
+    read on its type: the placeholder resolves other attributes by waiting for the compile."""
+    return hasattr(type(kernel), "result")
+
+
 def _hand_out(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     kernel = fn.warmup(*args, grid=grid, **kwargs)  # Triton's placeholder of the compile, or the kernel compiled before
     handed = getattr(_tls, "handed", None)
-    if handed is not None and kernel is not None and hasattr(kernel, "result"):
+    if handed is not None and _placeholder(kernel):
         handed.append(kernel)
 
 
@@ -298,7 +304,7 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
             _hand_out(fn, grid, args, kwargs)
             return None
         compiled = fn[grid](*args, **kwargs)
-        if hasattr(type(compiled), "result"):  # a later Triton's placeholder of a compile handed out and finished
+        if _placeholder(compiled):  # a later Triton's, of a compile handed out and finished: keep the kernel
             compiled = compiled.result()
         if compiled is not None and hasattr(compiled, "run"):
             names, defaults = _params(fn)
