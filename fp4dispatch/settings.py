@@ -13,6 +13,7 @@
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
+| FP4DISPATCH_COMPILE_WORKERS | processes that compile many keys' kernels at once (0: threads only)   | cores-2, <= 14 |
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class Settings:
     guard_every: int = 64
     timer: str = "graph"
     search: str = "fast"
+    compile_workers: int | None = None  # None: compile_processes.worker_count()
 
 
 def default_cache_dir() -> Path:
@@ -114,7 +116,18 @@ def read_settings() -> Settings:
         guard_every=_positive("FP4DISPATCH_GUARD_EVERY", 64, int, "a positive integer (calls between guard checks)"),
         timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
         search=_choice("FP4DISPATCH_SEARCH", ("fast", "full"), "fast"),
+        compile_workers=_count("FP4DISPATCH_COMPILE_WORKERS"),
     )
+
+
+def _count(name: str) -> int | None:
+    """A count >= 0 from the variable, or None when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise _bad(name, raw, "a whole number >= 0 (0: none)", "unset: every core but two, at most 14")
+    return int(raw)
 
 
 def _choice(name: str, choices: tuple[str, ...], default: str) -> str:

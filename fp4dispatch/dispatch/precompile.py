@@ -70,9 +70,10 @@ def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Bac
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
                      first: list[tuple[Problem, object, tuple]], *, handed_out: Callable[[], None] | None = None,
-                     compiled: Callable[[Problem], None] | None = None) -> None:
-    """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool, while ``first``
-    ((problem, operands maker, pair)) run in threads. ``handed_out()``, if given, is called once every compile is
+                     compiled: Callable[[Problem], None] | None = None, workers=None) -> None:
+    """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool (in ``workers``'
+    processes first, if given: ``runtime.compiles_ahead``), while ``first`` ((problem, operands maker, pair)) run
+    in threads. ``handed_out()``, if given, is called once every compile is
     handed out and every first run is over; then the compiles are waited for in ``ahead``'s order (the pool's), and
     ``compiled(problem)`` is called once the kernels of that problem's pairs are in Triton's cache."""
     from ..kernels import runtime
@@ -80,7 +81,7 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
-        with runtime.compiles_ahead(_workers() if ahead else 0) as ctx:
+        with runtime.compiles_ahead(_workers() if ahead else 0, workers) as ctx:
             handed = []
             for problem, make_ops, pairs in ahead if ctx.active else ():
                 handed.append((problem, ctx.collect()))
@@ -140,11 +141,11 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 
 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Callable[[], None] | None = None,
-                       compiled: Callable[[Problem], None] | None = None) -> None:
+                       compiled: Callable[[Problem], None] | None = None, workers=None) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
-    are handed out, and per first run as it starts. ``handed_out`` and ``compiled``: ``compile_together``'s; the
-    kernels launched on scratch operands have finished when ``handed_out`` is called."""
+    are handed out, and per first run as it starts. ``handed_out``, ``compiled``, ``workers``: ``compile_together``'s;
+    the kernels launched on scratch operands have finished when ``handed_out`` is called."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
     start, spent = time.perf_counter(), [0.0]  # spent: making the scratch operands of ``ahead``
@@ -182,7 +183,8 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
                     compiled(p)
 
     try:
-        compile_together(ahead, first, handed_out=over if handed_out is not None else None, compiled=compiled)
+        compile_together(ahead, first, handed_out=over if handed_out is not None else None, compiled=compiled,
+                         workers=workers)
     finally:
         for dev in devices if not settled else ():
             reset_cuda_error(dev)
@@ -211,20 +213,20 @@ class KeyCompiles:
 
 
 @contextmanager
-def compiling_keys(jobs: list[tuple[Problem, list[Backend]]]):
-    """``compile_keys_ahead(jobs)`` while the body runs: entering returns once every compile is handed out and every
-    first run is over, and yields a :class:`KeyCompiles`, whose ``wait(key)`` returns once that key's kernels are
-    compiled: the body can check and time a model's first keys while its last ones compile. The compiles are handed
-    out, and waited for key by key in the order of ``jobs`` (the pool's), by a thread of its own; that thread's CUDA
-    calls (scratch operands, runs on them, first runs) are over before the body starts, so that none can spoil a
-    CUDA graph that the body captures. Leaving waits for the rest of the compiles."""
+def compiling_keys(jobs: list[tuple[Problem, list[Backend]]], workers=None):
+    """``compile_keys_ahead(jobs, workers=workers)`` while the body runs: entering returns once every compile is
+    handed out and every first run is over, and yields a :class:`KeyCompiles`, whose ``wait(key)`` returns once
+    that key's kernels are compiled: the body can check and time a model's first keys while its last ones compile.
+    The compiles are handed out, and waited for key by key in the order of ``jobs`` (the pool's), by a thread of its
+    own; that thread's CUDA calls (scratch operands, runs on them, first runs) are over before the body starts, so
+    that none can spoil a CUDA graph that the body captures. Leaving waits for the rest of the compiles."""
     compiles = KeyCompiles(p.key for p, _ in jobs)
     handed_out = threading.Event()
     failed: list[BaseException] = []
 
     def hand_out() -> None:
         try:
-            compile_keys_ahead(jobs, handed_out.set, lambda p: compiles._done(p.key))
+            compile_keys_ahead(jobs, handed_out.set, lambda p: compiles._done(p.key), workers)
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(e)
         finally:

@@ -14,10 +14,26 @@ from ..problem import Problem
 from .choice import Choice, resolve_device
 from .records import key_str
 from .precompile import compile_keys_ahead, compiling_keys
+from ..kernels import jit_interpreted, triton_missing
+from ..kernels.compile_processes import CompileWorkers, worker_count
 
 __all__ = ["Warmup"]
 
 log = logging.getLogger("fp4dispatch")
+
+
+def _compile_workers(count: int | None):
+    """``count`` (None: ``worker_count()``) compile worker processes for many keys' Triton compiles
+    (compile_processes.py), where compiles can be handed out (CUDA, a Triton with async compile, not interpreted);
+    else None: compiled in threads."""
+    count = worker_count() if count is None else count
+    if not count or triton_missing() or jit_interpreted() or not torch.cuda.is_available():
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("triton.runtime._async_compile") is None:  # what compiles_ahead hands out to
+        return None
+    return CompileWorkers(count)
 
 
 def _compiles(device: torch.device) -> bool:
@@ -59,6 +75,20 @@ class Warmup:
         for p in problems:
             if _compiles(p.device) and self._forced is None:
                 todo.setdefault(p.key, p)
+        with self._lock:
+            for dev in dict.fromkeys(key[0] for key in todo):
+                cache = self._state(dev)[0]  # the cache only: decided keys compile nothing
+                for key in [k for k in todo if k[0] == dev and (k in self._choices or key_str(k) in cache.decisions)]:
+                    del todo[key]
+        # started now, before the probe: their start-up (an import of torch each) overlaps it
+        workers = _compile_workers(self.settings.compile_workers) if todo else None
+        try:
+            return self._compile_keys(todo, t0, stages, decide, workers)
+        finally:
+            if workers is not None:
+                workers.close()
+
+    def _compile_keys(self, todo: dict, t0: float, stages: dict | None, decide: bool, workers) -> int:
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
         rounds: dict = {}
@@ -77,9 +107,9 @@ class Warmup:
         def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
             nonlocal beside, hand_out
             if not decide:
-                return compile_keys_ahead(jobs(dev))
+                return compile_keys_ahead(jobs(dev), workers=workers)
             t = time.perf_counter()
-            with compiling_keys(jobs(dev)) as compiles:  # each key is searched once its own kernels are compiled
+            with compiling_keys(jobs(dev), workers) as compiles:  # each key is searched once its kernels are compiled
                 hand_out += time.perf_counter() - t
                 t = time.perf_counter()
                 self.decide_beside(mine, rounds, compiles.wait)
@@ -87,18 +117,15 @@ class Warmup:
 
         with self._lock:
             for dev in dict.fromkeys(key[0] for key in todo):
-                cache = self._state(dev)[0]  # the cache only: decided keys compile nothing
-                for key in [k for k in todo if k[0] == dev and (k in self._choices or key_str(k) in cache.decisions)]:
-                    del todo[key]
                 mine = [p for key, p in todo.items() if key[0] == dev]
                 self._state(dev, *dict.fromkeys(p.op for p in mine), upcoming=mine,
                             meanwhile=lambda d=dev, mine=mine: meanwhile(d, mine))
             t1 = time.perf_counter()
             rest = [j for dev in dict.fromkeys(key[0] for key in todo) for j in jobs(dev)]
         if not decide:
-            compile_keys_ahead(rest)
+            compile_keys_ahead(rest, workers=workers)
         else:
-            with compiling_keys(rest) as compiles:  # each key is decided once its own kernels are compiled
+            with compiling_keys(rest, workers) as compiles:  # each key is decided once its own kernels are compiled
                 t2 = time.perf_counter()
                 with self._lock:
                     self.finish_beside(rounds, compiles.wait)

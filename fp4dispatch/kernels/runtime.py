@@ -190,9 +190,10 @@ def compiling_ahead() -> bool:
 class compiles_ahead:
     """Within this context, ``launch`` of a kernel not yet compiled for its arguments launches nothing: it hands the
     compile to Triton's async compile mode (``triton.runtime._async_compile.AsyncCompileMode``) on a pool of
-    ``workers`` threads, so that the configs of one tuning key compile at the same time (the work is in MLIR passes
-    and ptxas, which run without the GIL). A kernel already compiled is launched as usual (the hot path reads no
-    flag), which is why callers pass scratch operands.
+    ``workers`` threads, so that the configs of one tuning key compile at the same time; with ``processes``
+    (compile_processes.py's workers) each compile is done in a worker process first, out of this process's GIL,
+    and then read from Triton's disk cache on those threads. A kernel already compiled is launched as usual (the hot
+    path reads no flag), which is why callers pass scratch operands.
     Leaving the context waits for every compile; a compile that fails is left for the first real launch to raise.
     Until a compile is waited for, Triton 3.6 keeps its kernel in the async mode only, where a launch from another
     thread does not find it (and compiles it again); later Tritons put a placeholder in the kernel cache, which such
@@ -202,19 +203,19 @@ class compiles_ahead:
     async compile; or with no ``workers``. Callers run each candidate once inside, on operands whose values do not
     matter."""
 
-    def __init__(self, workers: int):
-        self.workers, self.active, self._mode, self._pool = workers, False, None, None
+    def __init__(self, workers: int, processes=None):
+        self.workers, self.processes, self.active, self._mode, self._pool = workers, processes, False, None, None
 
     def __enter__(self) -> "compiles_ahead":
         if self.workers < 1 or jit_interpreted() or compiling_ahead():
             return self
         try:
-            from concurrent.futures import ThreadPoolExecutor
-
             from triton.runtime._async_compile import AsyncCompileMode
         except ImportError:  # a Triton before async compile: every compile happens at the first launch
             return self
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self.workers), thread_name_prefix="fp4dispatch-compile")
+        from .compile_processes import CompileExecutor
+
+        self._pool = CompileExecutor(self.workers, self.processes)
         self._mode = AsyncCompileMode(self._pool, ignore_errors=True)
         self._mode.__enter__()
         self.active = _tls.ahead = True

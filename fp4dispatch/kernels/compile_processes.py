@@ -1,0 +1,197 @@
+"""Triton compiles in worker processes, for compiling many keys' kernels at once (``precompile.compile_keys_ahead``).
+
+Triton's async compile mode runs each compile on an executor. On a thread pool the compiles share this process's
+GIL, which much of a compile holds (the Python front end that walks the kernel's AST), so many compiles at once
+starve each other and the thread that checks and times the keys meanwhile (benchmarks/RESULTS.md, "Cold start").
+``CompileExecutor`` hands each compile to a worker process first (compile_worker.py), which compiles it into
+Triton's disk cache, and then runs Triton's own compile in a thread here, where it is a cache hit (reading files).
+A compile the workers cannot take (its kernel is not a module-level name, an argument does not pickle, a Triton
+whose compile closure holds other names) or that failed there compiles in the thread as before: a kernel never
+depends on the workers, only how soon it is ready.
+
+The workers are plain subprocesses, not ``multiprocessing``'s: a spawned ``multiprocessing`` child re-runs the
+caller's main script, which a user's script without an ``if __name__ == "__main__":`` guard does not survive.
+Each worker imports fp4dispatch (and torch) once, then compiles job after job; they start when a
+``CompileWorkers`` is made and stop when it is closed (or when this process exits: their stdin closes).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+__all__ = ["CompileWorkers", "CompileExecutor", "WorkerGone", "compile_job", "worker_count"]
+
+log = logging.getLogger("fp4dispatch")
+_JOB_NAMES = ("src", "target", "options")  # what Triton's async compile closure must hold for a job
+CLOSE_WAIT_S = 2.0  # how long closing waits for a busy worker before killing it
+
+
+class WorkerGone(RuntimeError):
+    """No compile worker is left to take a job (each exited or could not start)."""
+
+
+def worker_count() -> int:
+    """Workers for this machine: every core but two (this process and a probe worker keep working meanwhile)."""
+    return max(1, min((os.cpu_count() or 1) - 2, 14))
+
+
+def compile_job(compile_fn) -> tuple | None:
+    """The picklable job of Triton's async compile function ``compile_fn`` (a closure over the kernel's ``src``,
+    ``target``, ``options`` and ``env_vars``; compile_worker.py's ``compile_one`` runs it), or None where it cannot
+    be one."""
+    code, cells = getattr(compile_fn, "__code__", None), getattr(compile_fn, "__closure__", None) or ()
+    try:
+        free = dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+    except ValueError:  # a cell not filled yet
+        return None
+    if not all(n in free for n in _JOB_NAMES):
+        return None
+    src, options = free["src"], free["options"]
+    py = getattr(getattr(src, "fn", None), "fn", None)  # the JITFunction's Python function
+    module, name = getattr(py, "__module__", None), getattr(py, "__qualname__", "")
+    if not module or not name or "<locals>" in name:
+        return None
+    job = (module, name, type(src).__module__, type(src).__qualname__, src.signature, src.constants, src.attrs,
+           free["target"], dict(getattr(options, "__dict__", options)), free.get("env_vars"))
+    try:
+        pickle.dumps(job)
+    except Exception:  # noqa: BLE001 - a constexpr that does not pickle: compiled in a thread
+        return None
+    return job
+
+
+def _env() -> dict:
+    """The workers' environment: this one, with Triton's cache dir as this process uses it (it may have been set in
+    code) and this fp4dispatch first on the path."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds fp4dispatch/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        from triton import knobs
+
+        env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
+    except Exception:  # noqa: BLE001 - a Triton without knobs reads the variable itself
+        pass
+    return env
+
+
+class CompileWorkers:
+    """``count`` compile worker processes fed from one queue, each by a thread of this process; ``submit(job)``
+    returns a future of None (compiled into the disk cache), or of the worker's error."""
+
+    def __init__(self, count: int, command: list[str] | None = None):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._alive, self._threads, self._procs = 0, [], []
+        command = command or [sys.executable, "-m", "fp4dispatch.kernels.compile_worker"]
+        env = _env()
+        for i in range(count):
+            try:
+                proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            except OSError as e:
+                log.debug("fp4dispatch: a compile worker did not start (%s)", e)
+                continue
+            self._alive += 1
+            self._procs.append(proc)
+            t = threading.Thread(target=self._feed, args=(proc,), name=f"fp4dispatch-compile-worker-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, job: tuple) -> Future:
+        f: Future = Future()
+        with self._lock:
+            if self._alive:
+                self._jobs.put((job, f))
+                return f
+        f.set_exception(WorkerGone("no compile worker is running"))
+        return f
+
+    def _feed(self, proc: subprocess.Popen) -> None:
+        try:
+            while (item := self._jobs.get()) is not None:
+                job, f = item
+                if not f.set_running_or_notify_cancel():
+                    continue
+                try:
+                    pickle.dump(job, proc.stdin)
+                    proc.stdin.flush()
+                    answer = pickle.load(proc.stdout)
+                except Exception:  # noqa: BLE001 - EOF or a broken pipe: the worker exited
+                    f.set_exception(WorkerGone(f"a compile worker exited (code {proc.poll()})"))
+                    return
+                if answer is None:
+                    f.set_result(None)
+                else:
+                    f.set_exception(RuntimeError(answer))
+        finally:
+            self._gone(proc)
+
+    def _gone(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._alive -= 1
+            last = self._alive == 0
+        while last:  # no one else will take what is queued
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(WorkerGone("no compile worker is running"))
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=CLOSE_WAIT_S)
+        except Exception:  # noqa: BLE001 - a broken pipe, or still compiling: it holds nothing of ours
+            proc.kill()
+
+    def close(self) -> None:
+        """Stop the workers; a job still queued (the caller was interrupted) is cancelled, so its compile happens in
+        this process. Returns when the workers have exited."""
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=CLOSE_WAIT_S)
+        for proc in self._procs:  # still busy with a compile no one waits for now, or stuck
+            if proc.poll() is None:
+                proc.kill()
+        for t in self._threads:
+            t.join()
+
+
+class CompileExecutor(Executor):
+    """The executor of Triton's ``AsyncCompileMode`` in ``runtime.compiles_ahead``: each compile first in one of
+    ``workers`` (then a cache hit here), on one of ``threads`` threads of this process; without ``workers``, or for
+    a compile they cannot take, on those threads only."""
+
+    def __init__(self, threads: int, workers: CompileWorkers | None = None):
+        self._threads = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fp4dispatch-compile")
+        self._workers = workers
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        job = compile_job(fn) if self._workers is not None else None
+        if job is None:
+            return self._threads.submit(fn, *args, **kwargs)
+        return self._threads.submit(_after, self._workers.submit(job), fn, args, kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._threads.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _after(remote: Future, fn, args: tuple, kwargs: dict):
+    try:
+        remote.result()
+    except Exception as e:  # noqa: BLE001 - compiled here instead; this compile raises the real error, if any
+        log.debug("fp4dispatch: a compile worker did not compile a kernel (%s); compiling it here", e)
+    return fn(*args, **kwargs)

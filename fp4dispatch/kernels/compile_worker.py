@@ -1,0 +1,49 @@
+"""A compile worker process (``python -m fp4dispatch.kernels.compile_worker``): reads pickled compile jobs on stdin,
+compiles each with ``triton.compile`` into Triton's disk cache, and answers each on stdout with None, or the error
+as text. compile_processes.py starts and feeds these workers; a job is ``compile_processes.compile_job``'s tuple.
+Needs no GPU: the job names the target."""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+
+
+def _named(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def compile_one(job: tuple) -> None:
+    """Compile ``job`` (kernel module and name, source class module and name, signature, constants, attrs, target,
+    options, cache-invalidating env vars) as Triton's async compile would have in the parent process."""
+    import triton
+
+    module, name, src_module, src_name, signature, constants, attrs, target, options, env_vars = job
+    src = _named(src_module, src_name)(_named(module, name), signature, constants, attrs)
+    triton.compile(src, target=target, options=options, **({"_env_vars": env_vars} if env_vars is not None else {}))
+
+
+def main() -> None:
+    jobs = sys.stdin.buffer
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything else printed goes to stderr, not into the answers
+    while True:
+        try:
+            job = pickle.load(jobs)
+        except EOFError:  # the parent closed the pipe (it is done, or exiting)
+            return
+        try:
+            compile_one(job)
+            answer = None
+        except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports the real error
+            answer = f"{type(e).__name__}: {e}"[:2000]
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Triton compiles in worker processes (fp4dispatch/kernels/compile_processes.py): a job is taken from Triton's
+own async-compile closure, a worker compiles it into the disk cache and this process then reads it from there; a
+compile the workers cannot take, or that fails there, or a worker that exits, leaves the compile to a thread here."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from fp4dispatch.kernels import compile_processes as cp  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# answers every job with an error, as a worker whose compile raised
+FAILING_WORKER = ("import pickle, sys\nwhile True:\n    try:\n        pickle.load(sys.stdin.buffer)\n"
+                  "    except EOFError:\n        break\n"
+                  "    pickle.dump('ImportError: no such kernel', sys.stdout.buffer)\n    sys.stdout.buffer.flush()\n")
+
+
+def _source():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from _compile_kernel import scale_kernel
+
+    sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "FACTOR": "constexpr", "BLOCK": "constexpr"}
+    return ASTSource(scale_kernel, sig, {"FACTOR": 3, "BLOCK": 128}, {}), GPUTarget("cuda", 90, 32)
+
+
+def _like_tritons(src, target, options, env_vars=None):
+    """A compile function shaped like the one Triton's ``JITFunction._do_compile`` hands its async compile mode."""
+    def async_compile():
+        return triton.compile(src, target=target, options=options.__dict__, _env_vars=env_vars)
+    return async_compile
+
+
+def test_tritons_async_compile_closure_holds_what_a_job_needs():
+    """The job is read from the names Triton's closure holds; a Triton that renamed them compiles in threads."""
+    from triton.runtime.jit import JITFunction
+
+    nested = [c for c in JITFunction._do_compile.__code__.co_consts if getattr(c, "co_name", "") == "async_compile"]
+    assert nested and set(cp._JOB_NAMES) <= set(nested[0].co_freevars), [c.co_freevars for c in nested]
+
+
+def test_a_job_is_only_made_of_a_module_level_kernel_with_picklable_arguments():
+    src, target = _source()
+    options = types.SimpleNamespace(num_warps=4)
+    job = cp.compile_job(_like_tritons(src, target, options))
+    assert job is not None and job[:4] == ("_compile_kernel", "scale_kernel", "triton.compiler.compiler", "ASTSource")
+    assert cp.compile_job(lambda: None) is None  # not Triton's closure
+    local = types.SimpleNamespace(fn=types.SimpleNamespace(fn=lambda: None), signature={}, constants={}, attrs={})
+    assert cp.compile_job(_like_tritons(local, target, options)) is None  # a kernel made inside a function
+    src.constants[(3,)] = threading_lock = __import__("threading").Lock()  # does not pickle
+    assert cp.compile_job(_like_tritons(src, target, options)) is None, threading_lock
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton compiles for CUDA targets on Linux only")
+def test_a_worker_compiles_into_the_disk_cache_and_this_process_then_reads_it(tmp_path, monkeypatch):
+    sys.path.insert(0, TESTS)
+    from _sass_compile import nvidia_tools_missing
+
+    if (why := nvidia_tools_missing()) is not None:
+        pytest.skip(why)
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    src, target = _source()
+    options = types.SimpleNamespace(num_warps=4, enable_fp_fusion=True)
+    hits = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    workers = cp.CompileWorkers(1)
+    pool = cp.CompileExecutor(1, workers)
+    try:
+        kernel = pool.submit(_like_tritons(src, target, options)).result(timeout=300)
+    finally:
+        pool.shutdown()
+        workers.close()
+    assert hits == [True], "the compile here was not a cache hit: the worker did not compile this kernel"
+    assert "ld.global" in kernel.asm["ptx"] and kernel.metadata.num_warps == 4
+
+
+def test_a_compile_the_workers_fail_or_cannot_take_runs_here():
+    class NoJobs:
+        def submit(self, job):
+            raise AssertionError("a compile that is no job went to the workers")
+
+    pool = cp.CompileExecutor(2, NoJobs())
+    assert pool.submit(lambda x: x + 1, 41).result(timeout=60) == 42
+    pool.shutdown()
+
+    def compiled_here(src, target, options):  # Triton's closure, compiling nothing: says where it ran
+        def async_compile():
+            return ("compiled here", src, target, options)
+        return async_compile
+
+    src, target = _source()
+    workers = cp.CompileWorkers(2, [sys.executable, "-c", FAILING_WORKER])
+    pool = cp.CompileExecutor(2, workers)
+    try:
+        fn = compiled_here(src, target, types.SimpleNamespace(num_warps=4))
+        assert cp.compile_job(fn) is not None
+        with pytest.raises(RuntimeError, match="no such kernel"):
+            workers.submit(cp.compile_job(fn)).result(timeout=60)
+        assert pool.submit(fn).result(timeout=60)[0] == "compiled here"
+    finally:
+        pool.shutdown()
+        workers.close()
+
+
+def test_workers_that_exit_fail_their_jobs_at_once_and_never_leave_one_waiting():
+    workers = cp.CompileWorkers(3, [sys.executable, "-c", "pass"])
+    futures = [workers.submit(("job", i)) for i in range(20)]
+    for f in futures:
+        assert isinstance(f.exception(timeout=60), cp.WorkerGone)
+    assert isinstance(workers.submit(("late",)).exception(timeout=60), cp.WorkerGone)
+    workers.close()
+    none = cp.CompileWorkers(2, [os.path.join(TESTS, "no-such-program")])
+    assert isinstance(none.submit(("job",)).exception(timeout=60), cp.WorkerGone)
+    none.close()
+
+
+def test_the_compile_workers_knob(monkeypatch):
+    from fp4dispatch.dispatch import warmup
+    from fp4dispatch.errors import InvalidInputError
+    from fp4dispatch.settings import read_settings
+
+    assert read_settings().compile_workers is None and 1 <= cp.worker_count() <= 14
+    monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "0")
+    assert read_settings().compile_workers == 0 and warmup._compile_workers(0) is None  # threads only
+    monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
+    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
+                       r"number >= 0 \(0: none\)\. Unset it for the default 'unset: every core but two, at most 14'"):
+        read_settings()
+
+
+def test_closing_stops_a_busy_worker_and_leaves_no_job_waiting():
+    """An interrupted caller does not wait for a queue of worker compiles: closing cancels the queued jobs (the
+    threads here compile them) and kills a worker still busy after ``CLOSE_WAIT_S``."""
+    workers = cp.CompileWorkers(1, [sys.executable, "-c", "import sys; sys.stdin.read()"])  # never answers
+    jobs = [workers.submit(("job", i)) for i in range(3)]
+    workers.close()
+    for f in jobs:
+        assert f.done() and (f.cancelled() or isinstance(f.exception(), cp.WorkerGone))
+    assert jobs[-1].cancelled()  # the worker takes one job at a time: the last was still queued
