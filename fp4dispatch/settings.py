@@ -13,7 +13,7 @@
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
-| FP4DISPATCH_COMPILE_WORKERS | processes that compile many keys' kernels at once (0: threads only)   | cores-2, <= 14 |
+| FP4DISPATCH_COMPILE_WORKERS | processes compiling many keys' kernels at once (0: threads only) | (cores-2)/ranks, 1-14 |
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _count(name: str) -> int | None:
     if not raw:
         return None
     if not raw.isdigit():
-        raise _bad(name, raw, "a whole number >= 0 (0: none)", "unset: every core but two, at most 14")
+        raise _bad(name, raw, "a whole number >= 0 (0: none)", "unset: a share of every core but two, 1 to 14")
     return int(raw)
 
 

@@ -133,7 +133,7 @@ def test_the_compile_workers_knob(monkeypatch):
     assert read_settings().compile_workers == 0 and warmup._compile_workers(0) is None  # threads only
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
     with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
-                       r"number >= 0 \(0: none\)\. Unset it for the default 'unset: every core but two, at most 14'"):
+                       r"number >= 0 \(0: none\)\. Unset it for the default 'unset: a share of every core but two, 1 to 14'"):
         read_settings()
 
 
@@ -146,3 +146,20 @@ def test_closing_stops_a_busy_worker_and_leaves_no_job_waiting():
     for f in jobs:
         assert f.done() and (f.cancelled() or isinstance(f.exception(), cp.WorkerGone))
     assert jobs[-1].cancelled()  # the worker takes one job at a time: the last was still queued
+
+
+def test_processes_compiling_at_once_share_the_cores(monkeypatch):
+    from fp4dispatch.cli import distributed
+
+    monkeypatch.setattr(cp.os, "cpu_count", lambda: 128)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert cp.worker_count() == 14 and cp.worker_count(8) == 14 and cp.worker_count(16) == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # torchrun's ranks on this node
+    assert cp.worker_count() == 3
+    monkeypatch.setattr(cp.os, "cpu_count", lambda: 2)
+    assert cp.worker_count() == 1 and cp.worker_count(1) == 1
+    monkeypatch.setattr(cp.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("FP4DISPATCH_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr(distributed.os, "environ", dict(os.environ))  # what a --devices process sets for itself
+    distributed._child_env(4)
+    assert distributed.os.environ["FP4DISPATCH_COMPILE_WORKERS"] == "3"

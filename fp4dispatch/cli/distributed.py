@@ -29,6 +29,7 @@ from ..dispatch.timer import for_device
 from ..settings import read_settings
 from ..dispatch.dispatcher import Dispatcher, key_str
 from ..errors import FP4DispatchError
+from ..kernels.compile_processes import worker_count
 from ..dispatch.fingerprint import device_fingerprint, fingerprint_hash
 from ..problem import Problem, m_bucket
 
@@ -281,9 +282,11 @@ def split_shares(devices: list[str], shapes: list) -> list[list]:
     return shares
 
 
-def _child_env() -> None:
+def _child_env(devices: int) -> None:
     # NVLink multicast (NVLS) must stay off on the shared test machines; no child uses NCCL, but keep it safe
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    # the device processes compile at once: each gets its share of the cores for its compile workers
+    os.environ.setdefault("FP4DISPATCH_COMPILE_WORKERS", str(worker_count(devices)))
 
 
 def _device_job(device: str, shapes: list, opts, position: int) -> dict:
@@ -301,7 +304,8 @@ def run_on_devices(devices: list[str], shapes: list, opts) -> list[dict]:
     shares = split_shares(devices, shapes)
     ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
     results = []
-    with ProcessPoolExecutor(max_workers=len(devices), mp_context=ctx, initializer=_child_env) as ex:
+    with ProcessPoolExecutor(max_workers=len(devices), mp_context=ctx, initializer=_child_env,
+                             initargs=(len(devices),)) as ex:
         futures = [ex.submit(_device_job, dev, shares[i], opts, i) for i, dev in enumerate(devices)]
         for dev, share, fut in zip(devices, shares, futures):
             try:

@@ -36,9 +36,14 @@ class WorkerGone(RuntimeError):
     """No compile worker is left to take a job (each exited or could not start)."""
 
 
-def worker_count() -> int:
-    """Workers for this machine: every core but two (this process and a probe worker keep working meanwhile)."""
-    return max(1, min((os.cpu_count() or 1) - 2, 14))
+def worker_count(processes: int | None = None) -> int:
+    """Workers for one of ``processes`` processes that compile on this machine at once (default: torchrun's
+    ``LOCAL_WORLD_SIZE``, else 1): their share of every core but two (this process and a probe worker keep working
+    meanwhile), at least 1 and at most 14."""
+    if processes is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+        processes = int(raw) if raw.isdigit() else 1
+    return max(1, min(((os.cpu_count() or 1) - 2) // max(processes, 1), 14))
 
 
 def compile_job(compile_fn) -> tuple | None:
