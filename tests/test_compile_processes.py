@@ -133,7 +133,8 @@ def test_the_compile_workers_knob(monkeypatch):
     assert read_settings().compile_workers == 0 and warmup._compile_workers(0) is None  # threads only
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
     with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
-                       r"number >= 0 \(0: none\)\. Unset it for the default 'unset: a share of every core but two, 1 to 14'"):
+                       r"number >= 0 \(0: none\)\. Unset it for the default "
+                       r"'unset: a share of every core but two, 1 to 14'"):
         read_settings()
 
 
