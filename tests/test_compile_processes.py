@@ -14,10 +14,13 @@ triton = pytest.importorskip("triton")
 from fp4dispatch.kernels import compile_processes as cp  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# answers every job with an error, as a worker whose compile raised
-FAILING_WORKER = ("import pickle, sys\nwhile True:\n    try:\n        pickle.load(sys.stdin.buffer)\n"
-                  "    except EOFError:\n        break\n"
-                  "    pickle.dump('ImportError: no such kernel', sys.stdout.buffer)\n    sys.stdout.buffer.flush()\n")
+# answers every job with an error on the answer pipe (its fd is the last argument), as a worker whose compile raised;
+# it prints to stdout first, as an import may: the answers must not see that
+FAILING_WORKER = ("import os, pickle, sys\nprint('noise on stdout', flush=True)\n"
+                  "out = os.fdopen(int(sys.argv[-1]), 'wb')\nwhile True:\n"
+                  "    head = sys.stdin.buffer.read(8)\n    if len(head) < 8:\n        break\n"
+                  "    sys.stdin.buffer.read(int.from_bytes(head, 'little'))\n"
+                  "    pickle.dump('ImportError: no such kernel', out)\n    out.flush()\n")
 
 
 def _source():
@@ -164,3 +167,21 @@ def test_processes_compiling_at_once_share_the_cores(monkeypatch):
     monkeypatch.setattr(distributed.os, "environ", dict(os.environ))  # what a --devices process sets for itself
     distributed._child_env(4)
     assert distributed.os.environ["FP4DISPATCH_COMPILE_WORKERS"] == "3"
+
+
+def test_a_job_the_worker_cannot_rebuild_is_answered_and_the_worker_goes_on(tmp_path, monkeypatch):
+    """A job whose objects the worker cannot unpickle (a class only this process imports) gets an error answer;
+    the worker stays for the next job."""
+    (tmp_path / "only_here.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_here
+
+    workers = cp.CompileWorkers(1)
+    try:
+        with pytest.raises(RuntimeError, match="the job did not unpickle: ModuleNotFoundError"):
+            workers.submit(("a", only_here.Thing())).result(timeout=300)
+        bad = ("no_such_module", "k", "triton.compiler.compiler", "ASTSource", {}, {}, {}, None, {}, None)
+        with pytest.raises(RuntimeError, match="ModuleNotFoundError: No module named 'no_such_module'"):
+            workers.submit(bad).result(timeout=300)
+    finally:
+        workers.close()

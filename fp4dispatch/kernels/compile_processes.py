@@ -97,14 +97,20 @@ class CompileWorkers:
         command = command or [sys.executable, "-m", "fp4dispatch.kernels.compile_worker"]
         env = _env()
         for i in range(count):
+            read, write = os.pipe()  # the answers' own pipe: the worker's stdout may carry anything it prints
             try:
-                proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                proc = subprocess.Popen([*command, str(write)], stdin=subprocess.PIPE, env=env, pass_fds=(write,))
             except OSError as e:
                 log.debug("fp4dispatch: a compile worker did not start (%s)", e)
+                os.close(read)
                 continue
+            finally:
+                os.close(write)
             self._alive += 1
             self._procs.append(proc)
-            t = threading.Thread(target=self._feed, args=(proc,), name=f"fp4dispatch-compile-worker-{i}", daemon=True)
+            answers = os.fdopen(read, "rb")
+            t = threading.Thread(target=self._feed, args=(proc, answers), name=f"fp4dispatch-compile-worker-{i}",
+                                 daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -117,16 +123,17 @@ class CompileWorkers:
         f.set_exception(WorkerGone("no compile worker is running"))
         return f
 
-    def _feed(self, proc: subprocess.Popen) -> None:
+    def _feed(self, proc: subprocess.Popen, answers) -> None:
         try:
             while (item := self._jobs.get()) is not None:
                 job, f = item
                 if not f.set_running_or_notify_cancel():
                     continue
                 try:
-                    pickle.dump(job, proc.stdin)
+                    data = pickle.dumps(job)
+                    proc.stdin.write(len(data).to_bytes(8, "little") + data)  # compile_worker.py's framing
                     proc.stdin.flush()
-                    answer = pickle.load(proc.stdout)
+                    answer = pickle.load(answers)
                 except Exception:  # noqa: BLE001 - EOF or a broken pipe: the worker exited
                     f.set_exception(WorkerGone(f"a compile worker exited (code {proc.poll()})"))
                     return
@@ -136,6 +143,7 @@ class CompileWorkers:
                     f.set_exception(RuntimeError(answer))
         finally:
             self._gone(proc)
+            answers.close()
 
     def _gone(self, proc: subprocess.Popen) -> None:
         with self._lock:
@@ -187,6 +195,9 @@ class CompileExecutor(Executor):
     def submit(self, fn, /, *args, **kwargs) -> Future:
         job = compile_job(fn) if self._workers is not None else None
         if job is None:
+            if self._workers is not None:
+                log.debug("fp4dispatch: a compile the workers cannot take (%s) is compiled in this process",
+                          getattr(getattr(fn, "__code__", None), "co_freevars", None))
             return self._threads.submit(fn, *args, **kwargs)
         return self._threads.submit(_after, self._workers.submit(job), fn, args, kwargs)
 

@@ -1,7 +1,9 @@
-"""A compile worker process (``python -m fp4dispatch.kernels.compile_worker``): reads pickled compile jobs on stdin,
-compiles each with ``triton.compile`` into Triton's disk cache, and answers each on stdout with None, or the error
-as text. compile_processes.py starts and feeds these workers; a job is ``compile_processes.compile_job``'s tuple.
-Needs no GPU: the job names the target."""
+"""A compile worker process (``python -m fp4dispatch.kernels.compile_worker FD``): reads pickled compile jobs on
+stdin (each an 8-byte little-endian length, then the pickle), compiles each with ``triton.compile`` into Triton's
+disk cache, and answers each on the pipe ``FD`` with None,
+or the error as text. compile_processes.py starts and feeds these workers; a job is ``compile_processes.compile_job``'s
+tuple. Needs no GPU: the job names the target. The answers have a pipe of their own, not stdout, so that nothing an
+import or a compiler prints can garble them."""
 from __future__ import annotations
 
 import importlib
@@ -29,18 +31,22 @@ def compile_one(job: tuple) -> None:
 
 def main() -> None:
     jobs = sys.stdin.buffer
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything else printed goes to stderr, not into the answers
+    answers = os.fdopen(int(sys.argv[1]), "wb")
     while True:
-        try:
-            job = pickle.load(jobs)
-        except EOFError:  # the parent closed the pipe (it is done, or exiting)
+        head = jobs.read(8)  # each job: its length, then its pickle (a job that fails to unpickle is still read whole)
+        if len(head) < 8:  # the parent closed the pipe (it is done, or exiting)
             return
+        data = jobs.read(int.from_bytes(head, "little"))
         try:
-            compile_one(job)
-            answer = None
-        except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports the real error
-            answer = f"{type(e).__name__}: {e}"[:2000]
+            job = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - not rebuilt here (a class this process cannot import)
+            answer = f"the job did not unpickle: {type(e).__name__}: {e}"[:2000]
+        else:
+            try:
+                compile_one(job)
+                answer = None
+            except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports the real error
+                answer = f"{type(e).__name__}: {e}"[:2000]
         pickle.dump(answer, answers)
         answers.flush()
 
