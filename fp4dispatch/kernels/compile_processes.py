@@ -156,10 +156,10 @@ class CompileWorkers:
                 break
             if item is not None:
                 item[1].set_exception(WorkerGone("no compile worker is running"))
-        try:
+        try:  # an idle worker exits at once on EOF; one still starting (importing torch) or compiling is killed
             proc.stdin.close()
-            proc.wait(timeout=CLOSE_WAIT_S)
-        except Exception:  # noqa: BLE001 - a broken pipe, or still compiling: it holds nothing of ours
+            proc.wait(timeout=0.5)
+        except Exception:  # noqa: BLE001 - a broken pipe, or a timeout: it holds nothing of ours
             proc.kill()
 
     def close(self) -> None:
