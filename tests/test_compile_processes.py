@@ -17,7 +17,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # answers every job with an error on the answer pipe (its fd is the last argument), as a worker whose compile raised;
 # it prints to stdout first, as an import may: the answers must not see that
 FAILING_WORKER = ("import os, pickle, sys\nprint('noise on stdout', flush=True)\n"
-                  "out = os.fdopen(int(sys.argv[-1]), 'wb')\nwhile True:\n"
+                  "out = os.fdopen(int(sys.argv[-1]), 'wb')\npickle.dump('ready', out)\nout.flush()\nwhile True:\n"
                   "    head = sys.stdin.buffer.read(8)\n    if len(head) < 8:\n        break\n"
                   "    sys.stdin.buffer.read(int.from_bytes(head, 'little'))\n"
                   "    pickle.dump('ImportError: no such kernel', out)\n    out.flush()\n")
@@ -185,3 +185,19 @@ def test_a_job_the_worker_cannot_rebuild_is_answered_and_the_worker_goes_on(tmp_
             workers.submit(bad).result(timeout=300)
     finally:
         workers.close()
+
+
+def test_a_worker_that_never_gets_ready_or_never_answers_is_given_up(monkeypatch):
+    """A worker command that is no compile worker (it never says it is ready), or one that hangs on a job, cannot
+    hold the compiles up: past the wait its jobs fail at once, and this process compiles them."""
+    monkeypatch.setattr(cp, "READY_WAIT_S", 0.5)
+    silent = cp.CompileWorkers(1, [sys.executable, "-c", "import sys; sys.stdin.read()"])
+    assert isinstance(silent.submit(("job",)).exception(timeout=60), cp.WorkerGone)
+    silent.close()
+    monkeypatch.setattr(cp, "ANSWER_WAIT_S", 0.5)
+    ready_then_hangs = ("import os, pickle, sys\nout = os.fdopen(int(sys.argv[-1]), 'wb')\n"
+                        "pickle.dump('ready', out)\nout.flush()\nsys.stdin.read()\n")
+    hangs = cp.CompileWorkers(1, [sys.executable, "-c", ready_then_hangs])
+    with pytest.raises(cp.WorkerGone, match="TimeoutError"):
+        hangs.submit(("job",)).result(timeout=60)
+    hangs.close()

@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -30,6 +31,9 @@ __all__ = ["CompileWorkers", "CompileExecutor", "WorkerGone", "compile_job", "wo
 log = logging.getLogger("fp4dispatch")
 _JOB_NAMES = ("src", "target", "options")  # what Triton's async compile closure must hold for a job
 CLOSE_WAIT_S = 2.0  # how long closing waits for a busy worker before killing it
+READY_WAIT_S = 60.0  # a worker's start (an import of torch on a loaded machine); one not ready by then is given up
+ANSWER_WAIT_S = 600.0  # one compile; a worker silent for longer is given up (its compile then happens here)
+READY = "ready"  # a worker's first answer, once it can take jobs
 
 
 class WorkerGone(RuntimeError):
@@ -125,6 +129,12 @@ class CompileWorkers:
 
     def _feed(self, proc: subprocess.Popen, answers) -> None:
         try:
+            try:
+                if _answer(answers, READY_WAIT_S) != READY:
+                    raise ValueError("not a compile worker")
+            except Exception as e:  # noqa: BLE001 - it exited, hung or is something else: the others take its jobs
+                log.debug("fp4dispatch: a compile worker did not start (%s)", e)
+                return
             while (item := self._jobs.get()) is not None:
                 job, f = item
                 if not f.set_running_or_notify_cancel():
@@ -133,9 +143,9 @@ class CompileWorkers:
                     data = pickle.dumps(job)
                     proc.stdin.write(len(data).to_bytes(8, "little") + data)  # compile_worker.py's framing
                     proc.stdin.flush()
-                    answer = pickle.load(answers)
-                except Exception:  # noqa: BLE001 - EOF or a broken pipe: the worker exited
-                    f.set_exception(WorkerGone(f"a compile worker exited (code {proc.poll()})"))
+                    answer = _answer(answers, ANSWER_WAIT_S)
+                except Exception as e:  # noqa: BLE001 - EOF, a broken pipe or a timeout: the worker is lost
+                    f.set_exception(WorkerGone(f"a compile worker was lost ({type(e).__name__}, code {proc.poll()})"))
                     return
                 if answer is None:
                     f.set_result(None)
@@ -181,6 +191,13 @@ class CompileWorkers:
                 proc.kill()
         for t in self._threads:
             t.join()
+
+
+def _answer(answers, wait: float):
+    """The worker's next answer, waiting at most ``wait`` seconds for it to begin (TimeoutError)."""
+    if not select.select([answers], [], [], wait)[0]:
+        raise TimeoutError(f"no answer in {wait:.0f} s")
+    return pickle.load(answers)
 
 
 class CompileExecutor(Executor):

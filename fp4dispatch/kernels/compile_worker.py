@@ -1,7 +1,7 @@
 """A compile worker process (``python -m fp4dispatch.kernels.compile_worker FD``): reads pickled compile jobs on
 stdin (each an 8-byte little-endian length, then the pickle), compiles each with ``triton.compile`` into Triton's
-disk cache, and answers each on the pipe ``FD`` with None,
-or the error as text. compile_processes.py starts and feeds these workers; a job is ``compile_processes.compile_job``'s
+disk cache, and answers each on the pipe ``FD`` with None, or the error as text; its first answer, "ready", says it
+can take jobs. compile_processes.py starts and feeds these workers; a job is ``compile_processes.compile_job``'s
 tuple. Needs no GPU: the job names the target. The answers have a pipe of their own, not stdout, so that nothing an
 import or a compiler prints can garble them."""
 from __future__ import annotations
@@ -32,6 +32,8 @@ def compile_one(job: tuple) -> None:
 def main() -> None:
     jobs = sys.stdin.buffer
     answers = os.fdopen(int(sys.argv[1]), "wb")
+    pickle.dump("ready", answers)  # compile_processes.READY: imported, taking jobs
+    answers.flush()
     while True:
         head = jobs.read(8)  # each job: its length, then its pickle (a job that fails to unpickle is still read whole)
         if len(head) < 8:  # the parent closed the pipe (it is done, or exiting)
