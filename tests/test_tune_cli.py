@@ -2,6 +2,8 @@
 --self-test, profiles, exit codes, --devices processes, and a torchrun (gloo) run with two ranks."""
 from __future__ import annotations
 
+import logging
+
 import contextlib
 import io
 import json
@@ -490,3 +492,14 @@ def test_op_w4a16_tunes_w4a16_keys_among_w4a16_backends_and_says_what_fp4linear_
     fakes[0].fp4_tensor_cores = True
     _, out, _ = _run(capsys, argv, backends=fakes, do_bench=fake_do_bench)
     assert "Fp4Linear(mode='auto') on cpu: W4A4 (fp4 runs on FP4 tensor cores)" in out
+
+
+def test_verbose_logs_name_their_logger_once():
+    from fp4dispatch.cli.log_setup import NamedFormatter
+
+    def line(name, msg):
+        return NamedFormatter().format(logging.LogRecord(name, logging.INFO, __file__, 1, msg, None, None))
+
+    assert line("fp4dispatch", "fp4dispatch: probe reference on cpu: ok") == "fp4dispatch: probe reference on cpu: ok"
+    assert line("fp4dispatch", "tune m1: a -> b") == "fp4dispatch: tune m1: a -> b"
+    assert line("triton", "a warning") == "triton: a warning"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from ..settings import default_cache_dir, read_settings
 from .distributed import TuneOptions, backend_rows, make_dispatcher
 from ..dispatch.fingerprint import device_fingerprint
 from ..problem import m_bucket
+from .log_setup import log_to_stderr
 from .profile import ProfileError, export_profile, import_profile
 
 __all__ = ["main", "build_parser", "TuneOptions"]
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None, *, backends=None, do_bench=None) -> int:
     except SystemExit as e:  # argparse: 0 after --help, 2 on a bad argument
         return int(e.code or 0)
     if args.verbose:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+        log_to_stderr()
     opts = TuneOptions(out_dtype=args.out_dtype, op=args.op, isolate=args.isolate, cache_dir=args.cache_dir)
     if args.command == "show":
         return _cmd_show(args, opts)
