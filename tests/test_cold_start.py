@@ -227,7 +227,7 @@ def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch)
     from fp4dispatch.dispatch import warmup
 
     seen = []
-    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, workers=None: seen.append([p.m for p, _ in jobs]))
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, processes=None: seen.append([p.m for p, _ in jobs]))
     d = Dispatcher([FakeBackend("fake", cost=1e-5)], cache_dir=tmp_path, do_bench=fake_do_bench)
     state = d._state(CPU, "fp4_mm")  # this machine's verdicts stand in for a GPU's: only the bookkeeping is tested
     monkeypatch.setattr(d, "_state", lambda dev, *ops, **kw: d._states.setdefault(dev, state))
@@ -407,7 +407,7 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
         handed[backend.name] = ([p.m for p in upcoming], timeout_s)
         return Verdict("ok") if compiling.wait(30) else Verdict("failed", "nothing compiled beside the worker")
 
-    def fake_compile(jobs, workers=None):
+    def fake_compile(jobs, processes=None):
         compiled.append(sorted((p.m, b.name) for p, bs in jobs for b in bs))
         compiling.set()
 
@@ -431,7 +431,7 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
     again = Dispatcher([Library("lib", risky=True), FakeBackend("safe")], cache_dir=tmp_path, do_bench=fake_do_bench,
                        settings=Settings(isolate=True, probe_timeout_s=30.0))
     locked = []
-    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, workers=None: (fake_compile(jobs), locked.append(
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, processes=None: (fake_compile(jobs), locked.append(
         again._lock._is_owned())))
     assert again.compile_keys([problem(m)._replace(device=gpu) for m in (1, 16)]) == 2
     assert compiled == [[(1, "lib"), (1, "safe"), (16, "lib"), (16, "safe")]] and locked == [False]
@@ -444,7 +444,7 @@ def test_a_failed_compile_beside_the_probe_workers_is_logged_and_the_probe_goes_
 
     calls = []
 
-    def fake_compile(jobs, workers=None):
+    def fake_compile(jobs, processes=None):
         calls.append(sorted(b.name for _, bs in jobs for b in bs))
         if len(calls) == 1:
             raise RuntimeError("a compile went wrong")
@@ -589,7 +589,7 @@ def test_a_tune_run_decides_its_keys_in_two_rounds_around_the_probe_worker(tmp_p
     monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok")
                         if first_rounds.wait(30) else Verdict("failed", "no first round beside the worker"))
     monkeypatch.setattr(warmup, "_compiles", lambda dev: True)
-    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, workers=None: None)
+    monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, processes=None: None)
     backends = [FakeBackend("safe", cost=3e-5, configs=configs(1.0, 2.0)),
                 FakeBackend("late", cost=1e-5, risky=True)]
     code = main(["--shape", "1,16,32,64", "--json", "--isolate", "--cache-dir", str(tmp_path)], backends=backends,
@@ -703,7 +703,7 @@ def test_compiling_keys_raises_a_failed_hand_out_in_the_caller_and_skips_the_bod
     events: list = []
     jobs = _compiling_setup(monkeypatch, events)
 
-    def broken(ahead, first, *, handed_out=None, compiled=None, workers=None):
+    def broken(ahead, first, *, handed_out=None, compiled=None, processes=None):
         raise RuntimeError("scratch operands: out of memory")
 
     monkeypatch.setattr(precompile, "compile_together", broken)
@@ -725,7 +725,7 @@ def test_compiling_keys_never_leaves_a_wait_hanging(monkeypatch):
 
     in_body = threading.Event()
 
-    def fails_after_handing_out(ahead, first, *, handed_out=None, compiled=None, workers=None):
+    def fails_after_handing_out(ahead, first, *, handed_out=None, compiled=None, processes=None):
         handed_out()
         in_body.wait(30)
         raise RuntimeError("a compile pool broke")
@@ -771,7 +771,7 @@ def test_compile_keys_decides_every_key_while_the_compiles_still_run(tmp_path, m
             events.append(("wait", key_str(key)))
 
     @contextmanager
-    def compiling(jobs, workers=None):
+    def compiling(jobs, processes=None):
         events.append(("compiling", sorted(p.m for p, _ in jobs)))
         yield Compiles()
         events.append(("compiled", sorted(key_str(k) for k in d._choices)))

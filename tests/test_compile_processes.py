@@ -133,7 +133,7 @@ def test_the_compile_workers_knob(monkeypatch):
 
     assert read_settings().compile_workers is None and 1 <= cp.worker_count() <= 14
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "0")
-    assert read_settings().compile_workers == 0 and warmup._compile_workers(0) is None  # threads only
+    assert read_settings().compile_workers == 0 and warmup._compile_processes(0) is None  # threads only
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
     with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
                        r"number >= 0 \(0: none\)\. Unset it for the default "

@@ -70,18 +70,18 @@ def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Bac
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
                      first: list[tuple[Problem, object, tuple]], *, handed_out: Callable[[], None] | None = None,
-                     compiled: Callable[[Problem], None] | None = None, workers=None) -> None:
-    """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool (in ``workers``'
-    processes first, if given: ``runtime.compiles_ahead``), while ``first`` ((problem, operands maker, pair)) run
-    in threads. ``handed_out()``, if given, is called once every compile is
-    handed out and every first run is over; then the compiles are waited for in ``ahead``'s order (the pool's), and
+                     compiled: Callable[[Problem], None] | None = None, processes=None) -> None:
+    """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool (in the compile worker
+    ``processes`` first, if given: ``runtime.compiles_ahead``), while ``first`` ((problem, operands maker, pair))
+    run in threads. ``handed_out()``, if given, is called once every compile is handed out and every first run is
+    over; then the compiles are waited for in ``ahead``'s order (the pool's), and
     ``compiled(problem)`` is called once the kernels of that problem's pairs are in Triton's cache."""
     from ..kernels import runtime
 
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
-        with runtime.compiles_ahead(_workers() if ahead else 0, workers) as ctx:
+        with runtime.compiles_ahead(_workers() if ahead else 0, processes) as ctx:
             handed = []
             for problem, make_ops, pairs in ahead if ctx.active else ():
                 handed.append((problem, ctx.collect()))
@@ -113,14 +113,6 @@ def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     return ahead, first
 
 
-def _timed(fn, arg, spent: list):
-    t = time.perf_counter()
-    try:
-        return fn(arg)
-    finally:
-        spent[0] += time.perf_counter() - t
-
-
 def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
     """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
     (inputs that such a run changed are put back; its check finds it out)."""
@@ -141,14 +133,23 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
 
 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Callable[[], None] | None = None,
-                       compiled: Callable[[Problem], None] | None = None, workers=None) -> None:
+                       compiled: Callable[[Problem], None] | None = None, processes=None) -> None:
     """Many keys ((problem, candidate backends) each): every Triton config of every key, and each first-run library
     once per ``first_run_unit`` (``first_run_jobs``), all at once. Scratch operands are made per key as its compiles
-    are handed out, and per first run as it starts. ``handed_out``, ``compiled``, ``workers``: ``compile_together``'s;
+    are handed out, and per first run as it starts. ``handed_out``, ``compiled``, ``processes``: ``compile_together``'s;
     the kernels launched on scratch operands have finished when ``handed_out`` is called."""
     jobs = [j for j in jobs if j[0].device.type == "cuda"]
     ahead, libraries = [], {}
-    start, spent = time.perf_counter(), [0.0]  # spent: making the scratch operands of ``ahead``
+    start, spent = time.perf_counter(), 0.0  # spent: making the scratch operands of ``ahead``
+
+    def scratch(p: Problem):
+        nonlocal spent
+        t = time.perf_counter()
+        try:
+            return scratch_ops(p)
+        finally:
+            spent += time.perf_counter() - t
+
     for problem, candidates in jobs:
         pairs = []
         for b in candidates:
@@ -160,7 +161,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
                 except Exception:  # noqa: BLE001 - the key's own tune reports it
                     continue
         if pairs:
-            ahead.append((problem, lambda p=problem: _timed(scratch_ops, p, spent), pairs))
+            ahead.append((problem, lambda p=problem: scratch(p), pairs))
     first = [(p, lambda p=p: scratch_ops(p), (b, cfg))
              for b, problems in libraries.values() for p, cfg in first_run_jobs(b, problems)]
     if not (ahead or first):
@@ -174,7 +175,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
         settled.append(True)
         log.info("fp4dispatch: handed out the compiles of %d configs of %d keys and made %d first runs in %.1f s "
                  "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), len(ahead), len(first),
-                 time.perf_counter() - start, spent[0])
+                 time.perf_counter() - start, spent)
         handed_out()
         if compiled is not None:  # the keys with nothing to compile ahead: nothing to wait for
             with_pairs = {id(p) for p, _, _ in ahead}
@@ -184,7 +185,7 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
 
     try:
         compile_together(ahead, first, handed_out=over if handed_out is not None else None, compiled=compiled,
-                         workers=workers)
+                         processes=processes)
     finally:
         for dev in devices if not settled else ():
             reset_cuda_error(dev)
@@ -213,8 +214,8 @@ class KeyCompiles:
 
 
 @contextmanager
-def compiling_keys(jobs: list[tuple[Problem, list[Backend]]], workers=None):
-    """``compile_keys_ahead(jobs, workers=workers)`` while the body runs: entering returns once every compile is
+def compiling_keys(jobs: list[tuple[Problem, list[Backend]]], processes=None):
+    """``compile_keys_ahead(jobs, processes=processes)`` while the body runs: entering returns once every compile is
     handed out and every first run is over, and yields a :class:`KeyCompiles`, whose ``wait(key)`` returns once
     that key's kernels are compiled: the body can check and time a model's first keys while its last ones compile.
     The compiles are handed out, and waited for key by key in the order of ``jobs`` (the pool's), by a thread of its
@@ -226,7 +227,7 @@ def compiling_keys(jobs: list[tuple[Problem, list[Backend]]], workers=None):
 
     def hand_out() -> None:
         try:
-            compile_keys_ahead(jobs, handed_out.set, lambda p: compiles._done(p.key), workers)
+            compile_keys_ahead(jobs, handed_out.set, lambda p: compiles._done(p.key), processes)
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(e)
         finally:

@@ -22,7 +22,7 @@ __all__ = ["Warmup"]
 log = logging.getLogger("fp4dispatch")
 
 
-def _compile_workers(count: int | None):
+def _compile_processes(count: int | None):
     """``count`` (None: ``worker_count()``) compile worker processes for many keys' Triton compiles
     (compile_processes.py), where compiles can be handed out (CUDA, a Triton with async compile, not interpreted);
     else None: compiled in threads."""
@@ -55,12 +55,13 @@ class Warmup:
 
     def compile_keys(self, problems, stages: dict | None = None, *, decide: bool = False) -> int:
         """Compile at once the kernels that the undecided keys of ``problems`` will try
-        (``precompile.compile_keys_ahead``: every Triton config of every key on one thread pool, and one first run per
-        ``first_run_unit`` of a library that compiles on its first run, in threads beside it); returns how many keys
-        that was. The backends of their ops are probed first if they were not, and the two overlap: the safe backends'
-        kernels compile while the probe workers work, and a worker probing a first-run library (Humming) makes these
-        keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the rest compile once every
-        verdict is in. Without CUDA, or with a backend forced, it does nothing.
+        (``precompile.compile_keys_ahead``: every Triton config of every key, in compile worker processes (see
+        ``_compile_processes``) or else on a thread pool, and one first run per ``first_run_unit`` of a library that
+        compiles on its first run, in threads beside it); returns how many keys that was. The backends of their ops
+        are probed first if they were not, and the two overlap: the safe backends' kernels compile while the probe
+        workers work, and a worker probing a first-run library (Humming) makes these keys' first runs too, filling its
+        disk cache (``device_health``'s ``upcoming``); the rest compile once every verdict is in. Without CUDA, or
+        with a backend forced, it does nothing.
 
         ``decide``: the keys are also decided, while the kernels of the later keys still compile
         (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no pending
@@ -81,14 +82,14 @@ class Warmup:
                 for key in [k for k in todo if k[0] == dev and (k in self._choices or key_str(k) in cache.decisions)]:
                     del todo[key]
         # started now, before the probe: their start-up (an import of torch each) overlaps it
-        workers = _compile_workers(self.settings.compile_workers) if todo else None
+        processes = _compile_processes(self.settings.compile_workers) if todo else None
         try:
-            return self._compile_keys(todo, t0, stages, decide, workers)
+            return self._compile_keys(todo, t0, stages, decide, processes)
         finally:
-            if workers is not None:
-                workers.close()
+            if processes is not None:
+                processes.close()
 
-    def _compile_keys(self, todo: dict, t0: float, stages: dict | None, decide: bool, workers) -> int:
+    def _compile_keys(self, todo: dict, t0: float, stages: dict | None, decide: bool, processes) -> int:
         compiled: set[tuple] = set()  # (key, backend name): handed to a compile already
         keys: set[tuple] = set()
         rounds: dict = {}
@@ -107,9 +108,9 @@ class Warmup:
         def meanwhile(dev: torch.device, mine: list) -> None:  # the workers still work
             nonlocal beside, hand_out
             if not decide:
-                return compile_keys_ahead(jobs(dev), workers=workers)
+                return compile_keys_ahead(jobs(dev), processes=processes)
             t = time.perf_counter()
-            with compiling_keys(jobs(dev), workers) as compiles:  # each key is searched once its kernels are compiled
+            with compiling_keys(jobs(dev), processes) as compiles:  # each key is searched once its kernels are compiled
                 hand_out += time.perf_counter() - t
                 t = time.perf_counter()
                 self.decide_beside(mine, rounds, compiles.wait)
@@ -123,9 +124,9 @@ class Warmup:
             t1 = time.perf_counter()
             rest = [j for dev in dict.fromkeys(key[0] for key in todo) for j in jobs(dev)]
         if not decide:
-            compile_keys_ahead(rest, workers=workers)
+            compile_keys_ahead(rest, processes=processes)
         else:
-            with compiling_keys(rest, workers) as compiles:  # each key is decided once its own kernels are compiled
+            with compiling_keys(rest, processes) as compiles:  # each key is decided once its own kernels are compiled
                 t2 = time.perf_counter()
                 with self._lock:
                     self.finish_beside(rounds, compiles.wait)

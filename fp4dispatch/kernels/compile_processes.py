@@ -77,10 +77,11 @@ def compile_job(compile_fn) -> tuple | None:
 
 def _env() -> dict:
     """The workers' environment: this one, with Triton's cache dir as this process uses it (it may have been set in
-    code) and this fp4dispatch first on the path."""
+    code) and this fp4dispatch's directory last on the path (first, it could put an installed Triton ahead of one
+    on PYTHONPATH: another Triton compiles under other cache keys)."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds fp4dispatch/
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     try:
         from triton import knobs
 
