@@ -11,6 +11,8 @@ import os
 import pickle
 import sys
 
+from .cache_keys import settle
+
 
 def _named(module: str, qualname: str):
     obj = importlib.import_module(module)
@@ -25,7 +27,9 @@ def compile_one(job: tuple) -> None:
     import triton
 
     module, name, src_module, src_name, signature, constants, attrs, target, options, env_vars = job
-    src = _named(src_module, src_name)(_named(module, name), signature, constants, attrs)
+    kernel = _named(module, name)
+    settle(kernel)  # its cache key as the parent computed it (cache_keys.py), whatever this worker compiled before
+    src = _named(src_module, src_name)(kernel, signature, constants, attrs)
     triton.compile(src, target=target, options=options, **({"_env_vars": env_vars} if env_vars is not None else {}))
 
 

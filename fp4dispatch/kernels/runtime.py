@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from .cache_keys import settle
+
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
            "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
            "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "finish"]
@@ -290,6 +292,7 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
     global _fast
     if not _fast or jit_interpreted():
+        settle(fn)
         if getattr(_tls, "ahead", False):
             _hand_out(fn, grid, args, kwargs)
         else:
@@ -301,6 +304,7 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
              else _desc_key(a) for a in args])
     hit = _COMPILED.get(key)
     if hit is None:
+        settle(fn)  # its cache key, as every process computes it, before Triton computes it for the compile
         if getattr(_tls, "ahead", False):  # compiles_ahead: start the compile only (read on a miss, not per launch)
             _hand_out(fn, grid, args, kwargs)
             return None
