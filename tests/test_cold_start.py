@@ -403,7 +403,7 @@ def test_compile_keys_compiles_the_safe_backends_while_the_probe_workers_work(tm
 
     compiling, compiled, handed = threading.Event(), [], {}
 
-    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None):
+    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None, check_here=False):
         handed[backend.name] = ([p.m for p in upcoming], timeout_s)
         return Verdict("ok") if compiling.wait(30) else Verdict("failed", "nothing compiled beside the worker")
 
@@ -449,7 +449,7 @@ def test_a_failed_compile_beside_the_probe_workers_is_logged_and_the_probe_goes_
         if len(calls) == 1:
             raise RuntimeError("a compile went wrong")
 
-    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok"))
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, *a, **kw: Verdict("ok"))
     monkeypatch.setattr(health_mod, "probe_backend", lambda b, dev: Verdict("ok"))
     monkeypatch.setattr(dispatcher_mod, "check_device", lambda dev: None)
     monkeypatch.setattr(dispatcher_mod, "device_fingerprint", lambda dev: {"device_type": "fake gpu"})
@@ -586,7 +586,7 @@ def test_a_tune_run_decides_its_keys_in_two_rounds_around_the_probe_worker(tmp_p
         first_rounds.set()
 
     monkeypatch.setattr(Dispatcher, "decide_beside", beside)
-    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, upcoming=(), cancel=None: Verdict("ok")
+    monkeypatch.setattr(health_mod, "probe_isolated", lambda b, dev, t, *a, **kw: Verdict("ok")
                         if first_rounds.wait(30) else Verdict("failed", "no first round beside the worker"))
     monkeypatch.setattr(warmup, "_compiles", lambda dev: True)
     monkeypatch.setattr(warmup, "compile_keys_ahead", lambda jobs, processes=None: None)

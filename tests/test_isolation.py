@@ -79,6 +79,24 @@ def test_an_interrupted_probe_kills_its_workers_instead_of_waiting_for_their_tim
     assert time.monotonic() - t0 < 300  # the worker's timeout is 600 s; a kill takes well under a second
 
 
+class MissingHere(FakeBackend):
+    """Unavailable in the process that made it (its library is not there), available in a worker, where it hangs."""
+
+    def __init__(self, name: str):
+        super().__init__(name, crash="hang", risky=True)
+        self.maker = os.getpid()
+
+    def unavailable(self, device):
+        return "no library in this process" if os.getpid() == self.maker else None
+
+
+def test_a_check_made_here_once_the_worker_started_kills_the_worker_and_is_the_verdict():
+    """``check_here``: the library's availability is checked in this process while the worker starts; a reason there
+    ends the probe at once (without the check, the worker would run until its timeout)."""
+    v = probe_isolated(MissingHere("missing"), CPU, 600.0, check_here=True)
+    assert (v.status, v.reason) == ("unavailable", "no library in this process")
+
+
 def test_probe_isolated_reports_a_healthy_backend_ok():
     v = probe_isolated(FakeBackend("healthy", risky=True), CPU, 60.0)
     assert (v.status, v.reason) == ("ok", "")
@@ -175,7 +193,7 @@ def test_isolated_probes_overlap_the_in_process_ones(tmp_path, monkeypatch):
         def unavailable(self, device):
             return None if started.wait(30) else "the probe workers had not started"
 
-    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None):
+    def fake_worker(backend, device, timeout_s, upcoming=(), cancel=None, check_here=False):
         started.set()
         return Verdict("ok")
 

@@ -167,6 +167,21 @@ def test_humming_not_installed(cc, monkeypatch):
     assert HummingBackend().unavailable(CPU) == "humming is not installed (pip install fp4dispatch[humming])"
 
 
+def test_hummings_probe_worker_starts_before_this_process_imports_it(cc, humming, monkeypatch):
+    """Importing Humming takes seconds (it imports torch._dynamo): on a GPU it can run on, with the library installed,
+    its worker starts first and this process imports it meanwhile (health._starts_first); otherwise the reason known
+    without the import is the verdict, and no worker starts."""
+    from fp4dispatch.dispatch.health import _starts_first
+
+    cc(90)
+    humming()
+    assert _starts_first(HummingBackend(), CPU) and not _starts_first(HummingW4A4Backend(), CPU)
+    assert HummingW4A4Backend().unavailable_before_import(CPU).startswith("Humming's FP4 activations need")
+    monkeypatch.setitem(sys.modules, "humming", None)
+    assert not _starts_first(HummingBackend(), CPU)
+    assert HummingBackend().unavailable_before_import(CPU) == "humming is not installed (pip install fp4dispatch[humming])"
+
+
 def test_a_humming_without_the_functional_api_is_a_reason(cc, humming):
     cc(90)
     humming(version="0.1.0", drop="forward.humming_forward")

@@ -8,7 +8,9 @@ library (the module, prepared weights) is dropped by ``__getstate__`` and rebuil
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import sys
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -40,6 +42,17 @@ def import_library(name: str, install_hint: str) -> tuple[ModuleType | None, str
         return None, f"{name} import failed: {describe_exception(e)}"
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any import failure is an availability verdict
         return None, f"{name} import failed: {describe_exception(e)}"
+
+
+def library_installed(name: str) -> bool:
+    """Whether ``name`` can be found for import, without importing it (a module set to None in ``sys.modules``
+    cannot be)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that fails, a module without a spec
+        return False
 
 
 def alignment_reason(problem: Problem, n_mult: int, k_mult: int, who: str) -> str | None:

@@ -36,7 +36,8 @@ import torch
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
 from ..kernels.dequant import dequantize_to_scratch
 from ..problem import M_BUCKETS, Operands, Problem, m_bucket
-from ._native import NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library
+from ._native import (NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library,
+                      library_installed)
 from .base import Config
 
 __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT", "bucket_entries"]
@@ -69,12 +70,21 @@ class HummingBackend(NativeBackend):
         self.prepared = PreparedWeightCache(self.name)
 
     # -- availability --------------------------------------------------------------------------------------------
-    def unavailable(self, device: torch.device) -> str | None:
+    def unavailable_before_import(self, device: torch.device) -> str | None:
+        """What rules Humming out here without importing it (an import takes seconds: it imports torch._dynamo), so
+        that its probe worker can start before this process imports it (``health.device_health``)."""
         cc = self.device_capability(device)
         if cc is None:
             return f"needs a CUDA GPU (Humming compiles CUDA kernels); got device type {device.type!r}"
         if cc < 75:
             return f"Humming needs compute capability >= 7.5; got {cc // 10}.{cc % 10}"
+        if not library_installed("humming"):
+            return f"humming is not installed ({INSTALL_HINT})"
+        return None
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if why := self.unavailable_before_import(device):
+            return why
         lib, why = _import_humming()
         self._lib = lib
         return why
@@ -172,12 +182,12 @@ class HummingW4A4Backend(HummingBackend):
     fp4_tensor_cores = True
     input_config = {"quant_method": "modelopt", "quant_algo": "nvfp4"}  # static activation scale (input_scale)
 
-    def unavailable(self, device: torch.device) -> str | None:
+    def unavailable_before_import(self, device: torch.device) -> str | None:
         cc = self.device_capability(device)
         if cc is not None and cc < 100:
             return (f"Humming's FP4 activations need block-scaled MMA (SM100+); got compute capability "
                     f"{cc // 10}.{cc % 10} (humming:w4a16 runs there)")
-        return super().unavailable(device)
+        return super().unavailable_before_import(device)
 
     def unsupported(self, problem: Problem) -> str | None:
         if problem.out_dtype not in _HALF:

@@ -35,12 +35,15 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     there is logged, not raised: it was a head start)."""
     health: dict[str, Verdict] = {}
     fresh = {}
-    isolated, local = [], []
+    isolated, local, check_here = [], [], set()
     for b in backends:
         if b.name in settings.disabled:
             health[b.name] = Verdict("unavailable", "disabled by FP4DISPATCH_DISABLE")
         elif (cached := cache.health.get(b.name)) is not None:
             health[b.name] = Verdict.from_json(cached)  # checked when the file was read
+        elif settings.isolate and b.risky and _starts_first(b, device):
+            isolated.append(b)
+            check_here.add(b.name)
         elif settings.isolate and b.risky and b.unavailable(device) is None:
             isolated.append(b)
         else:
@@ -49,7 +52,8 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     # first compile (Humming's) overlap the in-process probes instead of following them
     pool = ThreadPoolExecutor(max_workers=len(isolated)) if isolated else None
     cancel = threading.Event()
-    futures = [pool.submit(_probe_in_worker, b, device, settings, upcoming, cancel) for b in isolated]
+    futures = [pool.submit(_probe_in_worker, b, device, settings, upcoming, cancel, b.name in check_here)
+               for b in isolated]
     try:
         # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
         for b in sorted(local, key=lambda b: bool(b.risky)):
@@ -77,13 +81,28 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     return health
 
 
-def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming, cancel: threading.Event) -> Verdict:
+def _starts_first(b, device: torch.device) -> bool:
+    """Whether ``b``'s probe worker starts before this process imports its library (``probe_isolated``'s
+    ``check_here``): a library that compiles on its first run (Humming), whose worker (its probe and the upcoming
+    keys' first runs) is the longest part of a cold tune and whose import alone takes seconds, unless what is known
+    without the import (``unavailable_before_import``: the GPU, whether it is installed) rules it out."""
+    before = getattr(b, "unavailable_before_import", None)
+    if not getattr(b, "compiles_on_first_run", False) or before is None:
+        return False
+    try:
+        return before(device) is None
+    except Exception:  # noqa: BLE001 - unavailable() words it
+        return False
+
+
+def _probe_in_worker(b, device: torch.device, settings: Settings, upcoming, cancel: threading.Event,
+                     check_here: bool = False) -> Verdict:
     """``probe_isolated`` with the upcoming first runs of a first-run library; its timeout grows with them (and is
     at least the backend's own ``probe_timeout_s``: a library that compiles its kernels when first run asks more)."""
     jobs = first_run_jobs(b, [p for p in upcoming if p.device == device and computes(b, p.op)]) \
         if getattr(b, "compiles_on_first_run", False) else []
     timeout_s = max(settings.probe_timeout_s, getattr(b, "probe_timeout_s", 0.0)) + UPCOMING_RUN_S * len(jobs)
-    return probe_isolated(b, device, timeout_s, tuple(p for p, _ in jobs), cancel=cancel)
+    return probe_isolated(b, device, timeout_s, tuple(p for p, _ in jobs), cancel=cancel, check_here=check_here)
 
 
 def wrong_in_bucket(v: Verdict, bucket: int) -> int | None:

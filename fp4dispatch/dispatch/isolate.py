@@ -47,13 +47,22 @@ def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
             return False
 
 
+def _unavailable(backend: Backend, device: torch.device) -> str | None:
+    try:
+        return backend.unavailable(device)
+    except Exception as e:  # noqa: BLE001 - as probe_backend words it
+        return f"availability check raised {describe_exception(e)}"
+
+
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
-                   cancel: threading.Event | None = None) -> Verdict:
+                   cancel: threading.Event | None = None, check_here: bool = False) -> Verdict:
     """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
     ``upcoming``: new keys' problems whose first runs the worker makes with the probe's (``probe_backend``), one per
     ``first_run_unit``; ``timeout_s`` must allow them.
     A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
-    ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict."""
+    ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict.
+    ``check_here``: ``backend.unavailable`` runs in this process once the worker has started (its library's import
+    overlaps the worker's start); a reason there kills the worker and is the verdict."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_worker, args=(child, backend, str(device), tuple(upcoming)), daemon=True)
@@ -63,6 +72,10 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
     child.close()
     try:
+        if check_here and (why := _unavailable(backend, device)):
+            proc.kill()
+            proc.join(5)
+            return Verdict("unavailable", why)
         if _wait(parent, timeout_s, cancel):
             try:
                 return Verdict.from_json(parent.recv())
