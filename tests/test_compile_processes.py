@@ -201,3 +201,18 @@ def test_a_worker_that_never_gets_ready_or_never_answers_is_given_up(monkeypatch
     with pytest.raises(cp.WorkerGone, match="TimeoutError"):
         hangs.submit(("job",)).result(timeout=60)
     hangs.close()
+
+
+def test_a_worker_runs_this_processs_fp4dispatch_whatever_the_current_directory_holds(tmp_path, monkeypatch):
+    """Started in a directory with another fp4dispatch (a checkout), a worker still loads this one: ``python -m``
+    would have imported that one (here it cannot even be imported) and compiled its kernels."""
+    (tmp_path / "fp4dispatch").mkdir()
+    (tmp_path / "fp4dispatch" / "__init__.py").write_text("raise ImportError('another fp4dispatch')\n")
+    monkeypatch.chdir(tmp_path)
+    workers = cp.CompileWorkers(1)
+    try:
+        bad = ("no_such_module", "k", "triton.compiler.compiler", "ASTSource", {}, {}, {}, None, {}, None)
+        with pytest.raises(RuntimeError, match="ModuleNotFoundError: No module named 'no_such_module'"):
+            workers.submit(bad).result(timeout=300)  # answered by a worker that started (not WorkerGone)
+    finally:
+        workers.close()

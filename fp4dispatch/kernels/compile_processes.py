@@ -75,13 +75,23 @@ def compile_job(compile_fn) -> tuple | None:
     return job
 
 
+# A worker's start: this process's fp4dispatch, loaded from its own file (argv[1]), then compile_worker's loop. Not
+# ``python -m``, which puts the current directory first on the path: a directory holding another fp4dispatch (a
+# checkout) would have the workers compile that one's kernels, under keys this process never uses. The current
+# directory ('' entries) is left off the path for the same reason; the rest of the path is this process's environment.
+_START = ("import importlib.util, sys\n"
+          "sys.path[:] = [p for p in sys.path if p]\n"
+          "spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
+          "sys.modules['fp4dispatch'] = package = importlib.util.module_from_spec(spec)\n"
+          "spec.loader.exec_module(package)\n"
+          "from fp4dispatch.kernels.compile_worker import main\n"
+          "main()\n")
+
+
 def _env() -> dict:
     """The workers' environment: this one, with Triton's cache dir as this process uses it (it may have been set in
-    code) and this fp4dispatch's directory last on the path (first, it could put an installed Triton ahead of one
-    on PYTHONPATH: another Triton compiles under other cache keys)."""
+    code)."""
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds fp4dispatch/
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     try:
         from triton import knobs
 
@@ -99,7 +109,8 @@ class CompileWorkers:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._alive, self._threads, self._procs = 0, [], []
-        command = command or [sys.executable, "-m", "fp4dispatch.kernels.compile_worker"]
+        package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
+        command = command or [sys.executable, "-c", _START, package]
         env = _env()
         for i in range(count):
             read, write = os.pipe()  # the answers' own pipe: the worker's stdout may carry anything it prints
