@@ -1,8 +1,9 @@
-"""A compile worker process (``main``; compile_processes.py starts it with its parent's fp4dispatch and the pipe
-``FD`` as the last argument): reads pickled compile jobs on stdin (each an 8-byte little-endian length, then the
-pickle), compiles each with ``triton.compile`` into Triton's disk cache, and answers each on ``FD`` with None, or the
-error as text; its first answer, "ready", says it can take jobs. A job is ``compile_processes.compile_job``'s tuple. Needs no GPU: the job names the target. The answers have a pipe of their own, not stdout, so that nothing an
-import or a compiler prints can garble them."""
+"""A compile worker process (``main``; compile_processes.py starts it with its parent's fp4dispatch and the pipe ``FD``
+as the last argument): reads pickled compile jobs on stdin (each an 8-byte little-endian length, then the pickle),
+compiles each with ``triton.compile`` into Triton's disk cache, and answers each on ``FD`` with None, or the error
+as text; its first answer, "ready", says it can take jobs. A job is ``compile_processes.compile_job``'s tuple. Needs
+no GPU: the job names the target. The answers have a pipe of their own, not stdout, so that nothing an import or a
+compiler prints can garble them."""
 from __future__ import annotations
 
 import importlib
