@@ -13,7 +13,7 @@
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
-| FP4DISPATCH_COMPILE_WORKERS | compile processes: many keys' at once, a new key's kept (0: threads) | (cores-2)/ranks, 1-14 |
+| FP4DISPATCH_COMPILE_WORKERS | processes compiling many keys' kernels at once (0: threads only) | (cores-2)/ranks, 1-14 |
 """
 from __future__ import annotations
 

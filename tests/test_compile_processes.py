@@ -33,13 +33,6 @@ def _source():
     return ASTSource(scale_kernel, sig, {"FACTOR": 3, "BLOCK": 128}, {}), GPUTarget("cuda", 90, 32)
 
 
-def _compiled_here(src, target, options):
-    """Triton's compile closure, compiling nothing: says where it ran."""
-    def async_compile():
-        return ("compiled here", src, target, options)
-    return async_compile
-
-
 def _like_tritons(src, target, options, env_vars=None):
     """A compile function shaped like the one Triton's ``JITFunction._do_compile`` hands its async compile mode."""
     def async_compile():
@@ -95,9 +88,6 @@ def test_a_worker_compiles_into_the_disk_cache_and_this_process_then_reads_it(tm
 
 def test_a_compile_the_workers_fail_or_cannot_take_runs_here():
     class NoJobs:
-        def takes_jobs(self):
-            return True
-
         def submit(self, job):
             raise AssertionError("a compile that is no job went to the workers")
 
@@ -105,11 +95,16 @@ def test_a_compile_the_workers_fail_or_cannot_take_runs_here():
     assert pool.submit(lambda x: x + 1, 41).result(timeout=60) == 42
     pool.shutdown()
 
+    def compiled_here(src, target, options):  # Triton's closure, compiling nothing: says where it ran
+        def async_compile():
+            return ("compiled here", src, target, options)
+        return async_compile
+
     src, target = _source()
     workers = cp.CompileWorkers(2, [sys.executable, "-c", FAILING_WORKER])
     pool = cp.CompileExecutor(2, workers)
     try:
-        fn = _compiled_here(src, target, types.SimpleNamespace(num_warps=4))
+        fn = compiled_here(src, target, types.SimpleNamespace(num_warps=4))
         assert cp.compile_job(fn) is not None
         with pytest.raises(RuntimeError, match="no such kernel"):
             workers.submit(cp.compile_job(fn)).result(timeout=60)
@@ -132,14 +127,13 @@ def test_workers_that_exit_fail_their_jobs_at_once_and_never_leave_one_waiting()
 
 
 def test_the_compile_workers_knob(monkeypatch):
-    from fp4dispatch.dispatch.precompile import start_workers
+    from fp4dispatch.dispatch import warmup
     from fp4dispatch.errors import InvalidInputError
     from fp4dispatch.settings import read_settings
 
     assert read_settings().compile_workers is None and 1 <= cp.worker_count() <= 14
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "0")
-    assert read_settings().compile_workers == 0 and start_workers(0) is None  # threads only
-    assert start_workers(0, kept=True) is None
+    assert read_settings().compile_workers == 0 and warmup._compile_processes(0) is None  # threads only
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
     with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
                        r"number >= 0 \(0: none\)\. Unset it for the default "
@@ -222,49 +216,3 @@ def test_a_worker_runs_this_processs_fp4dispatch_whatever_the_current_directory_
             workers.submit(bad).result(timeout=300)  # answered by a worker that started (not WorkerGone)
     finally:
         workers.close()
-
-
-def test_kept_workers_take_jobs_once_ready_and_exit_when_idle(monkeypatch):
-    """Kept workers (one key's compiles at a time) start when first offered a compile but take none until one of
-    them is ready, so that the offer is compiled here at once; idle long enough, they exit, and the next offer starts
-    new ones."""
-    import time
-
-    monkeypatch.setattr(cp, "IDLE_EXIT_S", 0.2)
-    monkeypatch.setattr(cp, "IDLE_POLL_S", 0.05)
-    kept = cp.KeptWorkers(1)
-    assert not kept.takes_jobs()  # just started: importing torch
-    deadline = time.monotonic() + 240
-    while not kept.takes_jobs():
-        assert time.monotonic() < deadline, "the kept worker never got ready"
-        time.sleep(0.05)
-    bad = ("no_such_module", "k", "triton.compiler.compiler", "ASTSource", {}, {}, {}, None, {}, None)
-    with pytest.raises(RuntimeError, match="ModuleNotFoundError"):
-        kept.submit(bad).result(timeout=300)
-    first = kept._pool
-    procs = list(first._procs)
-    while kept._pool is not None:
-        assert time.monotonic() < deadline, "idle kept workers were not closed"
-        time.sleep(0.05)
-    assert all(p.wait(timeout=60) is not None for p in procs)
-    kept.takes_jobs()
-    assert kept._pool is not None and kept._pool is not first
-    kept._pool.close()
-
-
-def test_a_compile_offered_to_workers_that_take_no_jobs_runs_here():
-    class NotReady:
-        def takes_jobs(self):
-            return False
-
-        def submit(self, job):
-            raise AssertionError("a job was handed to workers that take none")
-
-    src, target = _source()
-    fn = _compiled_here(src, target, types.SimpleNamespace(num_warps=4))
-    assert cp.compile_job(fn) is not None  # a job, for workers that take jobs
-    pool = cp.CompileExecutor(1, NotReady())
-    try:
-        assert pool.submit(fn).result(timeout=60)[0] == "compiled here"
-    finally:
-        pool.shutdown()

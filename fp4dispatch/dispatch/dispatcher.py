@@ -80,7 +80,6 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
         self._probed_ops: dict[torch.device, set[str]] = {}  # the ops whose backends have verdicts in _states
         self._lock = threading.RLock()
-        self._deciding_with = None  # compile_keys' compile workers while it decides its keys (key_tuning.py)
         self._warned: set[str] = set()
         # guard mode (fp4dispatch.dispatch.guard): checks outputs for non-finite values without a host sync per call
         self.guard = None

@@ -20,7 +20,6 @@ from ..problem import Problem
 from .choice import Choice, add_proven, ident
 from .health import wrong_when_probed
 from .neighbours import neighbour_picks, offered_configs
-from .precompile import start_workers
 from .records import key_str
 from .timer import DoBench, for_device, screen_for_device
 from .tuner import FULL, Search, Tuning, merge_tunings, tune, verify_only
@@ -55,14 +54,6 @@ class KeyTuning:
         if self._screen_bench is not None or self._do_bench is not None:
             return self._screen_bench
         return screen_for_device(problem.device, self.settings.timer)
-
-    def _compile_processes(self, problem: Problem):
-        """Compile workers for a key's own Triton compiles: ``compile_keys``' while it decides keys, else this
-        process's kept ones (``compile_processes.KeptWorkers``, started by the first compile they are offered); none
-        off CUDA."""
-        if problem.device.type != "cuda":
-            return None
-        return self._deciding_with or start_workers(self.settings.compile_workers, kept=True)
 
     def _candidates(self, key: tuple, problem: Problem) -> tuple[list[Backend], dict[str, str]]:
         """The backends that may serve ``key`` (its op's, usable, accepting the bucket's largest M too), and why
@@ -104,10 +95,9 @@ class KeyTuning:
         if self.settings.search == "fast":
             only, sources = neighbour_picks(key, decisions, offered_configs(candidates, problem))
         search, screen = self._rule(problem)
-        processes = self._compile_processes(problem)
-        tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None, processes=processes)
+        tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None)
         if only and not all(t.ok for t in tuning.trials):  # a neighbours' pick fails here: every candidate
-            tuning, sources = tune(problem, candidates, timer, screen=screen, search=search, processes=processes), []
+            tuning, sources = tune(problem, candidates, timer, screen=screen, search=search), []
         return tuning, tuple(sources)
 
     def _settle(self, key: tuple, problem: Problem, tuning: Tuning, reasons: dict[str, str],

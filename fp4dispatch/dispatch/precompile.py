@@ -27,17 +27,13 @@ import torch
 from ..backends.base import Backend, Config, config_id
 from ..errors import describe_exception
 from ..problem import Problem
-from ..kernels.compile_processes import CompileWorkers, KeptWorkers, worker_count
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
 __all__ = ["compile_ahead", "compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
-           "first_run_jobs", "scratch_ops", "start_workers", "FIRST_RUN_THREADS"]
+           "first_run_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
-KEPT_MAX = 8  # kept compile workers, for one key's compiles at a time: about as many configs as a key offers
-_KEPT: KeptWorkers | None = None
-_KEPT_LOCK = threading.Lock()
 
 
 def _workers() -> int:
@@ -117,10 +113,9 @@ def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     return ahead, first
 
 
-def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]], processes=None) -> None:
-    """One key: its Triton configs on copies of the case's operands (in compile worker ``processes`` first, if
-    given), its first-run libraries on the case itself (inputs that such a run changed are put back; its check finds
-    it out)."""
+def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
+    """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
+    (inputs that such a run changed are put back; its check finds it out)."""
     ahead, first = _split(pairs)
     if problem.device.type != "cuda" or not (ahead or first):
         return
@@ -131,8 +126,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
                             out=case.frame.clone()[1:problem.m + 1])
 
     try:
-        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first],
-                         processes=processes)
+        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first])
     finally:
         reset_cuda_error(problem.device)
         restore_inputs(case)
@@ -276,29 +270,3 @@ def first_run_jobs(backend: Backend, problems) -> list[tuple[Problem, Config]]:
 def scratch_ops(problem: Problem, seed: int = 0):
     """Operands of ``problem`` for a run whose result nothing checks (no exact result is computed)."""
     return make_case(problem, seed, lambda p, ops: None).ops
-
-def start_workers(count: int | None = None, kept: bool = False):
-    """Compile workers where compiles can be handed out (CUDA, a Triton with async compile, not interpreted), else
-    None: ``count`` (None: ``worker_count()``; 0: none). ``kept``: this process's ``KeptWorkers`` (at most
-    ``KEPT_MAX`` of them, made once), else a new ``CompileWorkers``, started now, for the caller to close."""
-    global _KEPT
-    count = worker_count() if count is None else count
-    if not count or not _can_hand_out():
-        return None
-    if not kept:
-        return CompileWorkers(count)
-    with _KEPT_LOCK:
-        if _KEPT is None:
-            _KEPT = KeptWorkers(min(count, KEPT_MAX))
-        return _KEPT
-
-
-def _can_hand_out() -> bool:
-    import importlib.util
-
-    from ..kernels.runtime import jit_interpreted
-    from ..kernels.target import triton_missing
-
-    if triton_missing() or jit_interpreted() or not torch.cuda.is_available():
-        return False
-    return importlib.util.find_spec("triton.runtime._async_compile") is not None  # what compiles_ahead hands out to

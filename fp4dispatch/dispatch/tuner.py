@@ -113,11 +113,9 @@ def _bench(do_bench: DoBench, fn) -> tuple[float, str]:
 
 
 def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7, *,
-         screen: DoBench | None = None, search: Search = Search(), only: set | None = None,
-         processes=None) -> Tuning:
+         screen: DoBench | None = None, search: Search = Search(), only: set | None = None) -> Tuning:
     """Every candidate x config checked; the correct ones timed (screened first when ``screen`` is given and
-    ``search.keep`` > 0). ``only``: the (backend name, config id) pairs to try, the rest left out. ``processes``:
-    compile workers that compile the Triton configs (``precompile.compile_ahead``)."""
+    ``search.keep`` > 0). ``only``: the (backend name, config id) pairs to try, the rest left out."""
     seconds = dict.fromkeys(PHASES, 0.0)
     t0 = time.perf_counter()
     case = make_case(problem, seed, reference_mm)
@@ -135,7 +133,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         pairs += [(backend, c) for c in cfgs if only is None or (backend.name, config_id(c)) in only]
     t1 = time.perf_counter()
     seconds["case"] = t1 - t0
-    compile_ahead(problem, case, pairs, processes)
+    compile_ahead(problem, case, pairs)
     seconds["compile"] = time.perf_counter() - t1
     correct: list[tuple[Trial, Backend]] = []
     for backend, cfg in pairs:

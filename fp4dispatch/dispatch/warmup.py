@@ -13,11 +13,27 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .choice import Choice, resolve_device
 from .records import key_str
-from .precompile import compile_keys_ahead, compiling_keys, start_workers
+from .precompile import compile_keys_ahead, compiling_keys
+from ..kernels import jit_interpreted, triton_missing
+from ..kernels.compile_processes import CompileWorkers, worker_count
 
 __all__ = ["Warmup"]
 
 log = logging.getLogger("fp4dispatch")
+
+
+def _compile_processes(count: int | None):
+    """``count`` (None: ``worker_count()``) compile worker processes for many keys' Triton compiles
+    (compile_processes.py), where compiles can be handed out (CUDA, a Triton with async compile, not interpreted);
+    else None: compiled in threads."""
+    count = worker_count() if count is None else count
+    if not count or triton_missing() or jit_interpreted() or not torch.cuda.is_available():
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("triton.runtime._async_compile") is None:  # what compiles_ahead hands out to
+        return None
+    return CompileWorkers(count)
 
 
 def _compiles(device: torch.device) -> bool:
@@ -39,13 +55,13 @@ class Warmup:
 
     def compile_keys(self, problems, stages: dict | None = None, *, decide: bool = False) -> int:
         """Compile at once the kernels that the undecided keys of ``problems`` will try
-        (``precompile.compile_keys_ahead``: every Triton config of every key, in compile worker processes
-        (``precompile.start_workers``) or else on a thread pool, and one first run per ``first_run_unit``
-        of a library that compiles on its first run, in threads beside it); returns how many keys that was. The
-        backends of their ops are probed first if they were not, and the two overlap: the safe backends' kernels
-        compile while the probe workers work, and a worker probing a first-run library (Humming) makes these
-        keys' first runs too, filling its disk cache (``device_health``'s ``upcoming``); the rest compile once
-        every verdict is in. Without CUDA, or with a backend forced, it does nothing.
+        (``precompile.compile_keys_ahead``: every Triton config of every key, in compile worker processes (see
+        ``_compile_processes``) or else on a thread pool, and one first run per ``first_run_unit`` of a library that
+        compiles on its first run, in threads beside it); returns how many keys that was. The backends of their ops
+        are probed first if they were not, and the two overlap: the safe backends' kernels compile while the probe
+        workers work, and a worker probing a first-run library (Humming) makes these keys' first runs too, filling its
+        disk cache (``device_health``'s ``upcoming``); the rest compile once every verdict is in. Without CUDA, or
+        with a backend forced, it does nothing.
 
         ``decide``: the keys are also decided, while the kernels of the later keys still compile
         (``precompile.compiling_keys``: a key's search waits only for its own kernels). The part that needs no pending
@@ -66,12 +82,10 @@ class Warmup:
                 for key in [k for k in todo if k[0] == dev and (k in self._choices or key_str(k) in cache.decisions)]:
                     del todo[key]
         # started now, before the probe: their start-up (an import of torch each) overlaps it
-        processes = start_workers(self.settings.compile_workers) if todo else None
-        self._deciding_with = processes
+        processes = _compile_processes(self.settings.compile_workers) if todo else None
         try:
             return self._compile_keys(todo, t0, stages, decide, processes)
         finally:
-            self._deciding_with = None
             if processes is not None:
                 processes.close()
 

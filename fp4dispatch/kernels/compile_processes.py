@@ -1,5 +1,4 @@
-"""Triton compiles in worker processes: many keys' kernels at once (``precompile.compile_keys_ahead``, with the
-workers of ``precompile.start_workers``), and a new key's (``precompile.compile_ahead``, with ``KeptWorkers``, kept between keys).
+"""Triton compiles in worker processes, for compiling many keys' kernels at once (``precompile.compile_keys_ahead``).
 
 Triton's async compile mode runs each compile on an executor. On a thread pool the compiles share this process's
 GIL, which much of a compile holds (the Python front end that walks the kernel's AST), so many compiles at once
@@ -25,10 +24,9 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-__all__ = ["CompileWorkers", "CompileExecutor", "KeptWorkers", "WorkerGone", "compile_job", "worker_count"]
+__all__ = ["CompileWorkers", "CompileExecutor", "WorkerGone", "compile_job", "worker_count"]
 
 log = logging.getLogger("fp4dispatch")
 _JOB_NAMES = ("src", "target", "options")  # what Triton's async compile closure must hold for a job
@@ -36,8 +34,6 @@ CLOSE_WAIT_S = 2.0  # how long closing waits for a busy worker before killing it
 READY_WAIT_S = 60.0  # a worker's start (an import of torch on a loaded machine); one not ready by then is given up
 ANSWER_WAIT_S = 600.0  # one compile; a worker silent for longer is given up (its compile then happens here)
 READY = "ready"  # a worker's first answer, once it can take jobs
-IDLE_EXIT_S = 60.0  # kept workers (``KeptWorkers``) exit after this long without a compile
-IDLE_POLL_S = 5.0
 
 
 class WorkerGone(RuntimeError):
@@ -112,7 +108,7 @@ class CompileWorkers:
     def __init__(self, count: int, command: list[str] | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._alive, self._ready, self._threads, self._procs = 0, 0, [], []
+        self._alive, self._threads, self._procs = 0, [], []
         package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
         command = command or [sys.executable, "-c", _START, package]
         env = _env()
@@ -134,16 +130,6 @@ class CompileWorkers:
             t.start()
             self._threads.append(t)
 
-    @property
-    def ready(self) -> int:
-        """How many workers have said they are ready and are still there."""
-        return self._ready
-
-    def takes_jobs(self) -> bool:
-        """Whether ``CompileExecutor`` should hand compiles to these workers: always (a job waits for a worker that
-        is still starting)."""
-        return True
-
     def submit(self, job: tuple) -> Future:
         f: Future = Future()
         with self._lock:
@@ -154,7 +140,6 @@ class CompileWorkers:
         return f
 
     def _feed(self, proc: subprocess.Popen, answers) -> None:
-        ready = False
         try:
             try:
                 if _answer(answers, READY_WAIT_S) != READY:
@@ -162,9 +147,6 @@ class CompileWorkers:
             except Exception as e:  # noqa: BLE001 - it exited, hung or is something else: the others take its jobs
                 log.debug("fp4dispatch: a compile worker did not start (%s)", e)
                 return
-            with self._lock:
-                self._ready += 1
-            ready = True
             while (item := self._jobs.get()) is not None:
                 job, f = item
                 if not f.set_running_or_notify_cancel():
@@ -182,13 +164,12 @@ class CompileWorkers:
                 else:
                     f.set_exception(RuntimeError(answer))
         finally:
-            self._gone(proc, ready)
+            self._gone(proc)
             answers.close()
 
-    def _gone(self, proc: subprocess.Popen, ready: bool) -> None:
+    def _gone(self, proc: subprocess.Popen) -> None:
         with self._lock:
             self._alive -= 1
-            self._ready -= ready
             last = self._alive == 0
         while last:  # no one else will take what is queued
             try:
@@ -241,7 +222,7 @@ class CompileExecutor(Executor):
         self._workers = workers
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
-        job = compile_job(fn) if self._workers is not None and self._workers.takes_jobs() else None
+        job = compile_job(fn) if self._workers is not None else None
         if job is None:
             if self._workers is not None:
                 log.debug("fp4dispatch: a compile the workers cannot take (%s) is compiled in this process",
@@ -259,53 +240,3 @@ def _after(remote: Future, fn, args: tuple, kwargs: dict):
     except Exception as e:  # noqa: BLE001 - compiled here instead; this compile raises the real error, if any
         log.debug("fp4dispatch: a compile worker did not compile a kernel (%s); compiling it here", e)
     return fn(*args, **kwargs)
-
-
-class KeptWorkers:
-    """Compile workers kept between the compiles of single keys (the first calls of new keys, one at a time): started
-    by the first compile offered to them, closed once none was offered for ``IDLE_EXIT_S`` and none is left. Until
-    one of them is ready (each starts with an import of torch), they take no job: a key's compiles run in threads
-    here as before, so the first new key never waits for them."""
-
-    def __init__(self, count: int):
-        self._count = count
-        self._lock = threading.Lock()
-        self._pool: CompileWorkers | None = None
-        self._used = 0.0  # time.monotonic() of the last offer
-        self._open = 0  # jobs handed out and not answered yet
-
-    def takes_jobs(self) -> bool:
-        with self._lock:
-            self._used = time.monotonic()
-            if self._pool is None:
-                self._pool = CompileWorkers(self._count)
-                threading.Thread(target=self._reap, args=(self._pool,), name="fp4dispatch-compile-reaper",
-                                 daemon=True).start()
-            return self._pool.ready > 0
-
-    def submit(self, job: tuple) -> Future:
-        with self._lock:
-            pool, self._used, self._open = self._pool, time.monotonic(), self._open + 1
-        if pool is None:  # reaped since takes_jobs said yes: compiled here
-            f: Future = Future()
-            f.set_exception(WorkerGone("the kept compile workers were closed"))
-        else:
-            f = pool.submit(job)
-        f.add_done_callback(self._answered)
-        return f
-
-    def _answered(self, _f: Future) -> None:
-        with self._lock:
-            self._open -= 1
-
-    def _reap(self, pool: CompileWorkers) -> None:
-        while True:
-            time.sleep(IDLE_POLL_S)
-            with self._lock:
-                if self._open or time.monotonic() - self._used < IDLE_EXIT_S:
-                    continue
-                self._pool = None
-            pool.close()
-            log.debug("fp4dispatch: kept compile workers closed after %.0f s without a compile", IDLE_EXIT_S)
-            return
-
