@@ -291,8 +291,10 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
     """``launch``'s work; returns (compiled kernel, remaining parameters, ``direct_launcher``'s or None) when the
     compiled kernel was launched with that argument list (so that a launch plan may do the same), else None."""
     global _fast
-    if not _fast or jit_interpreted():
-        settle(fn)
+    interpreted = jit_interpreted()
+    if not _fast or interpreted:
+        if not interpreted:  # the interpreter has no cache keys
+            settle(fn)
         if getattr(_tls, "ahead", False):
             _hand_out(fn, grid, args, kwargs)
         else:
