@@ -111,8 +111,13 @@ def _probe_seconds(cache_dir: str) -> dict[str, float]:
     return out
 
 
+# a key's tuning phases (tuner.PHASES) and, within compile, the wall time until its Triton configs were compiled and
+# until the first runs of a library that compiles on its first run (Humming) were over (tuner.COMPILE_PARTS)
+PHASES = ("case", "compile", "compile_triton", "compile_first_runs", "check", "screen", "time")
+
+
 def _phase_table(rows: list[dict]) -> list[str]:
-    phases = ("case", "compile", "check", "screen", "time")
+    phases = PHASES
     out = ["| M | N x K | first call s | mode | " + " | ".join(f"{p} s" for p in phases) + " | winner |",
            "|---|---|---|---|" + "---|" * len(phases) + "---|"]
     for r in rows:
@@ -126,8 +131,7 @@ def _summary(name: str, rows: list[dict]) -> str:
     if not rows:
         return f"{name}: no results (the process failed: its stderr is above)"
     firsts = sorted(r["first_s"] for r in rows)
-    tot = {p: sum((r.get("tune_s") or {}).get(p, 0) for r in rows) for p in ("case", "compile", "check", "screen",
-                                                                             "time")}
+    tot = {p: sum((r.get("tune_s") or {}).get(p, 0) for r in rows) for p in PHASES}
     return (f"{name}: {len(rows)} keys, first call median {statistics.median(firsts):.2f} s, worst {firsts[-1]:.2f} s, "
             f"sum {sum(firsts):.1f} s; phases summed: " + ", ".join(f"{p} {v:.1f} s" for p, v in tot.items()))
 
@@ -205,8 +209,7 @@ def main() -> int:
         shapes, stages = payload.get("shapes", []), payload.get("seconds", {})
         tune_s = [s.get("tune_s") or {} for s in shapes]
         probe = _probe_seconds(env["FP4DISPATCH_CACHE_DIR"])
-        phases = {ph: round(sum(t.get(ph, 0.0) for t in tune_s), 1) for ph in ("case", "compile", "check", "screen",
-                                                                                  "time")}
+        phases = {ph: round(sum(t.get(ph, 0.0) for t in tune_s), 1) for ph in PHASES}
         # stages: the tune CLI's wall time of probe, compile_keys, deciding the keys, the cuBLAS baselines ("beside"
         # and "hand_out": parts of the probe); the rest of the wall time is the process's start-up and its output
         report[part] = {"wall_s": round(wall, 2), "rc": p.returncode, "keys": len(shapes), "tune_s": tune_s,

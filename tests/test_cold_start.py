@@ -10,7 +10,7 @@ from fp4dispatch.backends.base import config_id
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.dispatch.neighbours import neighbour_keys, neighbour_picks
 from fp4dispatch.dispatch.records import key_str
-from fp4dispatch.dispatch.tuner import FULL, PHASES, Search, tune
+from fp4dispatch.dispatch.tuner import COMPILE_PARTS, FULL, PHASES, Search, tune
 from fp4dispatch.errors import InvalidInputError
 from fp4dispatch.kernels import runtime
 from fp4dispatch.problem import Problem
@@ -56,7 +56,7 @@ def test_the_screen_sends_only_the_best_few_to_the_full_timer():
     factors = [t.config["cost_factor"] for t in tuning.trials]
     assert factors == [1.0, 1.1, 1.2, 3.0, 4.0]
     assert [t.to_json().get("timed") for t in tuning.trials] == [None, None, None, "screen", "screen"]
-    assert set(tuning.seconds) == set(PHASES) and all(v >= 0 for v in tuning.seconds.values())
+    assert set(tuning.seconds) == {*PHASES, *COMPILE_PARTS} and all(v >= 0 for v in tuning.seconds.values())
 
 
 def test_the_margin_drops_a_kept_candidate_that_is_far_behind():
@@ -92,7 +92,7 @@ def test_the_dispatcher_screens_with_its_screen_timer_and_records_the_phase_seco
     d.choose(problem(16))
     entry = d.cache_for(CPU).decisions["m16-n32-k64-float32"]
     assert full.calls == 2 and entry["mode"] == "tuned"
-    assert set(entry["tune_s"]) == set(PHASES)
+    assert set(entry["tune_s"]) == {*PHASES, *COMPILE_PARTS}
     assert [t.get("timed") for t in entry["ranking"]] == [None, None, "screen", "screen"]
 
 
@@ -221,6 +221,25 @@ def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library(
     a, f, plain = Ahead("a"), FirstRun("f"), FakeBackend("plain")
     ahead, first = _split([(a, {"x": 1}), (a, {"x": 2}), (f, {"y": 1}), (f, {"y": 2}), (plain, {})])
     assert ahead == [(a, {"x": 1}), (a, {"x": 2})] and first == [(f, {"y": 1})]
+
+
+def test_a_keys_compile_phase_says_how_long_its_first_runs_took_beside_the_triton_compiles():
+    """``tune_s`` splits the compile phase (COMPILE_PARTS): until the Triton configs were compiled, and until the
+    first runs of a library that compiles on its first run were over; they overlap, so each is its own wall time."""
+    import time
+
+    from fp4dispatch.dispatch.precompile import compile_together
+
+    class SlowFirstRun(FakeBackend):
+        compiles_on_first_run = True
+
+        def run(self, problem, ops, config):
+            time.sleep(0.2)
+
+    seconds: dict = {}
+    b = SlowFirstRun("first-run")
+    compile_together([], [(problem(1), lambda: None, (b, {}))], seconds=seconds)
+    assert set(seconds) == {"triton", "first_runs"} and seconds["first_runs"] >= 0.2 and seconds["triton"] >= 0
 
 
 def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch):
@@ -495,7 +514,7 @@ def test_keys_are_searched_among_the_probed_backends_first_and_recorded_only_wit
     c = d.choose(problem(16))
     assert c is d._choices[problem(16).key] and c.backend is late and 16 in c.verified
     assert [b.name for b, _ in c.fallbacks] == ["safe"]
-    assert set(e16["tune_s"]) == set(PHASES)
+    assert set(e16["tune_s"]) == {*PHASES, *COMPILE_PARTS}
 
 
 def test_a_pending_backend_that_fails_its_probe_leaves_the_first_round_as_the_decision(tmp_path):

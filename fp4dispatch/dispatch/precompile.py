@@ -54,30 +54,36 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
             log.debug("precompile %s[%s] for %s: %s", b.name, config_id(cfg), problem, describe_exception(e))
 
 
-def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> None:
+def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> float:
+    """One first run; returns when it ended (``time.perf_counter()``)."""
     with _on(problem.device):
         try:
             ops = make_ops()  # here, not when listed: only the units running now hold operands (large shapes' are big)
         except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
             log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
-            return
+            return time.perf_counter()
         _runs(problem, ops, [pair])
         try:
             torch.cuda.synchronize(problem.device)
         except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
             pass
+    return time.perf_counter()
 
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
                      first: list[tuple[Problem, object, tuple]], *, handed_out: Callable[[], None] | None = None,
-                     compiled: Callable[[Problem], None] | None = None, processes=None) -> None:
+                     compiled: Callable[[Problem], None] | None = None, processes=None,
+                     seconds: dict | None = None) -> None:
     """Triton compiles of ``ahead`` ((problem, scratch operands maker, pairs)) on a pool (in the compile worker
     ``processes`` first, if given: ``runtime.compiles_ahead``), while ``first`` ((problem, operands maker, pair))
     run in threads. ``handed_out()``, if given, is called once every compile is handed out and every first run is
     over; then the compiles are waited for in ``ahead``'s order (the pool's), and
-    ``compiled(problem)`` is called once the kernels of that problem's pairs are in Triton's cache."""
+    ``compiled(problem)`` is called once the kernels of that problem's pairs are in Triton's cache. Without
+    ``handed_out`` the compiles are waited for first, so that ``seconds`` (if given) gets how long each side took
+    from the start: ``triton`` (handing out and waiting for the compiles) and ``first_runs``."""
     from ..kernels import runtime
 
+    t0 = time.perf_counter()
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
     futures = [pool.submit(_first_run, *job) for job in first] if pool else []
     try:
@@ -87,14 +93,19 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
                 handed.append((problem, ctx.collect()))
                 with _on(problem.device):
                     _runs(problem, make_ops(), pairs)
-            for f in futures:
-                f.result()
             if handed_out is not None:
+                for f in futures:
+                    f.result()
                 handed_out()
             for problem, kernels in handed:
                 runtime.finish(kernels)
                 if compiled is not None:
                     compiled(problem)
+            if seconds is not None:
+                seconds["triton"] = time.perf_counter() - t0
+            ends = [f.result() for f in futures]
+            if seconds is not None:
+                seconds["first_runs"] = max(ends, default=t0) - t0
     finally:
         if pool is not None:
             for f in futures:
@@ -113,9 +124,10 @@ def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     return ahead, first
 
 
-def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]]) -> None:
+def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]],
+                  seconds: dict | None = None) -> None:
     """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
-    (inputs that such a run changed are put back; its check finds it out)."""
+    (inputs that such a run changed are put back; its check finds it out). ``seconds``: ``compile_together``'s."""
     ahead, first = _split(pairs)
     if problem.device.type != "cuda" or not (ahead or first):
         return
@@ -126,7 +138,8 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
                             out=case.frame.clone()[1:problem.m + 1])
 
     try:
-        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first])
+        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first],
+                         seconds=seconds)
     finally:
         reset_cuda_error(problem.device)
         restore_inputs(case)

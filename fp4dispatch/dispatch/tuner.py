@@ -29,10 +29,12 @@ from .timer import DoBench
 from .precompile import compile_ahead
 from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
-__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES"]
+__all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES",
+           "COMPILE_PARTS"]
 
 log = logging.getLogger("fp4dispatch")
 PHASES = ("case", "compile", "check", "screen", "time")
+COMPILE_PARTS = ("compile_triton", "compile_first_runs")  # within compile, overlapping: what it waited for
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class Trial:
 @dataclass
 class Tuning:
     """A key's trials, fastest correct first (failed and incorrect last, with their reasons), and the wall seconds
-    of each phase (``PHASES``)."""
+    of each phase (``PHASES``) and, of a search, within compile (``COMPILE_PARTS``)."""
 
     trials: list[Trial]
     seconds: dict[str, float]
@@ -133,8 +135,11 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         pairs += [(backend, c) for c in cfgs if only is None or (backend.name, config_id(c)) in only]
     t1 = time.perf_counter()
     seconds["case"] = t1 - t0
-    compile_ahead(problem, case, pairs)
+    parts: dict[str, float] = {}
+    compile_ahead(problem, case, pairs, parts)
     seconds["compile"] = time.perf_counter() - t1
+    # within compile: until the Triton configs were compiled, and until the first runs were over (they overlap)
+    seconds.update(zip(COMPILE_PARTS, (parts.get("triton", 0.0), parts.get("first_runs", 0.0))))
     correct: list[tuple[Trial, Backend]] = []
     for backend, cfg in pairs:
         t = Trial(backend.name, cfg)
@@ -189,7 +194,8 @@ def merge_tunings(first: Tuning, second: Tuning, search: Search | None = None) -
             for i, t in enumerate(full):
                 t.screened = i >= search.keep or t.time_ms > best * (1 + search.margin)
             trials.sort(key=_rank)
-    return Tuning(trials, {p: first.seconds.get(p, 0.0) + second.seconds.get(p, 0.0) for p in PHASES})
+    return Tuning(trials, {p: first.seconds.get(p, 0.0) + second.seconds.get(p, 0.0)
+                           for p in dict.fromkeys([*first.seconds, *second.seconds])})
 
 
 def verify_only(problem: Problem, candidates: list[Backend], seed: int = 7) -> Tuning:
