@@ -179,7 +179,8 @@ def test_hummings_probe_worker_starts_before_this_process_imports_it(cc, humming
     assert HummingW4A4Backend().unavailable_before_import(CPU).startswith("Humming's FP4 activations need")
     monkeypatch.setitem(sys.modules, "humming", None)
     assert not _starts_first(HummingBackend(), CPU)
-    assert HummingBackend().unavailable_before_import(CPU) == "humming is not installed (pip install fp4dispatch[humming])"
+    assert HummingBackend().unavailable_before_import(CPU) == ("humming is not installed "
+                                                               "(pip install fp4dispatch[humming])")
 
 
 def test_a_humming_without_the_functional_api_is_a_reason(cc, humming):

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..backends.base import Backend
-from .probe import Verdict, describe_exception
+from .probe import Verdict, describe_exception, unavailable_reason
 
 __all__ = ["probe_isolated"]
 
@@ -47,13 +47,6 @@ def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
             return False
 
 
-def _unavailable(backend: Backend, device: torch.device) -> str | None:
-    try:
-        return backend.unavailable(device)
-    except Exception as e:  # noqa: BLE001 - as probe_backend words it
-        return f"availability check raised {describe_exception(e)}"
-
-
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
                    cancel: threading.Event | None = None, check_here: bool = False) -> Verdict:
     """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
@@ -72,7 +65,7 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
     child.close()
     try:
-        if check_here and (why := _unavailable(backend, device)):
+        if check_here and (why := unavailable_reason(backend, device)):
             proc.kill()
             proc.join(5)
             return Verdict("unavailable", why)

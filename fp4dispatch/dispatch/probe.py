@@ -20,7 +20,8 @@ from .precompile import compile_together, first_run_jobs, scratch_ops
 from .records import STATUSES, Verdict
 from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
-__all__ = ["Verdict", "STATUSES", "probe_backend", "probe_problem", "describe_exception", "reset_cuda_error"]
+__all__ = ["Verdict", "STATUSES", "probe_backend", "probe_problem", "describe_exception", "reset_cuda_error",
+           "unavailable_reason"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -33,6 +34,14 @@ def probe_problem(backend: Backend, m: int, device: torch.device) -> Problem:
                    PROBE_E if op == "grouped" else 0)
 
 
+def unavailable_reason(backend: Backend, device: torch.device) -> str | None:
+    """``backend.unavailable(device)``; a check that raises is a reason too."""
+    try:
+        return backend.unavailable(device)
+    except Exception as e:  # noqa: BLE001 - a broken availability check is a verdict too
+        return f"availability check raised {describe_exception(e)}"
+
+
 def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upcoming: tuple = ()) -> Verdict:
     """Run ``backend`` on the probe problems (fresh hostile random inputs, NaN-poisoned out) against the reference.
     ``upcoming``: problems of keys about to be decided; a first-run library makes their first runs with the probe's
@@ -42,11 +51,7 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upco
     def verdict(status: str, reason: str = "", wrong_ms: tuple = ()) -> Verdict:
         return Verdict(status, reason, round(time.perf_counter() - t0, 4), wrong_ms=wrong_ms)
 
-    try:
-        why = backend.unavailable(device)
-    except Exception as e:  # noqa: BLE001 - a broken availability check is a verdict too
-        return verdict("unavailable", f"availability check raised {describe_exception(e)}")
-    if why:
+    if why := unavailable_reason(backend, device):
         return verdict("unavailable", why)
     _compile_ahead(backend, device, seed, upcoming)
     wrong: dict[int, str] = {}

@@ -14,7 +14,7 @@ from ..problem import Problem
 from .choice import Choice, resolve_device
 from .records import key_str
 from .precompile import compile_keys_ahead, compiling_keys
-from ..kernels import jit_interpreted, triton_missing
+from ..kernels.runtime import can_hand_out
 from ..kernels.compile_processes import CompileWorkers, worker_count
 
 __all__ = ["Warmup"]
@@ -24,14 +24,10 @@ log = logging.getLogger("fp4dispatch")
 
 def _compile_processes(count: int | None):
     """``count`` (None: ``worker_count()``) compile worker processes for many keys' Triton compiles
-    (compile_processes.py), where compiles can be handed out (CUDA, a Triton with async compile, not interpreted);
-    else None: compiled in threads."""
+    (compile_processes.py), where compiles can be handed out (CUDA, ``runtime.can_hand_out``); else None: compiled
+    in threads."""
     count = worker_count() if count is None else count
-    if not count or triton_missing() or jit_interpreted() or not torch.cuda.is_available():
-        return None
-    import importlib.util
-
-    if importlib.util.find_spec("triton.runtime._async_compile") is None:  # what compiles_ahead hands out to
+    if not count or not torch.cuda.is_available() or not can_hand_out():
         return None
     return CompileWorkers(count)
 

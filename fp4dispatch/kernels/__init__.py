@@ -10,6 +10,7 @@ needs it.
   (pre-decoded operands, split-K partials and counters); ``plan.py``: launch plans (an eager call's launches
   recorded once, replayed with only the addresses bound); ``target.py``: what the device and Triton allow;
   ``compile_processes.py`` / ``compile_worker.py``: many keys' compiles in worker processes, out of the GIL;
+  ``cache_keys.py``: one Triton cache key per kernel in every process;
 - ``dequant.py`` / ``quantize.py`` (kernels in ``_dequant.py`` / ``_quantize.py``).
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (Triton's interpreter), which is how CI tests them.
 docs/kernels.md describes each family; docs/architecture.md how to add one.

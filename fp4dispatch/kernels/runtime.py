@@ -18,6 +18,7 @@ through the compiled kernels' launchers with only the addresses bound.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import threading
@@ -28,7 +29,8 @@ from .cache_keys import settle
 
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
            "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
-           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "finish"]
+           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "finish",
+           "can_hand_out"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -189,6 +191,17 @@ def compiling_ahead() -> bool:
     return getattr(_tls, "ahead", False)
 
 
+def can_hand_out() -> bool:
+    """Whether compiles can be handed out ahead of launches (``compiles_ahead``): Triton compiles (no interpreter)
+    and has async compile (a Triton before it compiles every kernel at its first launch)."""
+    if jit_interpreted():
+        return False
+    try:
+        return importlib.util.find_spec("triton.runtime._async_compile") is not None
+    except ImportError:  # no Triton
+        return False
+
+
 class compiles_ahead:
     """Within this context, ``launch`` of a kernel not yet compiled for its arguments launches nothing: it hands the
     compile to Triton's async compile mode (``triton.runtime._async_compile.AsyncCompileMode``) on a pool of
@@ -209,12 +222,10 @@ class compiles_ahead:
         self.workers, self.processes, self.active, self._mode, self._pool = workers, processes, False, None, None
 
     def __enter__(self) -> "compiles_ahead":
-        if self.workers < 1 or jit_interpreted() or compiling_ahead():
+        if self.workers < 1 or compiling_ahead() or not can_hand_out():
             return self
-        try:
-            from triton.runtime._async_compile import AsyncCompileMode
-        except ImportError:  # a Triton before async compile: every compile happens at the first launch
-            return self
+        from triton.runtime._async_compile import AsyncCompileMode
+
         from .compile_processes import CompileExecutor
 
         self._pool = CompileExecutor(self.workers, self.processes)
