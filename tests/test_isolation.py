@@ -48,18 +48,56 @@ def test_a_worker_that_dies_making_the_new_keys_first_runs_is_not_cached_as_the_
 
 
 def test_the_worker_hands_its_upcoming_first_runs_to_the_probe(monkeypatch):
-    """What the parent sends is what the probe gets (the worker's function, run here rather than spawned)."""
-    import multiprocessing as mp
-
+    """What the parent sends is what the probe gets (the worker's function, run here rather than in a worker)."""
     from fp4dispatch.dispatch import isolate, probe
     from fp4dispatch.dispatch.records import Verdict
 
     got = []
     monkeypatch.setattr(probe, "probe_backend", lambda b, dev, upcoming=(): got.append(upcoming) or Verdict("ok"))
-    parent, child = mp.Pipe(duplex=False)
     upcoming = (Problem(64, 4096, 4096, torch.bfloat16, CPU), Problem(8, 1024, 512, torch.float16, CPU))
-    isolate._worker(child, FakeBackend("lib", risky=True), "cpu", upcoming)
-    assert got == [upcoming] and parent.recv()["status"] == "ok"
+    assert isolate._verdict(FakeBackend("lib", risky=True), "cpu", upcoming)["status"] == "ok"
+    assert got == [upcoming]
+
+
+# A user's script without a main guard that probes a backend in a worker. A multiprocessing child would run it
+# again (the marker file would get two lines, and the child's own probe would fail to start a process).
+UNGUARDED = """import sys
+import torch
+from fp4dispatch.dispatch.isolate import probe_isolated
+from fp4dispatch.testing import FakeBackend
+with open(sys.argv[1], "a") as f:
+    print("ran", file=f)
+v = probe_isolated(FakeBackend("native", risky=True), torch.device("cpu"), 120.0)
+print(v.status, v.reason)
+"""
+
+
+def test_a_probe_worker_does_not_run_the_callers_unguarded_script_again(tmp_path):
+    import subprocess
+    import sys
+
+    script, marker = tmp_path / "infer.py", tmp_path / "ran.txt"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+    assert marker.read_text() == "ran\n"
+
+
+class DefinedInMain(FakeBackend):
+    pass
+
+
+def test_a_backend_defined_in_the_main_script_is_not_sent_to_a_worker_and_the_verdict_says_how_to_fix_it(
+        monkeypatch):
+    monkeypatch.setattr(DefinedInMain, "__module__", "__main__")
+    v = probe_isolated(DefinedInMain("mine", risky=True), CPU, 60.0)
+    assert (v.status, v.transient) == ("failed", True)
+    assert v.reason == ("'mine' cannot be probed in a worker process: its class is defined in the main script, which "
+                        "a worker does not run; define it in an importable module, or probe it in this process "
+                        "(FP4DISPATCH_ISOLATE=0)")
 
 
 def test_an_interrupted_probe_kills_its_workers_instead_of_waiting_for_their_timeouts(tmp_path):

@@ -1,32 +1,49 @@
-"""Run a probe in a spawned worker process with a timeout, so that a crash or a sticky CUDA error (illegal
-instruction, vLLM #38423) cannot ruin the caller's process. A dead or hung worker is a ``failed`` verdict."""
+"""Run a probe in a worker process with a timeout, so that a crash or a sticky CUDA error (illegal instruction, vLLM
+#38423) cannot ruin the caller's process. A dead or hung worker is a ``failed`` verdict.
+
+The worker is fp4dispatch/worker_process.py's (``main`` below), not a ``multiprocessing`` child, which would run the
+caller's main script again first. It gets this process's module path and one job: the backend, the device and the
+upcoming problems, pickled; it answers the verdict's JSON."""
 from __future__ import annotations
 
-import multiprocessing as mp
+import pickle
+import select
 import signal
+import sys
 import threading
 import time
 
 import torch
 
+from .. import worker_process
 from ..backends.base import Backend
 from .probe import Verdict, describe_exception, unavailable_reason
 
-__all__ = ["probe_isolated"]
+__all__ = ["probe_isolated", "main"]
 
 CANCEL_POLL_S = 0.25  # how often a waiting caller looks at its cancel event
 
 
-def _worker(conn, backend: Backend, device_str: str, upcoming: tuple) -> None:
+def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
     from .probe import probe_backend
 
     try:
-        v = probe_backend(backend, torch.device(device_str), upcoming=upcoming)
-        conn.send(v.to_json())
+        return probe_backend(backend, torch.device(device_str), upcoming=upcoming).to_json()
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
-        conn.send({"status": "failed", "reason": describe_exception(e)})
-    finally:
-        conn.close()
+        return {"status": "failed", "reason": describe_exception(e)}
+
+
+def main() -> None:
+    """A probe worker: one job on stdin, its verdict's JSON on the answer pipe."""
+    answers = worker_process.answer_pipe()
+    try:
+        job = pickle.loads(worker_process.read_frame(sys.stdin.buffer) or b"")
+    except Exception as e:  # noqa: BLE001 - a class this process cannot import, say
+        answer = {"status": "failed", "reason": f"the probe worker could not rebuild its job: {describe_exception(e)}"}
+    else:
+        answer = _verdict(*job)
+    pickle.dump(answer, answers)
+    answers.flush()
 
 
 def _signal_name(code: int) -> str:
@@ -36,12 +53,13 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
-    """``conn.poll(timeout_s)`` in short steps that give up once ``cancel`` is set."""
+def _wait(answers, timeout_s: float, cancel: threading.Event | None) -> bool:
+    """Whether the worker's answer (or its end) came within ``timeout_s``, looking at ``cancel`` in short steps and
+    giving up once it is set."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
-        if conn.poll(max(0.0, min(left, CANCEL_POLL_S) if cancel is not None else left)):
+        if select.select([answers], [], [], max(0.0, min(left, CANCEL_POLL_S) if cancel is not None else left))[0]:
             return True
         if left <= 0 or (cancel is not None and cancel.is_set()):
             return False
@@ -49,49 +67,54 @@ def _wait(conn, timeout_s: float, cancel: threading.Event | None) -> bool:
 
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
                    cancel: threading.Event | None = None, check_here: bool = False) -> Verdict:
-    """``probe_backend`` in a fresh spawned process; ``failed: worker died (...)`` / ``failed: timed out ...``.
+    """``probe_backend`` in a fresh worker process; ``failed: worker died (...)`` / ``failed: timed out ...``.
     ``upcoming``: new keys' problems whose first runs the worker makes with the probe's (``probe_backend``), one per
     ``first_run_unit``; ``timeout_s`` must allow them.
     A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
     ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict.
     ``check_here``: ``backend.unavailable`` runs in this process once the worker has started (its library's import
     overlaps the worker's start); a reason there kills the worker and is the verdict."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_worker, args=(child, backend, str(device), tuple(upcoming)), daemon=True)
+    if type(backend).__module__ == "__main__":
+        return Verdict("failed", f"{backend.name!r} cannot be probed in a worker process: its class is defined in the "
+                       f"main script, which a worker does not run; define it in an importable module, or probe it "
+                       f"in this process (FP4DISPATCH_ISOLATE=0)", transient=True)
     try:
-        proc.start()
+        job = pickle.dumps((backend, str(device), tuple(upcoming)))
+        proc, answers = worker_process.start(worker_process.command("fp4dispatch.dispatch.isolate", list(sys.path)))
     except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
-    child.close()
     try:
+        try:
+            worker_process.write_frame(proc.stdin, job)
+        except OSError:
+            pass  # it died at once: its exit code says how, below
         if check_here and (why := unavailable_reason(backend, device)):
-            proc.kill()
-            proc.join(5)
             return Verdict("unavailable", why)
-        if _wait(parent, timeout_s, cancel):
+        if _wait(answers, timeout_s, cancel):
             try:
-                return Verdict.from_json(parent.recv())
+                return Verdict.from_json(worker_process.read_answer(answers, 0))
             except EOFError:
                 pass  # the worker died before it could answer
         elif cancel is not None and cancel.is_set():
-            proc.kill()
-            proc.join(5)
             return Verdict("failed", "probe interrupted (worker killed)", transient=True)
         else:
-            proc.kill()
-            proc.join(5)
             # transient: not cached, since a first-use JIT compile (FlashInfer cutlass/trtllm) can be that slow
             return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s, transient=True)
-        proc.join(timeout_s)
-        code = proc.exitcode
+        try:
+            code = proc.wait(timeout_s)
+        except Exception:  # noqa: BLE001 - closed its pipe but lives on: killed below
+            code = None
         how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
         if upcoming:  # the probe or one of the keys' shapes: kept out of this process, probed again by the next
             return Verdict("failed", f"worker died ({how}) while probing and making the first runs of "
                            f"{len(upcoming)} new keys (not cached)", transient=True)
         return Verdict("failed", f"worker died ({how})")
     finally:
-        parent.close()
-        if proc.is_alive():
+        answers.close()
+        if proc.poll() is None:
             proc.kill()
-            proc.join(5)
+        try:
+            proc.stdin.close()
+            proc.wait(5)
+        except Exception:  # noqa: BLE001 - a broken pipe, or a process the kernel has not reaped yet
+            pass

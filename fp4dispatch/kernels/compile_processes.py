@@ -9,8 +9,7 @@ A compile the workers cannot take (its kernel is not a module-level name, an arg
 whose compile closure holds other names) or that failed there compiles in the thread as before: a kernel never
 depends on the workers, only how soon it is ready.
 
-The workers are plain subprocesses, not ``multiprocessing``'s: a spawned ``multiprocessing`` child re-runs the
-caller's main script, which a user's script without an ``if __name__ == "__main__":`` guard does not survive.
+The workers are plain subprocesses that run this process's fp4dispatch (fp4dispatch/worker_process.py says why).
 Each worker imports fp4dispatch (and torch) once, then compiles job after job; they start when a
 ``CompileWorkers`` is made and stop when it is closed (or when this process exits: their stdin closes).
 """
@@ -20,11 +19,11 @@ import logging
 import os
 import pickle
 import queue
-import select
 import subprocess
-import sys
 import threading
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+from .. import worker_process
 
 __all__ = ["CompileWorkers", "CompileExecutor", "WorkerGone", "compile_job", "worker_count"]
 
@@ -75,32 +74,6 @@ def compile_job(compile_fn) -> tuple | None:
     return job
 
 
-# A worker's start: this process's fp4dispatch, loaded from its own file (argv[1]), then compile_worker's loop. Not
-# ``python -m``, which puts the current directory first on the path: a directory holding another fp4dispatch (a
-# checkout) would have the workers compile that one's kernels, under keys this process never uses. The current
-# directory ('' entries) is left off the path for the same reason; the rest of the path is this process's environment.
-_START = ("import importlib.util, sys\n"
-          "sys.path[:] = [p for p in sys.path if p]\n"
-          "spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
-          "sys.modules['fp4dispatch'] = package = importlib.util.module_from_spec(spec)\n"
-          "spec.loader.exec_module(package)\n"
-          "from fp4dispatch.kernels.compile_worker import main\n"
-          "main()\n")
-
-
-def _env() -> dict:
-    """The workers' environment: this one, with Triton's cache dir as this process uses it (it may have been set in
-    code)."""
-    env = dict(os.environ)
-    try:
-        from triton import knobs
-
-        env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
-    except Exception:  # noqa: BLE001 - a Triton without knobs reads the variable itself
-        pass
-    return env
-
-
 class CompileWorkers:
     """``count`` compile worker processes fed from one queue, each by a thread of this process; ``submit(job)``
     returns a future of None (compiled into the disk cache), or of the worker's error."""
@@ -109,22 +82,15 @@ class CompileWorkers:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._alive, self._threads, self._procs = 0, [], []
-        package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py")
-        command = command or [sys.executable, "-c", _START, package]
-        env = _env()
+        command = command or worker_process.command("fp4dispatch.kernels.compile_worker")
         for i in range(count):
-            read, write = os.pipe()  # the answers' own pipe: the worker's stdout may carry anything it prints
             try:
-                proc = subprocess.Popen([*command, str(write)], stdin=subprocess.PIPE, env=env, pass_fds=(write,))
+                proc, answers = worker_process.start(command)
             except OSError as e:
                 log.debug("fp4dispatch: a compile worker did not start (%s)", e)
-                os.close(read)
                 continue
-            finally:
-                os.close(write)
             self._alive += 1
             self._procs.append(proc)
-            answers = os.fdopen(read, "rb")
             t = threading.Thread(target=self._feed, args=(proc, answers), name=f"fp4dispatch-compile-worker-{i}",
                                  daemon=True)
             t.start()
@@ -142,7 +108,7 @@ class CompileWorkers:
     def _feed(self, proc: subprocess.Popen, answers) -> None:
         try:
             try:
-                if _answer(answers, READY_WAIT_S) != READY:
+                if worker_process.read_answer(answers, READY_WAIT_S) != READY:
                     raise ValueError("not a compile worker")
             except Exception as e:  # noqa: BLE001 - it exited, hung or is something else: the others take its jobs
                 log.debug("fp4dispatch: a compile worker did not start (%s)", e)
@@ -152,10 +118,8 @@ class CompileWorkers:
                 if not f.set_running_or_notify_cancel():
                     continue
                 try:
-                    data = pickle.dumps(job)
-                    proc.stdin.write(len(data).to_bytes(8, "little") + data)  # compile_worker.py's framing
-                    proc.stdin.flush()
-                    answer = _answer(answers, ANSWER_WAIT_S)
+                    worker_process.write_frame(proc.stdin, pickle.dumps(job))
+                    answer = worker_process.read_answer(answers, ANSWER_WAIT_S)
                 except Exception as e:  # noqa: BLE001 - EOF, a broken pipe or a timeout: the worker is lost
                     f.set_exception(WorkerGone(f"a compile worker was lost ({type(e).__name__}, code {proc.poll()})"))
                     return
@@ -203,13 +167,6 @@ class CompileWorkers:
                 proc.kill()
         for t in self._threads:
             t.join()
-
-
-def _answer(answers, wait: float):
-    """The worker's next answer, waiting at most ``wait`` seconds for it to begin (TimeoutError)."""
-    if not select.select([answers], [], [], wait)[0]:
-        raise TimeoutError(f"no answer in {wait:.0f} s")
-    return pickle.load(answers)
 
 
 class CompileExecutor(Executor):

@@ -1,16 +1,14 @@
-"""A compile worker process (``main``; compile_processes.py starts it with its parent's fp4dispatch and the pipe ``FD``
-as the last argument): reads pickled compile jobs on stdin (each an 8-byte little-endian length, then the pickle),
-compiles each with ``triton.compile`` into Triton's disk cache, and answers each on ``FD`` with None, or the error
-as text; its first answer, "ready", says it can take jobs. A job is ``compile_processes.compile_job``'s tuple. Needs
-no GPU: the job names the target. The answers have a pipe of their own, not stdout, so that nothing an import or a
-compiler prints can garble them."""
+"""A compile worker process (``main``; compile_processes.py starts it, as fp4dispatch/worker_process.py describes):
+reads compile jobs on stdin, one frame each, compiles each with ``triton.compile`` into Triton's disk cache, and
+answers each on its answer pipe with None, or the error as text; its first answer, "ready", says it can take jobs. A
+job is ``compile_processes.compile_job``'s tuple. Needs no GPU: the job names the target."""
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import sys
 
+from ..worker_process import answer_pipe, read_frame
 from .cache_keys import settle
 
 
@@ -34,15 +32,10 @@ def compile_one(job: tuple) -> None:
 
 
 def main() -> None:
-    jobs = sys.stdin.buffer
-    answers = os.fdopen(int(sys.argv[-1]), "wb")
+    answers = answer_pipe()
     pickle.dump("ready", answers)  # compile_processes.READY: imported, taking jobs
     answers.flush()
-    while True:
-        head = jobs.read(8)  # each job: its length, then its pickle (a job that fails to unpickle is still read whole)
-        if len(head) < 8:  # the parent closed the pipe (it is done, or exiting)
-            return
-        data = jobs.read(int.from_bytes(head, "little"))
+    while (data := read_frame(sys.stdin.buffer)) is not None:  # None: the parent closed the pipe (done, or exiting)
         try:
             job = pickle.loads(data)
         except Exception as e:  # noqa: BLE001 - not rebuilt here (a class this process cannot import)

@@ -1,0 +1,94 @@
+"""Worker processes that run this process's fp4dispatch: the compile workers (kernels/compile_processes.py) and the
+probe workers (dispatch/isolate.py).
+
+They are plain subprocesses, not ``multiprocessing``'s: a spawned ``multiprocessing`` child re-runs the caller's
+main script (as ``__mp_main__``), which a user's script without an ``if __name__ == "__main__":`` guard does not
+survive (its model load, or its whole run, happens again in each worker, and a worker it starts fails). Nor ``python
+-m``, which puts the current directory first on the path: a directory holding another fp4dispatch (a checkout) would
+run that one. A worker loads this process's fp4dispatch from its file, then runs ``main()`` of the module it is given.
+
+A worker reads its jobs on stdin, each a frame (``write_frame``: an 8-byte little-endian length, then a pickle), and
+answers each with a pickle on a pipe of its own (the last argument, ``answer_pipe()``), not on stdout, which may carry
+whatever an import or a compiler prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import subprocess
+import sys
+from typing import BinaryIO
+
+__all__ = ["command", "start", "write_frame", "read_frame", "read_answer", "answer_pipe"]
+
+# argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
+# environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe)
+_START = ("import importlib, importlib.util, json, sys\n"
+          "path = json.loads(sys.argv[3])\n"
+          "sys.path[:] = [p for p in sys.path if p] if path is None else path\n"
+          "spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
+          "sys.modules['fp4dispatch'] = package = importlib.util.module_from_spec(spec)\n"
+          "spec.loader.exec_module(package)\n"
+          "importlib.import_module(sys.argv[2]).main()\n")
+
+
+def command(module: str, path: list[str] | None = None) -> list[str]:
+    """The command line (less the answer pipe's fd, which ``start`` adds) of a worker running ``module.main()``.
+    ``path``: its module path, e.g. this process's ``sys.path`` so that what it is sent unpickles (a class from the
+    caller's own modules); None: the environment's."""
+    package = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py")
+    return [sys.executable, "-c", _START, package, module, json.dumps(path)]
+
+
+def _environment() -> dict:
+    """A worker's environment: this one, with Triton's cache dir as this process uses it (it may have been set in
+    code)."""
+    env = dict(os.environ)
+    try:
+        from triton import knobs
+
+        env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
+    except Exception:  # noqa: BLE001 - no Triton, or one without knobs, which reads the variable itself
+        pass
+    return env
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen, BinaryIO]:
+    """The worker ``cmd`` started, with a pipe for its jobs on stdin: (the process, its answers' reading end).
+    Raises OSError when it cannot start."""
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen([*cmd, str(write)], stdin=subprocess.PIPE, env=_environment(), pass_fds=(write,))
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return proc, os.fdopen(read, "rb")
+
+
+def write_frame(stream: BinaryIO, data: bytes) -> None:
+    """``data`` (a pickle) as one frame, flushed."""
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> bytes | None:
+    """The next frame's pickle, unread (a job that does not unpickle is still read whole); None at the end."""
+    head = stream.read(8)
+    return None if len(head) < 8 else stream.read(int.from_bytes(head, "little"))
+
+
+def read_answer(answers: BinaryIO, wait: float):
+    """The worker's next answer, waiting at most ``wait`` seconds for it to begin (TimeoutError); EOFError when the
+    worker closed its pipe (it exited) first."""
+    if not select.select([answers], [], [], wait)[0]:
+        raise TimeoutError(f"no answer in {wait:.0f} s")
+    return pickle.load(answers)
+
+
+def answer_pipe() -> BinaryIO:
+    """In a worker: the pipe its answers go to."""
+    return os.fdopen(int(sys.argv[-1]), "wb")
