@@ -223,9 +223,12 @@ def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library(
     assert ahead == [(a, {"x": 1}), (a, {"x": 2})] and first == [(f, {"y": 1})]
 
 
-def test_a_keys_compile_phase_says_how_long_its_first_runs_took_beside_the_triton_compiles():
+def test_a_keys_compile_phase_says_how_long_its_first_runs_took_beside_the_triton_compiles(caplog):
     """``tune_s`` splits the compile phase (COMPILE_PARTS): until the Triton configs were compiled, and until the
-    first runs of a library that compiles on its first run were over; they overlap, so each is its own wall time."""
+    first runs of a library that compiles on its first run were over; they overlap, so each is its own wall time.
+    Each first run's seconds are logged too (DEBUG)."""
+    import logging
+    import re
     import time
 
     from fp4dispatch.dispatch.precompile import compile_together
@@ -238,8 +241,11 @@ def test_a_keys_compile_phase_says_how_long_its_first_runs_took_beside_the_trito
 
     seconds: dict = {}
     b = SlowFirstRun("first-run")
-    compile_together([], [(problem(1), lambda: None, (b, {}))], seconds=seconds)
+    with caplog.at_level(logging.DEBUG, logger="fp4dispatch"):
+        compile_together([], [(problem(1), lambda: None, (b, {}))], seconds=seconds)
     assert set(seconds) == {"triton", "first_runs"} and seconds["first_runs"] >= 0.2 and seconds["triton"] >= 0
+    line = re.search(r"first run of first-run for .*: operands (\S+) s, run (\S+) s", caplog.text)
+    assert line and float(line[2]) >= 0.2, caplog.text
 
 
 def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch):

@@ -55,19 +55,25 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
 
 
 def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> float:
-    """One first run; returns when it ended (``time.perf_counter()``)."""
+    """One first run; returns when it ended (``time.perf_counter()``). Its operands' making and its run are logged
+    (DEBUG) with their seconds: what a cold tune waits for in a library's first runs."""
+    t0 = time.perf_counter()
     with _on(problem.device):
         try:
             ops = make_ops()  # here, not when listed: only the units running now hold operands (large shapes' are big)
         except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
             log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
             return time.perf_counter()
+        t1 = time.perf_counter()
         _runs(problem, ops, [pair])
         try:
             torch.cuda.synchronize(problem.device)
         except Exception:  # noqa: BLE001 - a fault is reset by the caller and found again by the check
             pass
-    return time.perf_counter()
+    end = time.perf_counter()
+    log.debug("fp4dispatch: first run of %s for %s: operands %.2f s, run %.2f s", pair[0].name, problem, t1 - t0,
+              end - t1)
+    return end
 
 
 def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
