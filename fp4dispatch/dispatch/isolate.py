@@ -80,7 +80,7 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
                        f"in this process (FP4DISPATCH_ISOLATE=0)", transient=True)
     try:
         job = pickle.dumps((backend, str(device), tuple(upcoming)))
-        proc, answers = worker_process.start(worker_process.command("fp4dispatch.dispatch.isolate", list(sys.path)))
+        proc, answers = worker_process.start(worker_process.command(__name__, list(sys.path)))
     except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
     try:
