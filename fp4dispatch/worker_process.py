@@ -1,5 +1,5 @@
-"""Worker processes that run this process's fp4dispatch: the compile workers (kernels/compile_processes.py) and the
-probe workers (dispatch/isolate.py).
+"""Worker processes that run this process's fp4dispatch: the compile workers (kernels/compile_processes.py), the
+probe workers (dispatch/isolate.py) and ``tune --devices``' device processes (cli/distributed.py).
 
 They are plain subprocesses, not ``multiprocessing``'s: a spawned ``multiprocessing`` child re-runs the caller's
 main script (as ``__mp_main__``), which a user's script without an ``if __name__ == "__main__":`` guard does not
@@ -81,9 +81,9 @@ def read_frame(stream: BinaryIO) -> bytes | None:
     return None if len(head) < 8 else stream.read(int.from_bytes(head, "little"))
 
 
-def read_answer(answers: BinaryIO, wait: float):
-    """The worker's next answer, waiting at most ``wait`` seconds for it to begin (TimeoutError); EOFError when the
-    worker closed its pipe (it exited) first."""
+def read_answer(answers: BinaryIO, wait: float | None):
+    """The worker's next answer, waiting at most ``wait`` seconds for it to begin (TimeoutError; None: as long as it
+    takes); EOFError when the worker closed its pipe (it exited) first."""
     if not select.select([answers], [], [], wait)[0]:
         raise TimeoutError(f"no answer in {wait:.0f} s")
     return pickle.load(answers)

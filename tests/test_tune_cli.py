@@ -433,12 +433,22 @@ def test_devices_processes_split_shapes_of_equal_devices(tmp_path):
     (cache,) = Path(opts.cache_dir).glob("decisions-*.json")
     assert set(json.loads(cache.read_text())["decisions"]) == set(keys[0] + keys[1])
     # a device whose process died: its share is reported as failed rows, the others' rows stay
-    dead = {"device": "cuda:1", "rows": [], "backends": [], "error": "BrokenProcessPool: worker died",
+    dead = {"device": "cuda:1", "rows": [], "backends": [], "error": "it died, exit code -11",
             "unfinished": presets.expand_shapes([(4096, 1024, 1024, "layer")])}
     rows, backends, notes = distributed.merge_device_results(results + [dead])
     assert len(rows) == 4 and len(backends) == len(results[0]["backends"]) + len(results[1]["backends"])
     assert [r["status"] for r in rows if r["tuned_by"] == "cuda:1"] == ["error"]
-    assert notes == ["cuda:1: its tuning process died (BrokenProcessPool: worker died)"]
+    assert notes == ["cuda:1: its tuning process failed (it died, exit code -11)"]
+
+
+def test_a_device_process_that_raises_reports_why_with_its_unfinished_shapes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_SEARCH", "bogus")  # read by each device process's dispatcher, not by this one
+    shapes = presets.expand_shapes([(m, 256, 512, "x") for m in (1, 16)])
+    results = distributed.run_on_devices(["cpu", "cpu"], shapes, TuneOptions(progress=False, cache_dir=str(tmp_path)))
+    assert [r["rows"] for r in results] == [[], []]
+    assert [r["unfinished"] for r in results] == [shapes[:1], shapes[1:]]
+    assert all(r["error"] == "InvalidInputError: FP4DISPATCH_SEARCH='bogus' is not valid; accepted: fast or full. "
+               "Unset it for the default 'fast'" for r in results)
 
 
 def test_torchrun_gloo_two_ranks_identical_tables_one_cache(tmp_path):

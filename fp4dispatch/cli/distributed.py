@@ -1,4 +1,4 @@
-"""Where tuning runs: one device in this process (``tune_rows``), one spawned process per GPU (``--devices``), or one
+"""Where tuning runs: one device in this process (``tune_rows``), one worker process per GPU (``--devices``), or one
 torchrun rank per GPU (ranks split the shapes and all-gather the decisions).
 
 torchrun mode is on when ``torch.distributed`` is already initialized (any backend, gloo included) or when
@@ -8,23 +8,24 @@ Each rank tunes ``shapes[rank::world]`` (its decisions reach the disk cache as u
 decision records, each adopts the others' in memory only, and every rank returns the same rows. On a shared
 filesystem the cache file therefore gets each decision from exactly one rank.
 
-``--devices`` spawns one process per device. Devices whose fingerprints are equal (same GPU model, driver and
+``--devices`` starts one worker process per device (fp4dispatch/worker_process.py: not ``multiprocessing``, which
+would run the caller's main script again in each). Devices whose fingerprints are equal (same GPU model, driver and
 libraries) share one cache file, so they split the shape list among themselves instead of each tuning it all.
 """
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
+import pickle
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from .. import worker_process
 from ..dispatch.timer import for_device
 from ..settings import read_settings
 from ..dispatch.dispatcher import Dispatcher, key_str
@@ -35,7 +36,7 @@ from ..problem import Problem, m_bucket
 
 __all__ = ["TuneOptions", "OUT_DTYPES", "make_dispatcher", "tune_rows", "backend_rows", "auto_mode_notes",
            "torchrun_detected", "process_group", "run_torchrun", "run_on_devices", "merge_device_results",
-           "resolve_devices", "split_shares"]
+           "resolve_devices", "split_shares", "main"]
 
 OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -43,7 +44,7 @@ OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": t
 # -- one device, this process -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TuneOptions:
-    """What a tuning run needs; picklable, so spawned device processes and torchrun ranks get the same."""
+    """What a tuning run needs; picklable, so device processes and torchrun ranks get the same."""
 
     out_dtype: str = "bfloat16"
     op: str = "fp4_mm"  # or "w4a16": w4a16_mm keys (activations of the out dtype; bf16 for float32 out)
@@ -246,7 +247,7 @@ def _row_order(row: dict) -> tuple:
     return row["n"], row["k"], row["m_bucket"]
 
 
-# -- --devices: one spawned process per GPU --------------------------------------------------------------------
+# -- --devices: one worker process per GPU -----------------------------------------------------------------------
 def resolve_devices(spec: str) -> list[str]:
     """``"all"`` or ``"0,1"`` -> ``["cuda:0", "cuda:1"]``; raises ValueError naming the problem."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -289,7 +290,8 @@ def _child_env(devices: int) -> None:
     os.environ.setdefault("FP4DISPATCH_COMPILE_WORKERS", str(worker_count(devices)))
 
 
-def _device_job(device: str, shapes: list, opts, position: int) -> dict:
+def _device_job(device: str, shapes: list, opts, position: int, devices: int) -> dict:
+    _child_env(devices)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -298,33 +300,54 @@ def _device_job(device: str, shapes: list, opts, position: int) -> dict:
     return {"device": device, "rows": rows, "backends": backend_rows(d, dev), "error": None}
 
 
+def main() -> None:
+    """A device process: one ``_device_job`` from stdin; its result, or ("error", text), on the answer pipe."""
+    answers = worker_process.answer_pipe()
+    try:
+        answer = _device_job(*pickle.loads(worker_process.read_frame(sys.stdin.buffer) or b""))
+    except Exception as e:  # noqa: BLE001 - the parent reports it with the device's unfinished shapes
+        answer = ("error", f"{type(e).__name__}: {e}".strip(": "))
+    pickle.dump(answer, answers)
+    answers.flush()
+
+
 def run_on_devices(devices: list[str], shapes: list, opts) -> list[dict]:
-    """Tune in one spawned process per device; one result dict per device (``error`` and ``unfinished``, its share
-    of the shapes, set if its process died)."""
+    """Tune in one process per device, all at once; one result dict per device (``error`` and ``unfinished``, its
+    share of the shapes, set if its process failed or died)."""
     shares = split_shares(devices, shapes)
-    ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
-    results = []
-    with ProcessPoolExecutor(max_workers=len(devices), mp_context=ctx, initializer=_child_env,
-                             initargs=(len(devices),)) as ex:
-        futures = [ex.submit(_device_job, dev, shares[i], opts, i) for i, dev in enumerate(devices)]
-        for dev, share, fut in zip(devices, shares, futures):
+    workers, results = [], []
+    try:
+        for i, dev in enumerate(devices):
+            proc, answers = worker_process.start(worker_process.command(__name__, list(sys.path)))
+            workers.append((proc, answers))
+            worker_process.write_frame(proc.stdin, pickle.dumps((dev, shares[i], opts, i, len(devices))))
+        for dev, share, (proc, answers) in zip(devices, shares, workers):
             try:
-                results.append(fut.result())
-            except Exception as e:  # noqa: BLE001 - a crashed device must not hide the others' results
-                results.append({"device": dev, "rows": [], "backends": [], "unfinished": share,
-                                "error": f"{type(e).__name__}: {e}".strip(": ")})
+                answer = worker_process.read_answer(answers, None)
+            except EOFError:
+                answer = ("error", f"it died, exit code {proc.wait()}")
+            if isinstance(answer, tuple):
+                answer = {"device": dev, "rows": [], "backends": [], "unfinished": share, "error": answer[1]}
+            results.append(answer)
+    finally:
+        for proc, answers in workers:
+            answers.close()
+            proc.stdin.close()
+            if proc.poll() is None and len(results) < len(devices):  # interrupted: the others are not waited for
+                proc.kill()
+            proc.wait()
     return results
 
 
 def merge_device_results(results: list[dict]) -> tuple[list[dict], list[dict], list[str]]:
-    """One sorted row list, the backend records of every device, and a note per device whose process died (its
-    unfinished shapes become ``error`` rows, so the run exits 1)."""
+    """One sorted row list, the backend records of every device, and a note per device whose process failed or died
+    (its unfinished shapes become ``error`` rows, so the run exits 1)."""
     rows, backends, notes = [], [], []
     for res in results:
         rows += res["rows"]
         backends += res["backends"]
         if res["error"]:
-            notes.append(f"{res['device']}: its tuning process died ({res['error']})")
+            notes.append(f"{res['device']}: its tuning process failed ({res['error']})")
             rows += [{"key": ("" if not s.experts else f"grouped-e{s.experts}-") + f"m{m_bucket(s.m)}-n{s.n}-k{s.k}",
                       "m": s.m, "m_bucket": m_bucket(s.m), "n": s.n,
                       "k": s.k, "layers": list(s.layers), "tuned_by": res["device"], "status": "error",
