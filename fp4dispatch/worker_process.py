@@ -9,7 +9,8 @@ run that one. A worker loads this process's fp4dispatch from its file, then runs
 
 A worker reads its jobs on stdin, each a frame (``write_frame``: an 8-byte little-endian length, then a pickle), and
 answers each with a pickle on a pipe of its own (the last argument, ``answer_pipe()``), not on stdout, which may carry
-whatever an import or a compiler prints.
+whatever an import or a compiler prints. That stdout goes to this process's stderr: this process's stdout may be what
+a caller parses (``tune --json``).
 """
 from __future__ import annotations
 
@@ -55,12 +56,22 @@ def _environment() -> dict:
     return env
 
 
+def _stderr_fd() -> int | None:
+    """This process's stderr descriptor for a worker's stdout, or None (the worker inherits stdout) when it is closed."""
+    try:
+        os.fstat(2)
+    except OSError:
+        return None
+    return 2
+
+
 def start(cmd: list[str]) -> tuple[subprocess.Popen, BinaryIO]:
     """The worker ``cmd`` started, with a pipe for its jobs on stdin: (the process, its answers' reading end).
     Raises OSError when it cannot start."""
     read, write = os.pipe()
     try:
-        proc = subprocess.Popen([*cmd, str(write)], stdin=subprocess.PIPE, env=_environment(), pass_fds=(write,))
+        proc = subprocess.Popen([*cmd, str(write)], stdin=subprocess.PIPE, stdout=_stderr_fd(), env=_environment(),
+                                pass_fds=(write,))
     except BaseException:
         os.close(read)
         raise

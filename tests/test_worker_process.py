@@ -1,0 +1,37 @@
+"""Worker processes (fp4dispatch/worker_process.py): what a worker prints goes to this process's stderr, never to its
+stdout (which ``tune --json`` writes), and its answers come back on their own pipe whatever it prints."""
+from __future__ import annotations
+
+import pickle
+import sys
+
+from fp4dispatch import worker_process
+
+# prints on stdout, then echoes its one job back on the answer pipe (its fd is the last argument)
+ECHO = ("import os, pickle, sys\nprint('noise from a worker', flush=True)\n"
+        "out = os.fdopen(int(sys.argv[-1]), 'wb')\nhead = sys.stdin.buffer.read(8)\n"
+        "pickle.dump(pickle.loads(sys.stdin.buffer.read(int.from_bytes(head, 'little'))), out)\nout.flush()\n")
+
+
+def test_a_workers_prints_go_to_stderr_and_its_answer_to_its_pipe(capfd):
+    proc, answers = worker_process.start([sys.executable, "-c", ECHO])
+    try:
+        worker_process.write_frame(proc.stdin, pickle.dumps({"job": 1}))
+        assert worker_process.read_answer(answers, 120) == {"job": 1}
+    finally:
+        proc.stdin.close()
+        answers.close()
+        assert proc.wait(120) == 0
+    out, err = capfd.readouterr()
+    assert "noise from a worker" in err and "noise from a worker" not in out
+
+
+def test_a_frame_is_read_whole_and_the_end_of_the_stream_is_none(tmp_path):
+    path = tmp_path / "frames"
+    with open(path, "wb") as f:
+        worker_process.write_frame(f, pickle.dumps("first"))
+        worker_process.write_frame(f, b"not a pickle")
+    with open(path, "rb") as f:
+        assert pickle.loads(worker_process.read_frame(f)) == "first"
+        assert worker_process.read_frame(f) == b"not a pickle"
+        assert worker_process.read_frame(f) is None
