@@ -20,9 +20,11 @@ import pickle
 import select
 import subprocess
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
-__all__ = ["command", "start", "write_frame", "read_frame", "read_answer", "answer_pipe"]
+from .errors import describe_exception
+
+__all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_frame", "read_answer", "answer_pipe"]
 
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
 # environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe)
@@ -78,6 +80,36 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen, BinaryIO]:
     finally:
         os.close(write)
     return proc, os.fdopen(read, "rb")
+
+
+def start_job(module: str, job: bytes) -> tuple[subprocess.Popen, BinaryIO]:
+    """A worker running ``module.main()`` (which calls ``serve_job``) with this process's module path, sent ``job``
+    (a pickle): (the process, its answers' reading end). A worker that dies before it reads the job is not an error
+    here: its answer pipe ends, which the caller reads as EOFError."""
+    proc, answers = start(command(module, list(sys.path)))
+    try:
+        write_frame(proc.stdin, job)
+    except OSError:  # a broken pipe: it exited at once
+        pass
+    return proc, answers
+
+
+def serve_job(run: Callable[..., object], failed: Callable[[str], object]) -> None:
+    """In a worker started by ``start_job``: its one job from stdin, ``run(*job)``'s answer on the answer pipe; a job
+    that does not unpickle here (a class this process cannot import) or a ``run`` that raises is answered
+    ``failed(why)``."""
+    answers = answer_pipe()
+    try:
+        job = pickle.loads(read_frame(sys.stdin.buffer) or b"")
+    except Exception as e:  # noqa: BLE001
+        answer = failed(f"the worker could not rebuild its job: {describe_exception(e)}")
+    else:
+        try:
+            answer = run(*job)
+        except Exception as e:  # noqa: BLE001 - the caller reports it
+            answer = failed(describe_exception(e))
+    pickle.dump(answer, answers)
+    answers.flush()
 
 
 def write_frame(stream: BinaryIO, data: bytes) -> None:

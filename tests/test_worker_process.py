@@ -35,3 +35,22 @@ def test_a_frame_is_read_whole_and_the_end_of_the_stream_is_none(tmp_path):
         assert pickle.loads(worker_process.read_frame(f)) == "first"
         assert worker_process.read_frame(f) == b"not a pickle"
         assert worker_process.read_frame(f) is None
+
+
+def test_a_job_the_worker_cannot_rebuild_is_answered_with_why(tmp_path, monkeypatch):
+    """The job's class is importable here but gone by the time the worker unpickles it: the worker answers
+    ``failed(why)`` instead of dying (here through the probe worker's ``main``)."""
+    (tmp_path / "vanishing_backend.py").write_text("class Gone:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vanishing_backend
+
+    job = pickle.dumps((vanishing_backend.Gone(), "cpu", ()))
+    (tmp_path / "vanishing_backend.py").unlink()
+    proc, answers = worker_process.start_job("fp4dispatch.dispatch.isolate", job)
+    try:
+        answer = worker_process.read_answer(answers, 300)
+    finally:
+        answers.close()
+        proc.wait(120)
+    assert answer == {"status": "failed", "reason": "the worker could not rebuild its job: ModuleNotFoundError: No "
+                                                    "module named 'vanishing_backend'"}

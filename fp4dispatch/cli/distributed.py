@@ -301,14 +301,8 @@ def _device_job(device: str, shapes: list, opts, position: int, devices: int) ->
 
 
 def main() -> None:
-    """A device process: one ``_device_job`` from stdin; its result, or ("error", text), on the answer pipe."""
-    answers = worker_process.answer_pipe()
-    try:
-        answer = _device_job(*pickle.loads(worker_process.read_frame(sys.stdin.buffer) or b""))
-    except Exception as e:  # noqa: BLE001 - the parent reports it with the device's unfinished shapes
-        answer = ("error", f"{type(e).__name__}: {e}".strip(": "))
-    pickle.dump(answer, answers)
-    answers.flush()
+    """A device process: one ``_device_job`` from stdin; its result, or ("error", why), on the answer pipe."""
+    worker_process.serve_job(_device_job, lambda why: ("error", why))
 
 
 def run_on_devices(devices: list[str], shapes: list, opts) -> list[dict]:
@@ -318,9 +312,7 @@ def run_on_devices(devices: list[str], shapes: list, opts) -> list[dict]:
     workers, results = [], []
     try:
         for i, dev in enumerate(devices):
-            proc, answers = worker_process.start(worker_process.command(__name__, list(sys.path)))
-            workers.append((proc, answers))
-            worker_process.write_frame(proc.stdin, pickle.dumps((dev, shares[i], opts, i, len(devices))))
+            workers.append(worker_process.start_job(__name__, pickle.dumps((dev, shares[i], opts, i, len(devices)))))
         for dev, share, (proc, answers) in zip(devices, shares, workers):
             try:
                 answer = worker_process.read_answer(answers, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pickle
 import select
 import signal
-import sys
 import threading
 import time
 
@@ -35,15 +34,7 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
 
 def main() -> None:
     """A probe worker: one job on stdin, its verdict's JSON on the answer pipe."""
-    answers = worker_process.answer_pipe()
-    try:
-        job = pickle.loads(worker_process.read_frame(sys.stdin.buffer) or b"")
-    except Exception as e:  # noqa: BLE001 - a class this process cannot import, say
-        answer = {"status": "failed", "reason": f"the probe worker could not rebuild its job: {describe_exception(e)}"}
-    else:
-        answer = _verdict(*job)
-    pickle.dump(answer, answers)
-    answers.flush()
+    worker_process.serve_job(_verdict, lambda why: {"status": "failed", "reason": why})
 
 
 def _signal_name(code: int) -> str:
@@ -79,15 +70,10 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
                        f"main script, which a worker does not run; define it in an importable module, or probe it "
                        f"in this process (FP4DISPATCH_ISOLATE=0)", transient=True)
     try:
-        job = pickle.dumps((backend, str(device), tuple(upcoming)))
-        proc, answers = worker_process.start(worker_process.command(__name__, list(sys.path)))
+        proc, answers = worker_process.start_job(__name__, pickle.dumps((backend, str(device), tuple(upcoming))))
     except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle
         return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
     try:
-        try:
-            worker_process.write_frame(proc.stdin, job)
-        except OSError:
-            pass  # it died at once: its exit code says how, below
         if check_here and (why := unavailable_reason(backend, device)):
             return Verdict("unavailable", why)
         if _wait(answers, timeout_s, cancel):
