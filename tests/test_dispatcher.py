@@ -287,6 +287,27 @@ def test_timer_knob(monkeypatch):
         read_settings()
 
 
+def test_a_call_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
+    """A candidate whose capture is refused (the per-expert loop reads its routing on the host) gets its eager time,
+    not a failure: the fallback once called a function torch does not have (``cudart().cudaGetLastError``)."""
+    import triton.testing
+
+    from fp4dispatch.dispatch import timer
+    from fp4dispatch.kernels import workspace
+
+    def refuse(fn, rep, return_mode):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager = []
+    monkeypatch.setattr(workspace, "prepare_capture", lambda device: None)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", refuse)
+    monkeypatch.setattr(timer, "default_do_bench", lambda fn, rep: eager.append(rep) or 0.25)
+    assert timer.cuda_graph_do_bench(lambda: None) == 0.25
+    assert eager == [timer.EAGER_REP_MS]
+    assert timer.cuda_graph_do_bench(lambda: None, rep=timer.SCREEN_REP_MS) == 0.25
+    assert eager == [timer.EAGER_REP_MS, timer.SCREEN_REP_MS]
+
+
 def test_reference_is_the_default_fallback_on_cpu(tmp_path):
     d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
     out, ref = _call(d, 3)

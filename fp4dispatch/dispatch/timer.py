@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Callable
 
 import torch
+
+from .verify import reset_cuda_error
 
 __all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "screen_for_device", "DoBench", "SCREEN_REP_MS",
            "GRAPH_REP_MS", "EAGER_REP_MS"]
@@ -75,13 +78,11 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
     workspace.prepare_capture(torch.device("cuda"))
     try:
-        return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        with warnings.catch_warnings():  # a refused capture ends an empty graph, which torch warns of
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     except Exception:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
-        torch.cuda.cudart().cudaGetLastError()
+        reset_cuda_error(torch.device("cuda"))
         return default_do_bench(fn, rep=eager_rep)
 
 

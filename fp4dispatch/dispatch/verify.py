@@ -140,16 +140,14 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, problem: Problem) -> str 
 
 
 def reset_cuda_error(device: torch.device) -> None:
-    """After a failed kernel: synchronize, then clear the sticky error flag (only cudaGetLastError resets it)."""
+    """After a failed kernel: synchronize, which raises a pending error and so clears it (torch's error check reads
+    the runtime's last error when it raises; ``torch.cuda.cudart()`` offers no ``cudaGetLastError`` to call). A
+    sticky error (an illegal address) cannot be cleared at all: that is why risky probes run in worker processes."""
     if device.type != "cuda":
         return
     try:
         torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001 - the error itself is what we are clearing
-        pass
-    try:
-        torch.cuda.cudart().cudaGetLastError()
-    except Exception:  # noqa: BLE001
         pass
 
 
