@@ -300,6 +300,26 @@ def test_stream_k_schedule_covers_every_step_once(tiles, steps, ctas):
     assert stream_parts(tiles, steps, ctas) == depth
 
 
+def test_a_stream_k_launch_that_cuts_no_tile_still_gets_buffers_of_the_compiled_types(monkeypatch):
+    """One K step per tile (N=4096 K=128 at M=128): no tile is cut, yet ``wmma_sk_kernel`` compiles its cut-tile
+    branch, whose atomic needs int32 counters and whose partials are fp32 (with out, bf16, in their place Triton
+    refused the atomic or crashed in a pass on the H200)."""
+    from fp4dispatch.kernels import runtime, workspace
+    from fp4dispatch.kernels.config import WgmmaRegisterAConfig
+    from fp4dispatch.kernels.gemm.wgmma_register_a import stream_grid
+
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    cfg = WgmmaRegisterAConfig(block_m=128, block_n=128, k_blocks=8, split_k=1, warps=8, stages=3, predecode_a=True,
+                               stream_k=True)
+    out = torch.empty(128, 4096, dtype=torch.bfloat16)
+    nt, tiles, steps, ctas, ws, cnt = stream_grid(128, 4096, 8, cfg, out)
+    assert (tiles, steps, ctas) == (32, 1, 32) and ws.dtype == torch.float32 and ws.numel() == 1
+    assert cnt.dtype == torch.int32 and int(cnt.count_nonzero()) == 0
+    *_, ws, cnt = stream_grid(128, 4096, 64, cfg, out)  # 8 steps per tile: tiles are cut, a real workspace
+    assert ws.dtype == torch.float32 and cnt.dtype == torch.int32
+
+
 def test_split_buffers_per_stream_and_under_capture(monkeypatch):
     from fp4dispatch.kernels import workspace
 

@@ -251,13 +251,14 @@ def stream_parts(tiles: int, steps: int, ctas: int) -> int:
 def stream_grid(m: int, n: int, kb: int, cfg, out: torch.Tensor) -> tuple:
     """A stream-K launch of ``cfg``'s tile (``WgmmaRegisterAConfig`` or its W4A16 form) over out [m, n] and kb
     16-blocks: (N tiles, tiles, K steps per tile, CTAs: ``stream_ctas`` or as many as fit, the split-K workspace and
-    counters; out twice where no tile is cut)."""
+    counters). Where no tile is cut they are one fp32 partial and a counter, never touched, but of the types the
+    kernel's cut-tile branch is compiled for, whatever the launch (an int32 atomic does not compile on out's dtype)."""
     nt, steps = runtime.cdiv(n, cfg.block_n), runtime.cdiv(kb, cfg.k_blocks)
     tiles = nt * runtime.cdiv(m, cfg.block_m)
     ctas = min(tiles * steps,
                cfg.stream_ctas or runtime.num_sms(out.device) * register_a_resident(cfg.block_m, cfg.warps))
     parts = stream_parts(tiles, steps, ctas)
-    ws, cnt = workspace.buffers(m, n, parts, tiles, out.device) if parts > 1 else (out, out)
+    ws, cnt = workspace.buffers(*((m, n, parts, tiles) if parts > 1 else (1, 1, 1, 1)), out.device)
     return nt, tiles, steps, ctas, ws, cnt
 
 
