@@ -5,7 +5,8 @@ All classes pickle (they cross process boundaries when probes run in worker proc
 """
 from __future__ import annotations
 
-__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError", "describe_exception"]
+__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError", "describe_exception",
+           "describe_failure"]
 
 
 class FP4DispatchError(Exception):
@@ -35,3 +36,18 @@ def describe_exception(e: BaseException) -> str:
     """``Type: first line of the message`` (at most 300 characters): how a failure is recorded as data."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {msg[:300]}" if msg else type(e).__name__
+
+
+def describe_failure(e: BaseException, limit: int = 2000) -> str:
+    """The whole text of ``e`` and of the exceptions that caused it (a compiler's error often says only where, and
+    its cause says what), cut in the middle to at most ``limit`` characters: how a worker reports a failure."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}".rstrip())
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    text = "\ncaused by ".join(parts)
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return text[:head] + " [...] " + text[len(text) - (limit - head - 7):]

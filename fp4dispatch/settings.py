@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .errors import InvalidInputError
 
-__all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV"]
+__all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV", "apply_log_level"]
 
 # Env variables of other libraries that can change which kernel runs or what it computes: part of the fingerprint.
 RELEVANT_ENV = (
@@ -69,7 +69,8 @@ def _positive(name: str, default, kind, accepted: str):
     return v
 
 
-def _log_level() -> None:
+def apply_log_level() -> None:
+    """The ``fp4dispatch`` logger at ``FP4DISPATCH_LOG``'s level, if set."""
     raw = os.environ.get("FP4DISPATCH_LOG", "").strip()
     if raw:
         if raw.upper() not in _LEVELS:
@@ -103,7 +104,7 @@ def default_cache_dir() -> Path:
 
 def read_settings() -> Settings:
     """Read the environment now."""
-    _log_level()
+    apply_log_level()
     disabled = frozenset(x.strip() for x in os.environ.get("FP4DISPATCH_DISABLE", "").split(",") if x.strip())
     return Settings(
         forced_backend=os.environ.get("FP4DISPATCH_BACKEND") or None,

@@ -15,6 +15,7 @@ a caller parses (``tune --json``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import select
@@ -24,7 +25,8 @@ from typing import BinaryIO, Callable
 
 from .errors import describe_exception
 
-__all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_frame", "read_answer", "answer_pipe"]
+__all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_frame", "read_answer", "answer_pipe",
+           "log_to_stderr"]
 
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
 # environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe)
@@ -110,6 +112,19 @@ def serve_job(run: Callable[..., object], failed: Callable[[str], object]) -> No
             answer = failed(describe_exception(e))
     pickle.dump(answer, answers)
     answers.flush()
+
+
+def log_to_stderr() -> None:
+    """In a worker: its ``fp4dispatch`` log records, at ``FP4DISPATCH_LOG``'s level, go to stderr (this process's),
+    each marked with the worker's pid. Without a handler, Python's last-resort one would drop those below WARNING."""
+    from .settings import apply_log_level
+
+    apply_log_level()
+    logger = logging.getLogger("fp4dispatch")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[worker {os.getpid()}] %(message)s"))
+        logger.addHandler(handler)
 
 
 def write_frame(stream: BinaryIO, data: bytes) -> None:

@@ -54,3 +54,36 @@ def test_a_job_the_worker_cannot_rebuild_is_answered_with_why(tmp_path, monkeypa
         proc.wait(120)
     assert answer == {"status": "failed", "reason": "the worker could not rebuild its job: ModuleNotFoundError: No "
                                                     "module named 'vanishing_backend'"}
+
+
+def test_a_workers_log_records_reach_stderr_at_the_level_asked(tmp_path):
+    """Without a handler Python's last resort drops records below WARNING: a worker's DEBUG lines (its first runs'
+    seconds, say) would be lost whatever FP4DISPATCH_LOG says. Each line names the worker's pid."""
+    import subprocess
+
+    import os
+
+    script = ("import logging, os\nfrom fp4dispatch import worker_process\nworker_process.log_to_stderr()\n"
+              "worker_process.log_to_stderr()\n"  # a second call adds no second handler
+              "logging.getLogger('fp4dispatch').debug('first run of %s', 'x')\nprint(os.getpid())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FP4DISPATCH_LOG": "debug"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == f"[worker {done.stdout.strip()}] first run of x\n"
+
+
+def test_a_failure_is_described_with_its_causes_and_cut_in_the_middle():
+    """A compiler's error may say only where (Triton's CompilationError: the source line); its cause says what."""
+    from fp4dispatch.errors import describe_failure
+
+    try:
+        try:
+            raise KeyError("the real reason")
+        except KeyError as cause:
+            raise RuntimeError("at 12:8:\n" + "source line\n" * 300) from cause
+    except RuntimeError as e:
+        text = describe_failure(e)
+        assert len(text) == 2000 and " [...] " in text
+        assert text.startswith("RuntimeError: at 12:8:\nsource line")
+        assert text.endswith("source line\ncaused by KeyError: 'the real reason'")
+        assert describe_failure(e, limit=100_000).count("source line") == 300

@@ -8,7 +8,8 @@ import importlib
 import pickle
 import sys
 
-from ..worker_process import answer_pipe, read_frame
+from ..errors import describe_failure
+from ..worker_process import answer_pipe, log_to_stderr, read_frame
 from .cache_keys import settle
 
 
@@ -32,6 +33,7 @@ def compile_one(job: tuple) -> None:
 
 
 def main() -> None:
+    log_to_stderr()
     answers = answer_pipe()
     pickle.dump("ready", answers)  # compile_processes.READY: imported, taking jobs
     answers.flush()
@@ -45,7 +47,7 @@ def main() -> None:
                 compile_one(job)
                 answer = None
             except Exception as e:  # noqa: BLE001 - the parent compiles it itself and reports the real error
-                answer = f"{type(e).__name__}: {e}"[:2000]
+                answer = describe_failure(e)
         pickle.dump(answer, answers)
         answers.flush()
 
