@@ -387,6 +387,7 @@ class FakeHumming:
 
     def __init__(self):
         self.calls: list[dict] = []
+        self.searches = 0  # get_heuristics_config calls
         self.heuristics = [[0, 1 << 30, {"block_m": 64, "use_stream_k": True}]]  # lru-cached upstream: shared
 
     def module(self, version: str = "0.1.20", cc: int = 90) -> types.ModuleType:
@@ -400,7 +401,8 @@ class FakeHumming:
         mod.tune.get_heuristics_config = self.get_heuristics_config
         return mod
 
-    def get_heuristics_config(self, config, gemm_type="dense"):
+    def get_heuristics_config(self, config, gemm_type="dense", device=None):
+        self.searches += 1
         _need(gemm_type == ("grouped_contiguous" if config["e"] else "dense"),
               f"heuristics for gemm_type={gemm_type!r} of a layer with {config['e']} experts")
         return self.heuristics

@@ -4,6 +4,7 @@ fp4dispatch's reference, Stream-K must stay off, the prepared weight is made onc
 adapters are caught. Also: availability reasons and per-problem rules. The real library runs on the GPU only."""
 from __future__ import annotations
 
+import json
 import pickle
 import sys
 
@@ -69,6 +70,47 @@ def test_humming_prepares_each_weight_once_per_out_dtype_and_notices_changes(cc,
     backend.run(problem, ops, {})
     assert backend.prepared.misses == 3
     helpers.assert_equals_reference(ops, reference_mm(problem, ops))
+
+
+def test_hummings_table_is_searched_once_and_then_read_from_the_cache_dir(cc, humming, cache_dir):
+    """Humming's heuristic search (seconds of Python for a grouped layer) runs once per layer config and GPU; the
+    next process (here a new backend) reads its table from disk, with Stream-K off, and passes Humming the same
+    JSON. A file that does not parse is searched again and rewritten; another layer config gets its own file."""
+    from fp4dispatch.backends import humming_tables
+
+    cc(90)
+    fake = humming()
+    problem = Problem(3, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=1)
+    HummingBackend().run(problem, ops, {})
+    files = list((cache_dir / "humming-tables").glob("*.json"))
+    assert fake.searches == 1 and len(files) == 1
+    assert json.loads(files[0].read_text()) == [[0, 1 << 30, {"block_m": 64, "use_stream_k": False}]]
+    first = fake.calls[-1]["tuning_config"]
+    HummingBackend().run(problem, ops, {})
+    assert fake.searches == 1 and fake.calls[-1]["tuning_config"] == first
+    files[0].write_text('[[0, 1, "not a config"]]')
+    HummingBackend().run(problem, ops, {})
+    assert fake.searches == 2 and json.loads(files[0].read_text())[0][2] == {"block_m": 64, "use_stream_k": False}
+    other = Problem(3, 192, 256, BF16, CPU)
+    HummingBackend().run(other, make_operands(other, seed=2), {})
+    assert fake.searches == 3 and len(list((cache_dir / "humming-tables").glob("*.json"))) == 2
+    assert not list((cache_dir / "humming-tables").glob("*.tmp"))
+    lib = sys.modules["humming"]
+    assert humming_tables.table_path(lib, {"n": 1}, "dense", CPU) != humming_tables.table_path(lib, {"n": 1},
+                                                                                              "grouped_contiguous", CPU)
+
+
+def test_hummings_table_still_serves_when_the_cache_dir_cannot_be_written(cc, humming, cache_dir):
+    cc(90)
+    fake = humming()
+    (cache_dir / "humming-tables").parent.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "humming-tables").write_text("a file where the folder would go")
+    problem = Problem(3, 128, 256, BF16, CPU)
+    ops = make_operands(problem, seed=1)
+    HummingBackend().run(problem, ops, {})
+    helpers.assert_equals_reference(ops, reference_mm(problem, ops), rtol=8e-3)
+    assert fake.searches == 1 and fake.calls[-1]["tuning_config"][0][2]["use_stream_k"] is False
 
 
 def test_a_misaligned_alpha_is_copied_to_an_aligned_one(cc, humming):

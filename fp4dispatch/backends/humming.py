@@ -23,11 +23,11 @@ How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/mode
   ``humming_forward`` compiles every config of the tuning table it is given on its first run (some 30 for a dense
   shape), so a dense layer is given, per M bucket, only the table's entries that serve that bucket's M
   (``bucket_entries``): a new key compiles its own few kernels, the same ones the whole table would run at those M.
+  The table is Humming's search in Python (seconds for a grouped layer), kept on disk (``humming_tables.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from types import ModuleType
 
@@ -39,6 +39,7 @@ from ..problem import M_BUCKETS, Operands, Problem, m_bucket
 from ._native import (NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library,
                       library_installed)
 from .base import Config
+from .humming_tables import heuristics_table
 
 __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT", "bucket_entries"]
 
@@ -144,9 +145,7 @@ class HummingBackend(NativeBackend):
                                            **self.layer_options(problem)).to(ops.b.device)
             layer.load_from_tensors(self.layer_tensors(problem, ops))
             layer.transform()
-        tuning = copy.deepcopy(lib.tune.get_heuristics_config(layer.humming_config, gemm_type=self.gemm_type))
-        for _lo, _hi, cfg in tuning:
-            cfg["use_stream_k"] = False  # determinism: see the module docstring
+        tuning = heuristics_table(lib, layer.humming_config, self.gemm_type, ops.b.device)  # Stream-K off
         extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
         return (layer.weight, layer.weight_scale, layer.locks, layer.humming_config,
                 _Tuning(tuning, self.tuning_per_bucket), extra)
