@@ -320,6 +320,36 @@ def test_a_stream_k_launch_that_cuts_no_tile_still_gets_buffers_of_the_compiled_
     assert ws.dtype == torch.float32 and cnt.dtype == torch.int32
 
 
+@pytest.mark.parametrize("w4a16", [False, True])
+def test_a_stream_k_config_with_one_k_step_per_tile_runs_the_tile_per_cta_kernel(monkeypatch, w4a16):
+    """Nothing to stream at one K step per tile, and Triton 3.6 could not compile the stream-K kernel there (its
+    coalesce pass crashed on the H200 at N=4096 K=128): the plain kernel runs; two steps per tile stream."""
+    from fp4dispatch.kernels import runtime
+    from fp4dispatch.kernels.config import WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config
+    from fp4dispatch.kernels.gemm import wgmma_register_a, wgmma_register_a_w4a16
+
+    launched = []
+    monkeypatch.setattr(runtime, "launch", lambda fn, grid, *args, **kw: launched.append(fn))
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    m, n = 128, 256
+    for k, kernel in ((128, "plain"), (256, "sk")):
+        common = dict(block_m=128, block_n=128, k_blocks=8, split_k=1, warps=8, stages=3, stream_k=True)
+        out, alpha = torch.empty(m, n, dtype=torch.bfloat16), torch.ones(1)
+        b, sb = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.uint8)
+        launched.clear()
+        if w4a16:
+            monkeypatch.setattr(wgmma_register_a_w4a16, "permute_a", lambda a, pdl: (a, a.shape[1]))
+            wgmma_register_a_w4a16.run(torch.zeros(m, k, dtype=torch.bfloat16), b, sb, alpha, out,
+                                       WgmmaRegisterAW4A16Config(**common))
+            want = {"plain": wgmma_register_a_w4a16.wmma_w4a16_kernel,
+                    "sk": wgmma_register_a_w4a16.wmma_w4a16_sk_kernel}[kernel]
+        else:
+            wgmma_register_a.run(torch.zeros(m, k // 2, dtype=torch.uint8), b, torch.zeros(m, k // 16,
+                                 dtype=torch.uint8), sb, alpha, out, WgmmaRegisterAConfig(**common, predecode_a=False))
+            want = {"plain": wgmma_register_a.wmma_kernel, "sk": wgmma_register_a.wmma_sk_kernel}[kernel]
+        assert launched == [want], (k, launched)
+
+
 def test_split_buffers_per_stream_and_under_capture(monkeypatch):
     from fp4dispatch.kernels import workspace
 

@@ -289,6 +289,11 @@ def predecode(a64: torch.Tensor, sa: torch.Tensor, asm: bool, tile: tuple = (16,
     return ad
 
 
+# STEPS_NOTE: with one K step per tile, stream-K has nothing to stream, and Triton 3.6 could not compile the stream-K
+# kernel there (N=4096 K=128 at M=128 on the H200: a crash in its coalesce pass): the tile-per-CTA kernel runs it
+# instead, which sums each tile's one step in the same order
+
+
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         cfg: WgmmaRegisterAConfig) -> None:
     """Launch ``wmma_kernel`` (an (N tile, K part, M tile) grid) or, with ``stream_k``, ``wmma_sk_kernel`` (one wave
@@ -303,7 +308,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
         a64 = predecode(a64, sa, asm, **pdl, **cvt)
     opts = dict(BM=bm, BN=bn, BKB=cfg.k_blocks, ASM=asm, APRE=cfg.predecode_a, num_warps=cfg.warps,
                 num_stages=cfg.stages, **runtime.register_cap(cfg.max_registers), **pdl, **cvt)
-    if cfg.stream_k:
+    if cfg.stream_k and runtime.cdiv(kb, cfg.k_blocks) > 1:  # else: below (STEPS_NOTE)
         nt, tiles, steps, ctas, ws, cnt = stream_grid(m, n, kb, cfg, out)
         runtime.launch(wmma_sk_kernel, (ctas,), a64, b.view(torch.int64), sa, sb, alpha, out, ws, cnt, m, n, kb, cb,
                        nt, tiles, steps, **opts)

@@ -123,7 +123,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
                 BF16=a.dtype == torch.bfloat16, num_warps=cfg.warps, num_stages=cfg.stages,
                 **runtime.register_cap(cfg.max_registers), **pdl)
     ops, lda = permute_a(a, pdl)
-    if cfg.stream_k:
+    if cfg.stream_k and runtime.cdiv(kb, cfg.k_blocks) > 1:  # else the tile-per-CTA kernel: wgmma_register_a.STEPS_NOTE
         nt, tiles, steps, ctas, ws, cnt = stream_grid(m, n, kb, cfg, out)
         runtime.launch(wmma_w4a16_sk_kernel, (ctas,), ops, b.view(torch.int64), sb, alpha, out, ws, cnt, m, n, kb,
                        lda, runtime.cdiv(kb, 4), nt, tiles, steps, **opts)
