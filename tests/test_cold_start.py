@@ -862,3 +862,37 @@ def test_launch_inside_compiles_ahead_collects_what_it_hands_out_and_finish_wait
     assert handed == [p]
     runtime.finish(handed)
     assert finished == [(p, True)]
+
+
+def test_the_expert_loops_dense_kernels_compile_ahead_before_its_keys_own_once_across_keys(monkeypatch):
+    """The per-expert loop decides each expert's dense call by priority (the first config of each backend), one new
+    M bucket after another inside its check: those configs are compiled ahead with the other candidates' kernels,
+    at every M bucket up to T's, each (problem, config) once however many keys' loops meet it, and each key's own
+    come after its loop's (a key waits for its compiles in that order)."""
+    from fp4dispatch.backends.expert_loop import ExpertLoopBackend
+    from fp4dispatch.dispatch import precompile
+
+    class Ahead(FakeBackend):
+        compiles_ahead = True
+
+        def configs(self, problem):
+            return [{"m": problem.bucket}, {"m": -problem.bucket}]
+
+    dense, other = Ahead("dense"), FakeBackend("plain")
+    inner = Dispatcher([dense, other], cache_dir=None, do_bench=fake_do_bench)
+    loop, grouped = ExpertLoopBackend(inner), Ahead("grouped")
+    handed = []
+    monkeypatch.setattr(precompile, "scratch_ops", lambda p, seed=0: None)
+    monkeypatch.setattr(precompile, "compile_together", lambda ahead, first, **kw: handed.extend(
+        (p.op, p.m, [(b.name, c) for b, c in pairs]) for p, _, pairs in ahead))
+    monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
+    gpu = torch.device("cuda", 0)
+    t = [Problem(m, 32, 64, torch.bfloat16, gpu, torch.uint8, 4) for m in (3, 10)]
+    precompile.compile_keys_ahead([(p, [loop, grouped]) for p in t])
+    assert handed == [("fp4_mm", 1, [("dense", {"m": 1})]), ("fp4_mm", 2, [("dense", {"m": 2})]),
+                      ("fp4_mm", 4, [("dense", {"m": 4})]),
+                      ("grouped", 3, [("grouped", {"m": 4}), ("grouped", {"m": -4})]),
+                      ("fp4_mm", 8, [("dense", {"m": 8})]), ("fp4_mm", 16, [("dense", {"m": 16})]),
+                      ("grouped", 10, [("grouped", {"m": 16}), ("grouped", {"m": -16})])]
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "dense")
+    assert precompile.inner_jobs([ExpertLoopBackend(Dispatcher([dense], cache_dir=None))], t[0]) == []

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import BackendError
 from ..format_grouped import scale_starts
-from ..problem import GroupedOperands, Problem
+from ..problem import M_BUCKETS, GroupedOperands, Problem, m_bucket
 from .base import BaseBackend, Config
 
 __all__ = ["ExpertLoopBackend"]
@@ -59,6 +59,15 @@ class ExpertLoopBackend(BaseBackend):
             self._dense = Dispatcher(own, cache_dir=Path(root) / "expert-loop",
                                      settings=replace(settings, tune=False, forced_backend=forced))
         return self._dense
+
+    def inner_problems(self, problem: Problem) -> list[tuple[Problem, list]]:
+        """The dense problems this loop may call on ``problem`` (an expert holds 1 to T rows: one per M bucket up to
+        T's), each with the backends that may decide it (its dispatcher's, less the disabled ones): what
+        ``precompile`` compiles ahead, beside the other candidates' kernels, instead of one by one in the checks."""
+        d = self.dense()
+        backends = [b for b in d.backends if b.name not in d.settings.disabled]
+        dense = problem._replace(experts=0)
+        return [(dense.with_m(m), backends) for m in M_BUCKETS if m <= m_bucket(problem.m)]
 
     def run(self, problem: Problem, ops: GroupedOperands, config: Config) -> None:
         if ops.a.is_cuda and torch.cuda.is_current_stream_capturing():

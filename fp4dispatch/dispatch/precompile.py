@@ -5,8 +5,10 @@ Two kinds of backend compile on their first run. A Triton backend (``compiles_ah
 async compile mode on a thread pool (a Triton compile is mostly MLIR passes and ptxas, outside the GIL); those runs
 take scratch operands whose values do not matter, since a kernel compiled before does run. A library that compiles
 a new shape's kernels in its first call (``compiles_on_first_run``: Humming, whose compiler runs in subprocesses) is
-run once per ``first_run_unit`` (Humming's: a dense shape's M bucket), for real, in threads beside them. A run that
-raises here raises again in its check, which reports it.
+run once per ``first_run_unit`` (Humming's: a dense shape's M bucket), for real, in threads beside them. A backend
+that runs other backends (``inner_problems``: the per-expert loop of ``fp4_grouped_mm``, whose dense calls are decided
+by priority inside its check, one new M bucket after another) has their first configs compiled the same way, at
+each dense problem it may call. A run that raises here raises again in its check, which reports it.
 
 ``compile_ahead`` does this for one key (the tuner's compile phase); ``compile_keys_ahead`` for many keys at once
 (``Dispatcher.compile_keys``: ``warmup`` and ``python -m fp4dispatch.tune``), so that a model's keys compile together
@@ -30,7 +32,7 @@ from ..problem import Problem
 from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
 
 __all__ = ["compile_ahead", "compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
-           "first_run_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
+           "first_run_jobs", "inner_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
@@ -129,12 +131,42 @@ def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     return ahead, first
 
 
+def inner_jobs(backends, problem: Problem, seen: set | None = None) -> list[tuple[Problem, Callable, list]]:
+    """``compile_together``'s ``ahead`` jobs (scratch operands) for the backends that run other backends on
+    ``problem`` (``inner_problems``: the per-expert loop's dense calls, decided by priority, so each backend's first
+    config at each problem), less the (problem, config) pairs in ``seen``, which this adds to. Anything that raises is
+    left to the checks, which report it."""
+    jobs = []
+    seen = set() if seen is None else seen
+    for outer in backends:
+        try:
+            inner = outer.inner_problems(problem) if hasattr(outer, "inner_problems") else []
+        except Exception:  # noqa: BLE001
+            continue
+        for p, candidates in inner:
+            pairs = []
+            for b in candidates:
+                try:
+                    cfgs = [] if not getattr(b, "compiles_ahead", False) or b.unsupported(p) else b.configs(p)[:1]
+                except Exception:  # noqa: BLE001
+                    continue
+                pairs += [(b, c) for c in cfgs if (p.key, b.name, config_id(c)) not in seen]
+                seen.update((p.key, b.name, config_id(c)) for c in cfgs)
+            if pairs:
+                jobs.append((p, lambda p=p: scratch_ops(p), pairs))
+    return jobs
+
+
 def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]],
                   seconds: dict | None = None) -> None:
     """One key: its Triton configs on copies of the case's operands, its first-run libraries on the case itself
-    (inputs that such a run changed are put back; its check finds it out). ``seconds``: ``compile_together``'s."""
+    (inputs that such a run changed are put back; its check finds it out), the dense configs of its loop
+    (``inner_jobs``) on scratch operands. ``seconds``: ``compile_together``'s."""
+    if problem.device.type != "cuda":
+        return
     ahead, first = _split(pairs)
-    if problem.device.type != "cuda" or not (ahead or first):
+    inner = inner_jobs(dict.fromkeys(b for b, _ in pairs), problem)
+    if not (ahead or first or inner):
         return
 
     def copies():
@@ -143,8 +175,8 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, 
                             out=case.frame.clone()[1:problem.m + 1])
 
     try:
-        compile_together([(problem, copies, ahead)] if ahead else [], [(problem, lambda: case.ops, p) for p in first],
-                         seconds=seconds)
+        compile_together(inner + ([(problem, copies, ahead)] if ahead else []),
+                         [(problem, lambda: case.ops, p) for p in first], seconds=seconds)
     finally:
         reset_cuda_error(problem.device)
         restore_inputs(case)
@@ -168,7 +200,10 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
         finally:
             spent += time.perf_counter() - t
 
+    seen: set = set()  # the inner jobs' (problem, backend, config): the loop of several keys meets the same ones
     for problem, candidates in jobs:
+        # before the key's own: waiting for the key's compiles (in ``ahead``'s order) then covers its loop's too
+        ahead += [(p, lambda p=p: scratch(p), pairs) for p, _, pairs in inner_jobs(candidates, problem, seen)]
         pairs = []
         for b in candidates:
             if getattr(b, "compiles_on_first_run", False):
