@@ -87,7 +87,9 @@ def _describe(x):
 
 def test_launches_are_the_old_ones(monkeypatch, candidates):
     """Every config's launches, on meta tensors (no memory, no GPU) with the compiled-kernel options (not interpreted,
-    PDL on, 8 SMs), against what the old launchers made. The Gluon modules import on any Triton with Gluon."""
+    PDL on, 8 SMs), against what the old launchers made. The Gluon modules import on any Triton with Gluon. One
+    deliberate change since (its record edited, the file's "about" says so): a stream-K launch that cuts no tile
+    passes one fp32 partial and int32 counters where it passed out twice, which Triton could not compile."""
     import hashlib
 
     from fp4dispatch.kernels.fp4_mm import fp4_mm
