@@ -226,8 +226,11 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
         for dev in devices:
             reset_cuda_error(dev)
         settled.append(True)
-        log.info("fp4dispatch: handed out the compiles of %d configs of %d keys and made %d first runs in %.1f s "
-                 "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), len(ahead), len(first),
+        keys = {id(p) for p, _ in jobs}
+        own = sum(id(p) in keys for p, _, _ in ahead)
+        log.info("fp4dispatch: handed out the compiles of %d configs of %d keys%s and made %d first runs in %.1f s "
+                 "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), own,
+                 f" and {len(ahead) - own} dense calls of their loops" if len(ahead) > own else "", len(first),
                  time.perf_counter() - start, spent)
         handed_out()
         if compiled is not None:  # the keys with nothing to compile ahead: nothing to wait for
