@@ -26,7 +26,7 @@ from typing import BinaryIO, Callable
 from .errors import describe_exception
 
 __all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_frame", "read_answer", "answer_pipe",
-           "log_to_stderr"]
+           "log_to_parent"]
 
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
 # environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe)
@@ -114,7 +114,7 @@ def serve_job(run: Callable[..., object], failed: Callable[[str], object]) -> No
     answers.flush()
 
 
-def log_to_stderr() -> None:
+def log_to_parent() -> None:
     """In a worker: its ``fp4dispatch`` log records, at ``FP4DISPATCH_LOG``'s level, go to stderr (this process's),
     each marked with the worker's pid. Without a handler, Python's last-resort one would drop those below WARNING."""
     from .settings import apply_log_level

@@ -63,8 +63,8 @@ def test_a_workers_log_records_reach_stderr_at_the_level_asked(tmp_path):
 
     import os
 
-    script = ("import logging, os\nfrom fp4dispatch import worker_process\nworker_process.log_to_stderr()\n"
-              "worker_process.log_to_stderr()\n"  # a second call adds no second handler
+    script = ("import logging, os\nfrom fp4dispatch import worker_process\nworker_process.log_to_parent()\n"
+              "worker_process.log_to_parent()\n"  # a second call adds no second handler
               "logging.getLogger('fp4dispatch').debug('first run of %s', 'x')\nprint(os.getpid())\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "FP4DISPATCH_LOG": "debug"})

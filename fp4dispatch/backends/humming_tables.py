@@ -11,7 +11,6 @@ costs only the search.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -59,10 +58,10 @@ def heuristics_table(lib, layer_config, gemm_type: str, device: torch.device) ->
             return table
     except (OSError, ValueError):
         pass
-    table = copy.deepcopy(lib.tune.get_heuristics_config(layer_config, gemm_type=gemm_type, device=device))
+    # a copy (Humming caches its own), as it will be read back (tuples as lists): the same JSON string either way
+    table = json.loads(json.dumps(lib.tune.get_heuristics_config(layer_config, gemm_type=gemm_type, device=device)))
     for _lo, _hi, cfg in table:
         cfg["use_stream_k"] = False  # determinism: see humming.py
-    table = json.loads(json.dumps(table))  # as it will be read back (tuples as lists): the same string either way
     _write(path, table)
     return table
 

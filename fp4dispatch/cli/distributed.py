@@ -302,6 +302,7 @@ def _device_job(device: str, shapes: list, opts, position: int, devices: int) ->
 
 def main() -> None:
     """A device process: one ``_device_job`` from stdin; its result, or ("error", why), on the answer pipe."""
+    worker_process.log_to_parent()
     worker_process.serve_job(_device_job, lambda why: ("error", why))
 
 

@@ -34,7 +34,7 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
 
 def main() -> None:
     """A probe worker: one job on stdin, its verdict's JSON on the answer pipe."""
-    worker_process.log_to_stderr()
+    worker_process.log_to_parent()
     worker_process.serve_job(_verdict, lambda why: {"status": "failed", "reason": why})
 
 

@@ -201,9 +201,12 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
             spent += time.perf_counter() - t
 
     seen: set = set()  # the inner jobs' (problem, backend, config): the loop of several keys meets the same ones
+    inner = 0  # of ``ahead``: the loops' dense calls
     for problem, candidates in jobs:
         # before the key's own: waiting for the key's compiles (in ``ahead``'s order) then covers its loop's too
-        ahead += [(p, lambda p=p: scratch(p), pairs) for p, _, pairs in inner_jobs(candidates, problem, seen)]
+        loop = [(p, lambda p=p: scratch(p), pairs) for p, _, pairs in inner_jobs(candidates, problem, seen)]
+        ahead += loop
+        inner += len(loop)
         pairs = []
         for b in candidates:
             if getattr(b, "compiles_on_first_run", False):
@@ -226,12 +229,10 @@ def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Ca
         for dev in devices:
             reset_cuda_error(dev)
         settled.append(True)
-        keys = {id(p) for p, _ in jobs}
-        own = sum(id(p) in keys for p, _, _ in ahead)
         log.info("fp4dispatch: handed out the compiles of %d configs of %d keys%s and made %d first runs in %.1f s "
-                 "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), own,
-                 f" and {len(ahead) - own} dense calls of their loops" if len(ahead) > own else "", len(first),
-                 time.perf_counter() - start, spent)
+                 "(scratch operands: %.1f s)", sum(len(a[2]) for a in ahead), len(ahead) - inner,
+                 f" and {inner} dense calls of their loops" if inner else "", len(first), time.perf_counter() - start,
+                 spent)
         handed_out()
         if compiled is not None:  # the keys with nothing to compile ahead: nothing to wait for
             with_pairs = {id(p) for p, _, _ in ahead}

@@ -96,10 +96,9 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
     of the ``upcoming`` problems with them, and those of the dense calls of a backend that runs others
     (``precompile.inner_jobs``: the per-expert loop, whose probe decides its dense keys one after another). Anything
     that fails here fails again in the probe, which reports it."""
-    ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
-    inner = hasattr(backend, "inner_problems")
-    if not (ahead or first_run or inner) or device.type != "cuda":
+    if device.type != "cuda":
         return
+    ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
     problems = [probe_problem(backend, m, device) for m in PROBE_MS]
     seen: set = set()
     jobs = [job for problem in problems for job in inner_jobs([backend], problem, seen)]
@@ -113,6 +112,8 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
             jobs.append((problem, lambda p=problem: scratch_ops(p, seed), [(backend, configs[0])]))
     first = [(p, lambda p=p: scratch_ops(p, seed), (backend, cfg))
              for p, cfg in (first_run_jobs(backend, problems + list(upcoming)) if first_run else ())]
+    if not (jobs or first):
+        return
     try:
         compile_together(jobs, first)
     finally:

@@ -9,7 +9,7 @@ import pickle
 import sys
 
 from ..errors import describe_failure
-from ..worker_process import answer_pipe, log_to_stderr, read_frame
+from ..worker_process import answer_pipe, log_to_parent, read_frame
 from .cache_keys import settle
 
 
@@ -33,7 +33,7 @@ def compile_one(job: tuple) -> None:
 
 
 def main() -> None:
-    log_to_stderr()
+    log_to_parent()
     answers = answer_pipe()
     pickle.dump("ready", answers)  # compile_processes.READY: imported, taking jobs
     answers.flush()
@@ -41,7 +41,7 @@ def main() -> None:
         try:
             job = pickle.loads(data)
         except Exception as e:  # noqa: BLE001 - not rebuilt here (a class this process cannot import)
-            answer = f"the job did not unpickle: {type(e).__name__}: {e}"[:2000]
+            answer = "the job did not unpickle: " + describe_failure(e)
         else:
             try:
                 compile_one(job)
