@@ -394,27 +394,6 @@ def test_a_probe_compiles_a_first_run_library_once_per_unit_before_it_runs(monke
     assert seen[-1] == (0, sorted(PROBE_MS + (3, 300)))  # the upcoming units join the probe's own
 
 
-def test_the_loops_probe_compiles_its_dense_kernels_at_once_before_it_runs(monkeypatch):
-    """The per-expert loop's probe decides a dense key per new M bucket, one after another: the first config of
-    each dense backend at every M bucket up to the largest probe T is compiled at once first, each once."""
-    from fp4dispatch.backends.expert_loop import ExpertLoopBackend
-    from fp4dispatch.dispatch import probe
-    from fp4dispatch.dispatch.verify import PROBE_MS
-    from fp4dispatch.problem import M_BUCKETS, m_bucket
-
-    class Ahead(FakeBackend):
-        compiles_ahead = True
-
-    seen = []
-    monkeypatch.setattr(probe, "compile_together", lambda ahead, first: seen.append(
-        ([(p.op, p.m, [b.name for b, _ in pairs]) for p, _, pairs in ahead], first)))
-    monkeypatch.setattr(probe, "reset_cuda_error", lambda dev: None)
-    loop = ExpertLoopBackend(Dispatcher([Ahead("dense"), FakeBackend("plain")], cache_dir=None))
-    probe._compile_ahead(loop, torch.device("cuda", 0), 0)
-    buckets = [m for m in M_BUCKETS if m <= m_bucket(max(PROBE_MS))]
-    assert seen == [([("fp4_mm", m, ["dense"]) for m in buckets], [])]
-
-
 def test_first_run_jobs_give_one_run_per_unit_at_its_smallest_m_and_skip_refused_problems():
     from fp4dispatch.dispatch.precompile import first_run_jobs
 

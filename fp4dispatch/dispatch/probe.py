@@ -16,7 +16,7 @@ from ..backends.base import Backend, probe_op
 from ..backends.reference import reference_mm
 from ..errors import describe_exception
 from ..problem import Problem
-from .precompile import compile_together, first_run_jobs, inner_jobs, scratch_ops
+from .precompile import compile_together, first_run_jobs, scratch_ops
 from .records import STATUSES, Verdict
 from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
@@ -93,15 +93,12 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
     """The kernels of the first config at every probe M, compiled at once before the probe runs them one M after
     another (``precompile.compile_together``): a Triton backend's (``compiles_ahead``) on Triton's async-compile
     pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads, the units
-    of the ``upcoming`` problems with them, and those of the dense calls of a backend that runs others
-    (``precompile.inner_jobs``: the per-expert loop, whose probe decides its dense keys one after another). Anything
-    that fails here fails again in the probe, which reports it."""
+    of the ``upcoming`` problems with them. Anything that fails here fails again in the probe, which reports it."""
     if device.type != "cuda":
         return
     ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
     problems = [probe_problem(backend, m, device) for m in PROBE_MS]
-    seen: set = set()
-    jobs = [job for problem in problems for job in inner_jobs([backend], problem, seen)]
+    jobs = []
     for problem in problems if ahead else ():
         try:
             configs = [] if backend.unsupported(problem) else backend.configs(problem)
