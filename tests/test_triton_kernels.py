@@ -110,7 +110,7 @@ for r, k in [(5, 48), (130, 272)]:
         fold_rel = float(((df.float() - want).abs() / want.abs().clamp_min(1e-30)).max())
         res["dequant"].append({"r": r, "k": k, "dtype": str(dt), "exact": exact, "fold_rel": fold_rel})
 
-for m, k in [(5, 48), (130, 272)]:
+for m, k in [(3, 48), (5, 48), (130, 272)]:  # tiles of 1 and 4 rows, a part of the last one padding
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
     x[1, :16] = 1e6
@@ -129,6 +129,7 @@ for m, k in [(5, 48), (130, 272)]:
 # and tiny values: the same bits and global scale as format.default_global_scale + _quantize_torch
 from fp4dispatch.format import default_global_scale
 res["quant_dynamic"] = []
+small_limit = tq._SMALL_AMAX_ELEMENTS
 for m, k in [(1, 16), (130, 272)]:
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         for case in ("rand", "nan", "zero", "inf", "tiny"):
@@ -143,10 +144,14 @@ for m, k in [(1, 16), (130, 272)]:
                 x = x * 1e-30
             g0 = default_global_scale(x)
             p0, s0 = _quantize_torch(x, g0)
-            for sw in (True, False):
+            # small inputs: the quantize kernel reduces the amax kernel's partial maxima; larger (limit 0 here):
+            # the amax kernel's last program does
+            for sw, limit in ((True, None), (False, None), (True, 0), (False, 0)):
+                tq._SMALL_AMAX_ELEMENTS = small_limit if limit is None else limit
                 p1, s1, g1 = tq.quantize_dynamic(x, swizzled=sw)
+                tq._SMALL_AMAX_ELEMENTS = small_limit
                 s0c = swizzle_scales(s0) if sw else s0
-                res["quant_dynamic"].append({"m": m, "dtype": str(dt), "case": case, "swizzled": sw,
+                res["quant_dynamic"].append({"m": m, "dtype": str(dt), "case": case, "swizzled": sw, "limit": limit,
                                              "same_gs": bool(torch.equal(g0.view(torch.int32), g1.view(torch.int32))),
                                              "same": bool(torch.equal(p0, p1) and torch.equal(s0c.view(torch.uint8),
                                                                                               s1.view(torch.uint8)))})
@@ -436,7 +441,7 @@ def test_dequant_kernel_exact_and_fold(child):
 
 
 def test_quantize_bit_identical(child):
-    assert len(child["quant"]) == 12
+    assert len(child["quant"]) == 18
     for r in child["quant"]:
         assert r["same"], r
         assert r["shape"] == r["want_shape"]
@@ -529,7 +534,8 @@ def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
 
 def test_dynamic_quantize_is_two_launches_with_the_reference_bits(child):
     rows = child["quant_dynamic"]
-    assert {r["case"] for r in rows} == {"rand", "nan", "zero", "inf", "tiny"} and len(rows) == 60
+    assert {r["case"] for r in rows} == {"rand", "nan", "zero", "inf", "tiny"} and len(rows) == 120
+    assert {r["limit"] for r in rows} == {None, 0}
     bad = [r for r in rows if not (r["same"] and r["same_gs"])]
     assert not bad, bad[:3]
     # dynamic: the amax kernel then the quantize kernel; static: the quantize kernel alone (it writes the swizzled
