@@ -201,6 +201,20 @@ def test_register_a_split_fills_the_gpu_on_small_shapes(monkeypatch, m, n, k, gr
     assert any(c.split_k not in {t[5] for t in table} for c in cfgs) is grown
 
 
+@pytest.mark.parametrize("k, streamed", [(128, False), (256, True), (4096, True)])
+def test_stream_k_is_offered_only_where_a_tile_has_more_than_one_k_step(monkeypatch, k, streamed):
+    """At one K step per tile the stream-K config would run its first tile's kernel (wgmma_register_a.STEPS_NOTE):
+    the same candidate twice. Both ops' register-operand tiles take 8 blocks (128 values) per K step at M = 128."""
+    from fp4dispatch.kernels.heuristics import w4a16_configs_for
+
+    cuda = _cuda(monkeypatch, (9, 0), gluon=False)
+    for cls, cfgs in ((C.WgmmaRegisterAConfig, configs_for(128, 4096, k, cuda)),
+                      (C.WgmmaRegisterAW4A16Config, w4a16_configs_for(128, 4096, k, cuda))):
+        ra = _of(cfgs, cls)
+        assert ra[0].k_blocks == 8
+        assert [c.stream_k for c in ra].count(True) == streamed, (cls, k)
+
+
 @pytest.mark.parametrize("cap, rank", [((9, 0), 2), ((8, 9), 1), ((8, 0), 0)])
 def test_w4a16_register_operand_tiles_first_on_hopper_offered_from_sm89_and_no_gemv_there(monkeypatch, cap, rank):
     from fp4dispatch.kernels.config_grouped import MmaW4A16GroupedConfig

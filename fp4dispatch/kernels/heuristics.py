@@ -144,11 +144,12 @@ def _older_kernels(p: _Problem, convert: bool) -> list[KernelConfig]:
 def _register_a(p: _Problem) -> list[WgmmaRegisterAConfig]:
     """The ``wgmma_register_a`` tiles of M's range (small shapes: tiles that differ only by split may get the same
     sized split, kept once); from M = 17 also the first one as stream-K, which leaves no partial last wave whatever
-    the tile count."""
+    the tile count, where a tile has more than one K step (with one, ``run`` launches the first one's kernel:
+    wgmma_register_a.py, STEPS_NOTE)."""
     new: list[WgmmaRegisterAConfig] = []
     for tile in REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if p.m <= b)]:
         _add(new, p.register_a(*tile))
-    if p.m > 16:
+    if p.m > 16 and cdiv(p.kb, new[0].k_blocks) > 1:
         new.append(replace(new[0], split_k=1, stream_k=True))
     return new
 
@@ -251,13 +252,14 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
 
 def _register_a_w4a16(p: _Problem) -> list[WgmmaRegisterAW4A16Config]:
     """``wgmma_register_a``'s tiles of M's range with their K split (the same registers and shared memory: its
-    pre-decoded A tile is 16-bit too), and from M = 17 the first one as stream-K, as ``_register_a`` offers it."""
+    pre-decoded A tile is 16-bit too), and from M = 17 the first one as stream-K where a tile has more than one K
+    step, as ``_register_a`` offers it."""
     out: list[WgmmaRegisterAW4A16Config] = []
     for tile in REGISTER_A_TILES[min(b for b in REGISTER_A_TILES if p.m <= b)]:
         if len(tile) == 6:  # the others differ by where A is decoded, which W4A16 does not do
             t = p.register_a(*tile)
             _add(out, WgmmaRegisterAW4A16Config(t.block_m, t.block_n, t.k_blocks, t.split_k, t.warps, t.stages))
-    if p.m > 16:
+    if p.m > 16 and cdiv(p.kb, out[0].k_blocks) > 1:
         out.append(replace(out[0], split_k=1, stream_k=True))
     return out
 
