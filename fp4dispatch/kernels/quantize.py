@@ -32,7 +32,7 @@ def available() -> bool:
 
 def quant_tile(m: int) -> tuple[int, int, int]:
     """(rows, 16-element blocks, warps) of one quantize program for ``m`` rows: the fastest tile of a sweep on the
-    H200 (``docs/kernels.md``, "Activation quantize"), within a few % of each M's best."""
+    H200 (docs/kernels.md, "The activation quantize"), within a few % of each M's best."""
     if m <= 2:
         return 1, 16, 4
     if m <= 128:
@@ -73,8 +73,9 @@ def _amax(x: torch.Tensor, gs: torch.Tensor, finish: bool) -> torch.Tensor:
     block, per_sm, warps = (_AMAX_BLOCK, _AMAX_PER_SM, _AMAX_WARPS) if finish else _SMALL_AMAX
     progs = min(-(-n // block), per_sm * runtime.num_sms(x.device), _AMAX_MAX_PARTS)
     parts = workspace.scratch("amax", (progs,), torch.float32, x.device)
-    launch(amax_scale_kernel, (progs,), x, parts, workspace.counters(1, x.device), gs, n, BLOCK=block,
-           PARTS=1 << (progs - 1).bit_length(), FINISH=finish, num_warps=warps)
+    cnt = workspace.counters(1, x.device) if finish else parts  # without FINISH the kernel does not count
+    launch(amax_scale_kernel, (progs,), x, parts, cnt, gs, n, BLOCK=block, PARTS=1 << (progs - 1).bit_length(),
+           FINISH=finish, num_warps=warps)
     return parts
 
 
