@@ -94,9 +94,9 @@ def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: 
     another (``precompile.compile_together``): a Triton backend's (``compiles_ahead``) on Triton's async-compile
     pool, a first-run library's (``compiles_on_first_run``) by one run per ``first_run_unit`` in threads, the units
     of the ``upcoming`` problems with them. Anything that fails here fails again in the probe, which reports it."""
-    if device.type != "cuda":
-        return
     ahead, first_run = getattr(backend, "compiles_ahead", False), getattr(backend, "compiles_on_first_run", False)
+    if not (ahead or first_run) or device.type != "cuda":
+        return
     problems = [probe_problem(backend, m, device) for m in PROBE_MS]
     jobs = []
     for problem in problems if ahead else ():

@@ -45,6 +45,16 @@ def max_keeping_nan(v, axis: tl.constexpr):
 
 
 @triton.jit
+def scale_from_parts(part_ptr, nparts, PARTS: tl.constexpr):
+    """The global scale from ``amax_scale_kernel``'s ``nparts`` partial maxima (PARTS >= nparts, a power of two):
+    ``reciprocal(amax) * 2688`` (torch's ``2688 / t`` is that product), or 1.0 where amax is not > 0 (NaN, zero).
+    Loaded past L1 (``.cg``): other programs of the same launch may just have written them."""
+    i = tl.arange(0, PARTS)
+    amax = max_keeping_nan(tl.load(part_ptr + i, mask=i < nparts, other=0.0, cache_modifier=".cg"), 0)
+    return tl.where(amax > 0, tl.math.div_rn(1.0, amax) * 2688.0, 1.0)
+
+
+@triton.jit
 def quant_kernel(x_ptr, gs_ptr, part_ptr, NPARTS, p_ptr, s_ptr, M, K, KB, CB, RP, BM: tl.constexpr,
                  BKB: tl.constexpr, SWIZZLED: tl.constexpr, PADB: tl.constexpr, PARTS: tl.constexpr):
     """Blocks of BM rows x BKB 16-element blocks, loaded and stored as 2-D row segments (16-byte vectors; a 4-D
@@ -56,9 +66,7 @@ def quant_kernel(x_ptr, gs_ptr, part_ptr, NPARTS, p_ptr, s_ptr, M, K, KB, CB, RP
     (a small input: its amax launch then ends without an atomic and a second round trip)."""
     pid_m = tl.program_id(0)
     if PARTS > 0:
-        i = tl.arange(0, PARTS)
-        amax = max_keeping_nan(tl.load(part_ptr + i, mask=i < NPARTS, other=0.0), 0)
-        gs = tl.where(amax > 0, tl.math.div_rn(1.0, amax) * 2688.0, 1.0)
+        gs = scale_from_parts(part_ptr, NPARTS, PARTS)
         if (pid_m == 0) & (tl.program_id(1) == 0):
             tl.store(gs_ptr, gs)
     else:
@@ -100,10 +108,9 @@ def quant_kernel(x_ptr, gs_ptr, part_ptr, NPARTS, p_ptr, s_ptr, M, K, KB, CB, RP
 def amax_scale_kernel(x_ptr, part_ptr, cnt_ptr, gs_ptr, N, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                       FINISH: tl.constexpr):
     """``format.default_global_scale`` on the device, bit for bit: amax(|x|) (NaN if x holds a NaN), then
-    ``reciprocal(amax) * 2688`` (torch's ``2688 / t`` is that product) or 1.0 where amax is not > 0. Each program
-    stores the max of its strided chunks in part_ptr; with FINISH the program that arrives last (cnt_ptr counts,
-    starting at zero) reduces the partials, writes gs and sets the counter back to zero for the next launch (without,
-    ``quant_kernel`` reduces them)."""
+    ``scale_from_parts``. Each program stores the max of its strided chunks in part_ptr; with FINISH the program that
+    arrives last (cnt_ptr counts, starting at zero) writes gs from them and sets the counter back to zero for the next
+    launch (without, ``quant_kernel`` does)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     m = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -116,9 +123,5 @@ def amax_scale_kernel(x_ptr, part_ptr, cnt_ptr, gs_ptr, N, BLOCK: tl.constexpr, 
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == progs - 1:
-            i = tl.arange(0, PARTS)
-            p = tl.load(part_ptr + i, mask=i < progs, other=0.0, cache_modifier=".cg")
-            amax = max_keeping_nan(p, 0)
-            gs = tl.where(amax > 0, tl.math.div_rn(1.0, amax) * 2688.0, 1.0)
-            tl.store(gs_ptr, gs)
+            tl.store(gs_ptr, scale_from_parts(part_ptr, progs, PARTS))
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
