@@ -19,7 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 
-from fp4dispatch.kernels.gemm.gluon_tiles import layouts, load_scales, mma_step, scale_ptrs, store_layout
+from fp4dispatch.kernels.gemm.gluon_tiles import (layouts, load_scales, mma_step, operand_layout, scale_ptrs,
+                                                 store_layout)
 
 # instructions whose first register operand is not a destination
 _NO_DEST = ("HGMMA", "ST", "RED", "ATOM", "BRA", "SYNCS", "BAR", "WARPGROUP", "ISETP", "FSETP", "HSETP", "DSETP")
@@ -157,12 +158,12 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | 
                         warps, div16, out, **opts)
 
 
-def desc_types(BN: int, BM: int, BKB: int) -> tuple[str, str]:
-    """The argument types of the (words, pre-decoded operand) TMA descriptors of these tiles, for ``build``."""
-    from triton.runtime.jit import mangle_type
-    bl, al = layouts(BN, BM, BKB)
+def desc_types(BN: int, BM: int, BKB: int, dt: torch.dtype = torch.float16) -> tuple[str, str]:
+    """The argument types of the (words, 16-bit operand of dtype ``dt``) TMA descriptors of these tiles, for
+    ``build``."""
+    bl = layouts(BN, BM, BKB)[0]
     bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
-    ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=torch.float16), [BM, BKB * 16], al)
+    ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=dt), [BM, BKB * 16], operand_layout(BM, BKB, dt))
     return mangle_type(bd), mangle_type(ad)
 
 
@@ -174,16 +175,16 @@ def probe_signature(BN: int, BM: int, BKB: int) -> dict:
             "N": "i32", "KB": "i32", "CB": "i32", "steps_per_split": "i32"}
 
 
-def build_wgws(BN: int, BM: int, BKB: int, STAGES: int, SWAP: bool = False) -> dict:
+def build_wgws(BN: int, BM: int, BKB: int, STAGES: int, SWAP: bool = False, w4a16: torch.dtype | None = None) -> dict:
     """``build`` of ``wgmma_warp_specialized.wgws_kernel``, specialized as a launch with 16-divisible sizes and
-    pointers would be."""
+    pointers would be; ``w4a16``: the activations' dtype of its W4A16 form."""
     from fp4dispatch.kernels.gemm.wgmma_warp_specialized import wgws_kernel
 
-    bd, ad = desc_types(BN, BM, BKB)
+    bd, ad = desc_types(BN, BM, BKB, w4a16 or torch.float16)
     sig = {"x_desc": bd, "y_desc": ad, "sx_ptr": "*u8", "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
            "N": "i32", "KB": "i32", "CB": "i32", "NT": "i32", "TILES": "i32", "STEPS": "i32"}
-    return build(wgws_kernel, sig, {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "SWAP": SWAP}, BN // 16,
-                 ("sx_ptr", "out_ptr", "M", "N", "KB", "CB"))
+    consts = {"BN": BN, "BM": BM, "BKB": BKB, "STAGES": STAGES, "SWAP": SWAP, "W4A16": w4a16 is not None}
+    return build(wgws_kernel, sig, consts, BN // 16, ("sx_ptr", "out_ptr", "M", "N", "KB", "CB"))
 
 
 def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int, DSTAGES: int, DREGS: int, PARTS: int,

@@ -195,6 +195,64 @@ def test_warp_specialized_refuses_what_tma_cannot_describe():
             WgmmaWarpSpecializedConfig(256, 128, 4, 5, swap=True))
 
 
+def test_w4a16_warp_specialized_refuses_what_tma_cannot_describe_naming_its_op():
+    from fp4dispatch.kernels.config import WgmmaWarpSpecializedW4A16Config
+
+    run = _gluon_module("gemm.wgmma_warp_specialized_w4a16").run
+    s = torch.zeros(128, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"^w4a16_mm: WgmmaWarpSpecializedW4A16Config needs K % 32 == 0 and a "
+                                         r"16-byte aligned b; got K=2064, data_ptr\(\) % 16 = 0\. Use another "
+                                         r"config from w4a16_configs_for\(\)$"):
+        run(torch.zeros(4, 2064, dtype=torch.bfloat16), torch.zeros(8, 8 * 129, dtype=torch.uint8), s, s, s,
+            WgmmaWarpSpecializedW4A16Config(256, 128, 4, 5))
+
+
+def test_w4a16_warp_specialized_launches_the_nvfp4_kernel_on_the_permuted_activations(monkeypatch):
+    """On meta tensors (no GPU): the activation permute, then one ``wgws_kernel`` launch with W4A16 set, its Y
+    descriptor over the permuted copy in the activations' dtype (K padded to whole scale groups), the weight's
+    descriptor and grid as the NVFP4 launch has them."""
+    from fp4dispatch.kernels import runtime
+    from fp4dispatch.kernels.config import WgmmaWarpSpecializedConfig, WgmmaWarpSpecializedW4A16Config
+
+    ws = _gluon_module("gemm.wgmma_warp_specialized")
+    w4 = _gluon_module("gemm.wgmma_warp_specialized_w4a16")
+    got = []
+
+    def rec_launch(fn, grid, *args, **kw):
+        got.append((fn.__name__, tuple(grid), args, kw))
+
+    def rec_desc(ptr, dtype, shape, strides, block, layout):
+        return (dtype, tuple(shape), tuple(strides), tuple(block))
+
+    monkeypatch.setattr(runtime, "pdl", lambda device, enabled: {"launch_pdl": True, "PDL": True} if enabled else {})
+    monkeypatch.setattr(runtime, "launch", rec_launch)
+    monkeypatch.setattr(runtime, "_SMS", {0: 8})
+    monkeypatch.setattr(ws, "launch", rec_launch)
+    monkeypatch.setattr(ws, "tma_desc", rec_desc)
+    meta = dict(device="meta")
+    m, n, k = 300, 1024, 2080
+    b = torch.empty(n, k // 2, dtype=torch.uint8, **meta)
+    sb = torch.empty(n * 36 * 4, dtype=torch.uint8, **meta)
+    alpha = torch.empty(1, **meta)
+    for dt in (torch.bfloat16, torch.float16):
+        for persistent in (False, True):
+            got.clear()
+            out = torch.empty(m, n, dtype=torch.bfloat16, **meta)
+            w4.run(torch.empty(m, k, dtype=dt, **meta), b, sb, alpha, out,
+                   WgmmaWarpSpecializedW4A16Config(256, 128, 4, 5, persistent=persistent))
+            (permute, *_), (name, grid, args, kw) = got
+            assert permute == "permute_a_kernel" and name == "wgws_kernel" and kw["W4A16"] is True
+            assert args[1] == (dt, (m, 2112), (2112, 1), (256, 64))  # K padded to 33 groups of 64
+            assert args[0] == (torch.int64, (n, 130), (130, 1), (128, 4))
+            assert grid == ((8,) if persistent else (16,)) and kw["SWAP"] is False and kw["num_warps"] == 8
+    # the NVFP4 launch leaves W4A16 at the kernel's default
+    got.clear()
+    a = torch.empty(m, k // 2, dtype=torch.uint8, **meta)
+    ws.run(a, b, torch.empty(384 * 36 * 4, dtype=torch.uint8, **meta), sb, alpha,
+           torch.empty(m, n, dtype=torch.bfloat16, **meta), WgmmaWarpSpecializedConfig(256, 128, 4, 5))
+    assert got[-1][0] == "wgws_kernel" and "W4A16" not in got[-1][3]
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` (default mode) in Python: byte i of the result from nibble i of sel's low 16 bits."""
     src = a.to_bytes(4, "little") + b.to_bytes(4, "little")

@@ -25,13 +25,16 @@ def _tools():
     return _sass_tools
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["out", "swap"])
+@pytest.mark.parametrize("form", ["out", "swap", "w4a16-bf16", "w4a16-fp16"])
 @pytest.mark.parametrize("tile", WARP_SPECIALIZED_TILES,
                          ids=[f"BM{t[0]}-BN{t[1]}-BKB{t[2]}-S{t[3]}" for t in WARP_SPECIALIZED_TILES])
-def test_wgws_sass_has_no_operand_race_no_loop_spills_and_fits(tile, swap):
+def test_wgws_sass_has_no_operand_race_no_loop_spills_and_fits(tile, form):
+    """The NVFP4 GEMM (plain, swapped) and its W4A16 form, whose decode without CVT takes more instructions and
+    registers (each activation dtype: bf16 decodes by other instructions than fp16)."""
     race = _tools()
     bm, bn, bkb, stages = tile
-    built = race.build_wgws(bn, bm, bkb, stages, swap)
+    w4a16 = {"w4a16-bf16": torch.bfloat16, "w4a16-fp16": torch.float16}.get(form)
+    built = race.build_wgws(bn, bm, bkb, stages, form == "swap", w4a16)
     assert race.hot_loops(race._parse(built["sass"])), "no wgmma loop found in the SASS"
     assert race.races(built["sass"]) == []
     # no spills in the K loop (the epilogue, once per tile, may spill a few registers: BN 64 swapped does locally)

@@ -101,3 +101,31 @@ def test_w4a16_launch_plans_replay_every_config_with_the_bits_of_the_ordinary_pa
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), replayed.view(torch.int16)), cfg
     assert not unplanned, unplanned
+
+
+@pytest.mark.parametrize("m", [129, 300, 4096])
+@pytest.mark.parametrize("adt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_w4a16_warp_specialized_every_tile_passes_the_hostile_check(m, adt):
+    """The Gluon warp-specialized GEMM with 16-bit activations (offered from M = 129) at every tile, plain and
+    persistent: K = 2080 (130 blocks: half a scale group and a last step past K, as its TMA needs K % 32 == 0),
+    N = 1000 off every tile; bf16/fp16 activations, their dtype and fp32 out."""
+    from dataclasses import replace
+
+    from fp4dispatch.backends import default_backends
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.dispatch.verify import check_run, make_case
+    from fp4dispatch.kernels import gluon_missing
+    from fp4dispatch.kernels.config import WgmmaWarpSpecializedW4A16Config
+    from fp4dispatch.kernels.heuristics import WARP_SPECIALIZED_TILES
+    from fp4dispatch.problem import Problem
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_missing():
+        pytest.skip(gluon_missing() or "the warp-specialized Gluon GEMM is SM90 only")
+    backend = next(b for b in default_backends() if b.name == "triton:w4a16")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for odt in (adt, torch.float32):
+        case = make_case(Problem(m, 1000, 2080, odt, dev, adt), 11 * m + 1, reference_mm)
+        for tile in WARP_SPECIALIZED_TILES:
+            cfg = WgmmaWarpSpecializedW4A16Config(*tile)
+            for c in (cfg, replace(cfg, persistent=True)):
+                assert check_run(backend, case, c) is None, (odt, c)

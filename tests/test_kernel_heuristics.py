@@ -369,6 +369,32 @@ def test_w4a16_decode_warps_offered_at_m_65_to_128_on_sm90_with_gluon(monkeypatc
                    C.WgmmaDecodeWarpsW4A16Config)
 
 
+@pytest.mark.parametrize("cap, gluon, offered", [((9, 0), True, True), ((9, 0), False, False), ((8, 9), True, False)])
+def test_w4a16_warp_specialized_first_above_m128_on_sm90_with_gluon_never_swapped(monkeypatch, cap, gluon, offered):
+    """w4a16_mm gets fp4_mm's warp-specialized tiles (its own config class, for its own launcher) above M = 128, first,
+    plain and persistent but never swapped (the weight would be the operand decoded first), with K % 32 == 0."""
+    from fp4dispatch.errors import InvalidInputError
+    from fp4dispatch.kernels.heuristics import w4a16_configs_for
+
+    cuda = _cuda(monkeypatch, cap, gluon=gluon)
+    with pytest.raises(InvalidInputError, match=r"^WgmmaWarpSpecializedW4A16Config.swap must be False \(swapped, "
+                                                r"the operand decoded first would be the weight: a whole "
+                                                r"dequantize\); got True$"):
+        C.WgmmaWarpSpecializedW4A16Config(256, 128, 4, 5, swap=True)
+    for m, n in ((128, 8192), (129, 8192), (300, 8192), (4096, 8192), (4096, 2048)):
+        cfgs = w4a16_configs_for(m, n, 8192, cuda)
+        ws = _of(cfgs, C.WgmmaWarpSpecializedW4A16Config)
+        fp4 = [c for c in configs_for(m, n, 8192, cuda) if isinstance(c, C.WgmmaWarpSpecializedConfig) and not c.swap]
+        want = [C.WgmmaWarpSpecializedW4A16Config(**vars(c)) for c in fp4] if offered and m > 128 else []
+        assert ws == want, (m, n, cfgs)
+        assert cfgs[:len(ws)] == ws and len(cfgs) <= 7 and _of(cfgs, C.WgmmaRegisterAW4A16Config)
+        assert not any(type(c) is C.WgmmaWarpSpecializedConfig for c in cfgs)  # the NVFP4 kernel's class never
+        assert all(c.family == "w4a16_wgmma_warp_specialized" and c.launches == 2 for c in ws)
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+    # its TMA needs 16-byte weight rows (K % 32 == 0)
+    assert not _of(w4a16_configs_for(1024, 8192, 8208, cuda), C.WgmmaWarpSpecializedW4A16Config)
+
+
 def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
     """Fewer tiles than SMs (N <= 2048 at M = 128 on 132 SMs): a split-K config comes first among the decode-warps
     candidates, in the parts that minimize the busiest SM's K steps plus the partials' cost, one wave of them."""

@@ -17,7 +17,7 @@ from ..errors import InvalidInputError
 
 __all__ = ["KernelConfig", "BytewiseGemvConfig", "CudaCoreGemvConfig", "TmaGemvConfig", "MmaBf16Config",
            "WgmmaRegisterAConfig", "WgmmaWarpSpecializedConfig", "WgmmaDecodeWarpsConfig",
-           "WgmmaDecodeWarpsW4A16Config", "CudaCoreW4A16Config",
+           "WgmmaDecodeWarpsW4A16Config", "WgmmaWarpSpecializedW4A16Config", "CudaCoreW4A16Config",
            "WgmmaRegisterAW4A16Config", "MmaW4A16Config",
            "register_a_resident", "decode_warps_work"]
 
@@ -286,6 +286,21 @@ class WgmmaDecodeWarpsW4A16Config(WgmmaDecodeWarpsConfig):
 
     family: ClassVar[str] = "w4a16_wgmma_decode_warps"
     launches: ClassVar[int] = 2  # the activation permute, then the GEMM
+
+
+@dataclass(frozen=True)
+class WgmmaWarpSpecializedW4A16Config(WgmmaWarpSpecializedConfig):
+    """``gemm/wgmma_warp_specialized_w4a16`` (SM90, Gluon): ``w4a16_mm`` on ``WgmmaWarpSpecializedConfig``'s kernel
+    and tiles, the weight decoded into the wgmma register operand in the activations' dtype, the activations put in
+    the decode's K order by a small kernel first."""
+
+    family: ClassVar[str] = "w4a16_wgmma_warp_specialized"
+    launches: ClassVar[int] = 2  # the activation permute, then the GEMM
+
+    def check(self) -> None:
+        super().check()
+        self._require("swap", not self.swap,
+                      "False (swapped, the operand decoded first would be the weight: a whole dequantize)")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..errors import InvalidInputError
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
                      MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
-                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig)
+                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig,
+                     WgmmaWarpSpecializedW4A16Config)
 from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 
 __all__ = ["FAMILIES", "from_json"]
@@ -13,7 +14,7 @@ __all__ = ["FAMILIES", "from_json"]
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
     WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, WgmmaRegisterAW4A16Config,
-    WgmmaDecodeWarpsW4A16Config, MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig, MmaW4A16GroupedConfig)}
+    WgmmaDecodeWarpsW4A16Config, WgmmaWarpSpecializedW4A16Config, MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig, MmaW4A16GroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

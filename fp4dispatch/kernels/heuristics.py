@@ -16,8 +16,8 @@ import torch
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
                      MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
-                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig, decode_warps_work,
-                     register_a_resident)
+                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig,
+                     WgmmaWarpSpecializedW4A16Config, decode_warps_work, register_a_resident)
 from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
@@ -154,16 +154,17 @@ def _register_a(p: _Problem) -> list[WgmmaRegisterAConfig]:
     return new
 
 
-def _warp_specialized(m: int, n: int) -> list[WgmmaWarpSpecializedConfig]:
-    """The ``wgmma_warp_specialized`` candidates for M > 128: from M = 257 the first tile also persistent (the loads
-    run on across tile ends) and, where M > N, both block_m 256 tiles with the operands' roles swapped (the weight
-    is then the operand decoded first, so fewer values are decoded), the block_n 128 one first."""
-    plain = [WgmmaWarpSpecializedConfig(bm, bn, bkb, st) for bm, bn, bkb, st in WARP_SPECIALIZED_TILES
+def _warp_specialized(m: int, n: int, kind: type[WgmmaWarpSpecializedConfig] = WgmmaWarpSpecializedConfig) -> list:
+    """The ``wgmma_warp_specialized`` candidates for M > 128 as ``kind`` (its op's config class): from M = 257 the
+    first tile also persistent (the loads run on across tile ends) and, for ``fp4_mm`` where M > N, both block_m 256
+    tiles with the operands' roles swapped (the weight is then the operand decoded first, so fewer values are
+    decoded), the block_n 128 one first."""
+    plain = [kind(bm, bn, bkb, st) for bm, bn, bkb, st in WARP_SPECIALIZED_TILES
              if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
     if m <= 256:
         return plain
     out = [replace(plain[0], persistent=True)] + plain
-    if m > n:
+    if m > n and kind is WgmmaWarpSpecializedConfig:
         swaps = [replace(t, swap=True) for t in plain if t.block_m == 256]
         out = swaps[:1] + out + swaps[1:]
     return out
@@ -226,9 +227,10 @@ def _fill_split(tiles: int, steps: int, sms: int) -> int:
 
 def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
     """Candidate configs for ``w4a16_mm`` (``out[m, n] = a[m, k] @ dequant(b[n, k]).T``, a bf16/fp16), best guess
-    first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers), and
-    at 64 < M <= 128 the decode-warps GEMM after the first tile (with Gluon, N % 32 == 0 and K % 32 == 0, as for
-    ``configs_for``; at M = 1024 it lost to the register-operand tiles); elsewhere the ``tl.dot`` tiles, the
+    first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers); with
+    Gluon, as ``configs_for`` offers them, at 64 < M <= 128 the decode-warps GEMM after the first tile (N % 32 == 0
+    and K % 32 == 0; at M = 1024 it lost to the register-operand tiles) and above M = 128 the warp-specialized GEMM
+    first (K % 32 == 0; never swapped: ``_warp_specialized``); elsewhere the ``tl.dot`` tiles, the
     CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90,
     where it lost to both at every shape measured (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
@@ -245,7 +247,9 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     if rank:
         register_a = _register_a_w4a16(_Problem(m, n, k, device))
         out = register_a + out if rank == 2 else out + register_a
-    if 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
+    if m > 128 and k % 32 == 0 and target.gluon_ok(device):
+        out = _warp_specialized(m, n, WgmmaWarpSpecializedW4A16Config) + out
+    elif 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
         out = out[:1] + _decode_warps(_Problem(m, n, k, device), WgmmaDecodeWarpsW4A16Config) + out[1:]
     return out[:MAX_CONFIGS]
 

@@ -6,7 +6,7 @@ import torch
 
 from . import plan
 from .config import (CudaCoreW4A16Config, KernelConfig, MmaW4A16Config, WgmmaDecodeWarpsW4A16Config,
-                     WgmmaRegisterAW4A16Config)
+                     WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedW4A16Config)
 from .launchers import LauncherTable
 
 __all__ = ["w4a16_mm", "LAUNCHERS", "PLANS"]
@@ -17,6 +17,7 @@ LAUNCHERS: dict[type[KernelConfig], str] = {
     MmaW4A16Config: "gemm.mma_w4a16",
     WgmmaRegisterAW4A16Config: "gemm.wgmma_register_a_w4a16",
     WgmmaDecodeWarpsW4A16Config: "gemm.wgmma_decode_warps_w4a16",
+    WgmmaWarpSpecializedW4A16Config: "gemm.wgmma_warp_specialized_w4a16",
 }
 _TABLE = LauncherTable("w4a16_mm", "heuristics.w4a16_configs_for", LAUNCHERS)
 

@@ -68,14 +68,20 @@ def load_scales(sptr, smask, t, kb0, KB):
 
 
 @gluon.jit
-def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
+def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr, W4A16: gl.constexpr = False):
     """Step ``it`` of the ring: wait for its slot, decode the weight words (scales ``sb``) straight into the wgmma
-    register operand and issue the async wgmma with the slot's A tile."""
+    register operand and issue the async wgmma with the slot's A tile. The decode: through the e4m3x2 conversion
+    (fp16, NVFP4 activations pre-decoded the same way), or with W4A16 without it, in ``a_s``'s dtype (the 16-bit
+    activations in the decode's K order)."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     BKB: gl.constexpr = w_s.type.shape[2]
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    w = gl.convert_layout(dec16(w_s.index(s).load(RAW), sb, BKB, True, True), DOT, assert_trivial=True)
+    if W4A16:
+        w = dec16(w_s.index(s).load(RAW), sb, BKB, True, False, a_s.dtype == gl.bfloat16)
+    else:
+        w = dec16(w_s.index(s).load(RAW), sb, BKB, True, True)
+    w = gl.convert_layout(w, DOT, assert_trivial=True)
     return warpgroup_mma(w, a_s.index(s).permute((1, 0)), acc, is_async=True)
 
 

@@ -36,8 +36,10 @@ from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 i
 from .. import runtime
 from ..config import WgmmaWarpSpecializedConfig
 from ..runtime import cdiv, launch, tma_desc
-from .gluon_tiles import epilogue, first_tile, layouts, load_scales, mma_step, raw_layout, scale_ptrs
+from .gluon_tiles import (epilogue, first_tile, layouts, load_scales, mma_step, operand_layout, raw_layout,
+                          scale_ptrs)
 from .wgmma_register_a import pdl_after_predecode, predecode
+from .wgmma_register_a_w4a16 import W4A16_UNDO
 
 
 @gluon.jit
@@ -67,13 +69,13 @@ def _producer(b_desc, a_desc, w_s, a_s, ready, empty, TILES, NT, STEPS):
 
 
 @gluon.jit
-def _release(w_s, a_s, ready, empty, it, prev, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr):
+def _release(w_s, a_s, ready, empty, it, prev, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr, W4A16: gl.constexpr):
     """Ring step ``it``: decode and issue its wgmma, wait until one group is left in flight, then free the slot of
     step it - 1 (``prev``: it is this tile's), whose group is done. No proxy fence: the words were read into
     registers before that group was issued (CUTLASS's TMA pipeline releases the same way), and a fence here
     compiles to MEMBAR.ALL.CTA."""
     STAGES: gl.constexpr = w_s.type.shape[0]
-    acc = mma_step(w_s, a_s, ready, it, sb, acc, RAW, DOT)
+    acc = mma_step(w_s, a_s, ready, it, sb, acc, RAW, DOT, W4A16)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=prev)
     return acc
@@ -81,9 +83,9 @@ def _release(w_s, a_s, ready, empty, it, prev, sb, acc, RAW: gl.constexpr, DOT: 
 
 @gluon.jit
 def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS,
-             SWAP: gl.constexpr):
+             SWAP: gl.constexpr, W4A16: gl.constexpr):
     """For each of this CTA's tiles: acc [BN, BM] = X @ Y.T (a warpgroup per 64 of the BN = 16 * num_warps rows),
-    then the epilogue."""
+    then the epilogue (W4A16: ``mma_step``'s decode without CVT, undone by 2**7)."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     BN: gl.constexpr = w_s.type.shape[1]
     BKB: gl.constexpr = w_s.type.shape[2]
@@ -106,40 +108,50 @@ def _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, T
         # A step's scale bytes are loaded two steps ahead: loaded one step ahead, the consumers wait for them.
         for i in range(STEPS // 2):
             sb2 = load_scales(sptr, smask, t, (2 * i + 2) * BKB, KB)
-            acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb0, acc, RAW, DOT)
+            acc = _release(w_s, a_s, ready, empty, j + 2 * i, i > 0, sb0, acc, RAW, DOT, W4A16)
             sb3 = load_scales(sptr, smask, t, (2 * i + 3) * BKB, KB)
-            acc = _release(w_s, a_s, ready, empty, j + 2 * i + 1, True, sb1, acc, RAW, DOT)
+            acc = _release(w_s, a_s, ready, empty, j + 2 * i + 1, True, sb1, acc, RAW, DOT, W4A16)
             sb0 = sb2
             sb1 = sb3
         if STEPS % 2 == 1:
-            acc = _release(w_s, a_s, ready, empty, j + STEPS - 1, STEPS > 1, sb0, acc, RAW, DOT)
+            acc = _release(w_s, a_s, ready, empty, j + STEPS - 1, STEPS > 1, sb0, acc, RAW, DOT, W4A16)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(empty.index((j + STEPS - 1) % STAGES))  # the tile's last slot: the producer runs on
-        epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP)
+        if W4A16:
+            epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP, UNDO=W4A16_UNDO)
+        else:
+            epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP)
 
 
-# SWAP by wrapper: Triton 3.6 passes a partition's constexpr arguments as i32 values, so the default partition is one of
-# two functions that each call _consume with a literal
+# SWAP and W4A16 by wrapper: Triton 3.6 passes a partition's constexpr arguments as i32 values, so the default
+# partition is one of three functions that each call _consume with literals
 @gluon.jit
 def _consume_out(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
-    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, False)
+    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, False, False)
 
 
 @gluon.jit
 def _consume_swap(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
-    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, True)
+    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, True, False)
+
+
+@gluon.jit
+def _consume_w4a16(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS):
+    _consume(w_s, a_s, ready, empty, sb_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS, False, True)
 
 
 @gluon.jit
 def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TILES, STEPS, BN: gl.constexpr,
-                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr):
+                BM: gl.constexpr, BKB: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
+                W4A16: gl.constexpr = False):
     """acc [BN, BM] = X @ Y.T tiles: X the N rows of NVFP4 words (``x_desc``, block scales ``sx_ptr``), decoded in
     registers; Y the M rows pre-decoded to fp16 (``y_desc``). out [M, N] = acc.T (X the weight), or with SWAP out
     [N, M] = acc (X the activation). The TILES tiles (NT along N) of STEPS K steps each are shared out in order
     (``first_tile``): a grid of TILES CTAs is the plain tiled kernel, a smaller one persistent (the loads run on
-    across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads."""
+    across tile ends). The default partition (num_warps = BN / 16) consumes, a worker warp loads.
+    W4A16: Y is the 16-bit activations in the weight decode's K order (``y_desc``'s dtype, fp16 or bf16; no SWAP)."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], x_desc.layout)
-    a_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BKB * 16], y_desc.layout)
+    a_s = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BM, BKB * 16], y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -147,7 +159,9 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
         mbarrier.init(empty.index(i), count=1)
     args = (w_s, a_s, ready, empty, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS)
     load = (x_desc, y_desc, w_s, a_s, ready, empty, TILES, NT, STEPS)
-    if SWAP:
+    if W4A16:
+        gl.warp_specialize([(_consume_w4a16, args), (_producer, load)], [1], [40])
+    elif SWAP:
         gl.warp_specialize([(_consume_swap, args), (_producer, load)], [1], [40])
     else:
         gl.warp_specialize([(_consume_out, args), (_producer, load)], [1], [40])
@@ -156,27 +170,41 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
 
 def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
         cfg: WgmmaWarpSpecializedConfig) -> None:
-    """One operand decoded once to fp16 (``predecode``), then one launch over TMA descriptors of the other's words
-    and the decoded one. The decoded one is A, or with ``swap`` the weight (out = A @ W.T tile by tile: fewer values
-    to decode where M > N)."""
-    kb = a.shape[1] // 8
+    """One operand decoded once to fp16 (``predecode``), then :func:`launch_gemm`. The decoded one is A, or with
+    ``swap`` the weight (out = A @ W.T tile by tile: fewer values to decode where M > N)."""
     x, sx, y, sy = (a, sa, b, sb) if cfg.swap else (b, sb, a, sa)  # x: decoded in registers, y: decoded first
-    if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
-        raise ValueError(f"fp4_mm: {type(cfg).__name__} needs K % 32 == 0 and a 16-byte aligned "
-                         f"{'a' if cfg.swap else 'b'}; got K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use "
-                         f"another config from configs_for()")
-    nx, ny = x.shape[0], y.shape[0]
+    check_operand("fp4_mm", "a" if cfg.swap else "b", x, cfg)
     # with PDL only the producer waits for the pre-decode
     pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
-    yd = predecode(y.view(torch.int64), sy, True, CVT=True, **pre)
+    launch_gemm(x, sx, predecode(y.view(torch.int64), sy, True, CVT=True, **pre), alpha, out, cfg, opts)
+
+
+def check_operand(op: str, name: str, x: torch.Tensor, cfg: WgmmaWarpSpecializedConfig) -> None:
+    """What the TMA box of the operand decoded in registers (``name`` of ``op``) needs, before anything is
+    launched."""
+    kb = x.shape[1] // 8
+    if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
+        raise ValueError(f"{op}: {type(cfg).__name__} needs K % 32 == 0 and a 16-byte aligned {name}; got "
+                         f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from "
+                         f"{'w4a16_configs_for' if op == 'w4a16_mm' else 'configs_for'}()")
+
+
+def launch_gemm(x: torch.Tensor, sx: torch.Tensor, yd: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,
+                cfg: WgmmaWarpSpecializedConfig, opts: dict, w4a16: bool = False) -> None:
+    """One launch of ``wgws_kernel`` over TMA descriptors of x's words (uint8 [rows, K/2], decoded in registers with
+    block scales ``sx``) and yd (16-bit [rows, >= K] in the decode's K order: the pre-decoded NVFP4 operand, or with
+    ``w4a16`` the permuted activations). ``opts``: launch options (PDL)."""
+    kb = x.shape[1] // 8
+    nx, ny = x.shape[0], yd.shape[0]
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
-    x_layout, y_layout = layouts(bn, bm, bkb)
-    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), x_layout)
-    y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16), y_layout)
+    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), layouts(bn, bm, bkb)[0])
+    y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16),
+                      operand_layout(bm, bkb, yd.dtype))
     nt, steps = cdiv(nx, bn), cdiv(kb, bkb)
     tiles = nt * cdiv(ny, bm)
     # persistent: one CTA per SM (the ring fills its shared memory), whole tiles each, so that the loads run on
     # across a tile's epilogue; else one CTA per tile
     ctas = min(tiles, runtime.num_sms(out.device)) if cfg.persistent else tiles
+    form = {"W4A16": True} if w4a16 else {}  # the NVFP4 GEMM: the kernel's default
     launch(wgws_kernel, (ctas,), x_desc, y_desc, sx, alpha, out, ny, nx, kb, cdiv(kb, 4), nt, tiles, steps, BN=bn,
-           BM=bm, BKB=bkb, STAGES=cfg.stages, SWAP=cfg.swap, num_warps=bn // 16, **opts)
+           BM=bm, BKB=bkb, STAGES=cfg.stages, SWAP=cfg.swap, num_warps=bn // 16, **opts, **form)
