@@ -14,7 +14,8 @@ __all__ = ["FAMILIES", "from_json"]
 FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
     WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, WgmmaRegisterAW4A16Config,
-    WgmmaDecodeWarpsW4A16Config, WgmmaWarpSpecializedW4A16Config, MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig, MmaW4A16GroupedConfig)}
+    WgmmaDecodeWarpsW4A16Config, WgmmaWarpSpecializedW4A16Config, MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig,
+    MmaW4A16GroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

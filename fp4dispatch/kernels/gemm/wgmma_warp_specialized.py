@@ -173,20 +173,19 @@ def run(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, al
     """One operand decoded once to fp16 (``predecode``), then :func:`launch_gemm`. The decoded one is A, or with
     ``swap`` the weight (out = A @ W.T tile by tile: fewer values to decode where M > N)."""
     x, sx, y, sy = (a, sa, b, sb) if cfg.swap else (b, sb, a, sa)  # x: decoded in registers, y: decoded first
-    check_operand("fp4_mm", "a" if cfg.swap else "b", x, cfg)
+    check_operand("fp4_mm", "configs_for", "a" if cfg.swap else "b", x, cfg)
     # with PDL only the producer waits for the pre-decode
     pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
     launch_gemm(x, sx, predecode(y.view(torch.int64), sy, True, CVT=True, **pre), alpha, out, cfg, opts)
 
 
-def check_operand(op: str, name: str, x: torch.Tensor, cfg: WgmmaWarpSpecializedConfig) -> None:
+def check_operand(op: str, source: str, name: str, x: torch.Tensor, cfg: WgmmaWarpSpecializedConfig) -> None:
     """What the TMA box of the operand decoded in registers (``name`` of ``op``) needs, before anything is
-    launched."""
+    launched; ``source``: the heuristics function that offers the configs, named in the error."""
     kb = x.shape[1] // 8
     if kb % 2 or x.data_ptr() % 16:  # TMA: 16-byte aligned base and row stride
         raise ValueError(f"{op}: {type(cfg).__name__} needs K % 32 == 0 and a 16-byte aligned {name}; got "
-                         f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from "
-                         f"{'w4a16_configs_for' if op == 'w4a16_mm' else 'configs_for'}()")
+                         f"K={kb * 16}, data_ptr() % 16 = {x.data_ptr() % 16}. Use another config from {source}()")
 
 
 def launch_gemm(x: torch.Tensor, sx: torch.Tensor, yd: torch.Tensor, alpha: torch.Tensor, out: torch.Tensor,

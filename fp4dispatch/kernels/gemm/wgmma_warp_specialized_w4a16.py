@@ -23,7 +23,7 @@ def run(a: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, alpha: torch.Tensor,
         cfg: WgmmaWarpSpecializedW4A16Config) -> None:
     """Launch ``permute_a``, then ``wgws_kernel`` on its output: a (bf16/fp16 [M, K], contiguous), b uint8 [N, K/2],
     sb its swizzled scales as uint8."""
-    check_operand("w4a16_mm", "b", b, cfg)
+    check_operand("w4a16_mm", "w4a16_configs_for", "b", b, cfg)
     # with PDL only the producer waits for the permute
     pre, opts = pdl_after_predecode(runtime.pdl(out.device, cfg.pdl))
     launch_gemm(b, sb, permute_a(a, pre)[0], alpha, out, cfg, opts, w4a16=True)
