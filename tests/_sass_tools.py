@@ -19,8 +19,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import mangle_type
 
-from fp4dispatch.kernels.gemm.gluon_tiles import (layouts, load_scales, mma_step, operand_layout, scale_ptrs,
-                                                 store_layout)
+from fp4dispatch.kernels.gemm.gluon_tiles import (load_scales, mma_step, operand_layout, scale_ptrs, store_layout,
+                                                 word_tile_layout)
 
 # instructions whose first register operand is not a destination
 _NO_DEST = ("HGMMA", "ST", "RED", "ATOM", "BRA", "SYNCS", "BAR", "WARPGROUP", "ISETP", "FSETP", "HSETP", "DSETP")
@@ -161,8 +161,7 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | 
 def desc_types(BN: int, BM: int, BKB: int, dt: torch.dtype = torch.float16) -> tuple[str, str]:
     """The argument types of the (words, 16-bit operand of dtype ``dt``) TMA descriptors of these tiles, for
     ``build``."""
-    bl = layouts(BN, BM, BKB)[0]
-    bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], bl)
+    bd = TensorDescriptor.from_tensor(torch.zeros(1024, 512, dtype=torch.int64), [BN, BKB], word_tile_layout(BN, BKB))
     ad = TensorDescriptor.from_tensor(torch.zeros(BM, 8192, dtype=dt), [BM, BKB * 16], operand_layout(BM, BKB, dt))
     return mangle_type(bd), mangle_type(ad)
 

@@ -117,7 +117,7 @@ def test_warp_specialized_cached_descriptors_describe_what_from_tensor_does(monk
     a, b = torch.zeros(m, k // 2, dtype=torch.uint8), torch.zeros(n, k // 2, dtype=torch.uint8)
     s = torch.zeros(1, dtype=torch.uint8)
     ws.run(a, b, s, s, s, s, WgmmaWarpSpecializedConfig(256, 128, 4, 5, swap=swap))
-    xl, yl = ws.layouts(128, 256, 4)
+    xl, yl = ws.word_tile_layout(128, 4), ws.operand_layout(256, 4, torch.float16)
     want = (TensorDescriptor.from_tensor((a if swap else b).view(torch.int64), [128, 4], xl),
             TensorDescriptor.from_tensor(yd, [256, 64], yl))
     for d, w in zip(got[0], want):

@@ -219,6 +219,7 @@ class WgmmaWarpSpecializedConfig(KernelConfig):
 
     family: ClassVar[str] = "gemm_wgmma_warp_specialized"
     launches: ClassVar[int] = 2  # the pre-decode, then the GEMM
+    swappable: ClassVar[bool] = True  # whether ``swap`` may be set (the heuristics offer swapped tiles only then)
     block_m: int
     block_n: int
     k_blocks: int
@@ -296,6 +297,7 @@ class WgmmaWarpSpecializedW4A16Config(WgmmaWarpSpecializedConfig):
 
     family: ClassVar[str] = "w4a16_wgmma_warp_specialized"
     launches: ClassVar[int] = 2  # the activation permute, then the GEMM
+    swappable: ClassVar[bool] = False
 
     def check(self) -> None:
         super().check()

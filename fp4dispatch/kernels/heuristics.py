@@ -156,15 +156,15 @@ def _register_a(p: _Problem) -> list[WgmmaRegisterAConfig]:
 
 def _warp_specialized(m: int, n: int, kind: type[WgmmaWarpSpecializedConfig] = WgmmaWarpSpecializedConfig) -> list:
     """The ``wgmma_warp_specialized`` candidates for M > 128 as ``kind`` (its op's config class): from M = 257 the
-    first tile also persistent (the loads run on across tile ends) and, for ``fp4_mm`` where M > N, both block_m 256
-    tiles with the operands' roles swapped (the weight is then the operand decoded first, so fewer values are
-    decoded), the block_n 128 one first."""
+    first tile also persistent (the loads run on across tile ends) and, where M > N and ``kind.swappable``, both
+    block_m 256 tiles with the operands' roles swapped (the weight is then the operand decoded first, so fewer values
+    are decoded), the block_n 128 one first."""
     plain = [kind(bm, bn, bkb, st) for bm, bn, bkb, st in WARP_SPECIALIZED_TILES
              if (bm == 256 and m > 256) or (bm == 128 and m <= 512)]
     if m <= 256:
         return plain
     out = [replace(plain[0], persistent=True)] + plain
-    if m > n and kind is WgmmaWarpSpecializedConfig:
+    if m > n and kind.swappable:
         swaps = [replace(t, swap=True) for t in plain if t.block_m == 256]
         out = swaps[:1] + out + swaps[1:]
     return out

@@ -128,15 +128,15 @@ def epilogue(acc, alpha_ptr, out_ptr, n0, m0, M, N, SWAP: gl.constexpr, QR: gl.c
 
 
 @functools.lru_cache(maxsize=None)
-def layouts(BN: int, BM: int, BKB: int) -> tuple:
-    """Shared-memory layouts of a [BN, BKB] tile of words (X) and a [BM, BKB*16] tile of the pre-decoded Y (TMA and
-    wgmma). The word tile takes the default for int64: a fixed 128-byte swizzle fails for BKB < 16. Cached: building
-    them costs more host time than the rest of a small call."""
-    return gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64), operand_layout(BM, BKB, torch.float16)
+def word_tile_layout(BN: int, BKB: int) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [BN, BKB] tile of weight words (int64), as TMA writes it: the default for int64
+    (a fixed 128-byte swizzle fails for BKB < 16). Cached: building it costs more host time than the rest of a small
+    call."""
+    return gl.NVMMASharedLayout.get_default_for([BN, BKB], gl.int64)
 
 
 @functools.lru_cache(maxsize=None)
 def operand_layout(BM: int, BKB: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout of a [BM, BKB*16] tile of a 16-bit operand (``dtype``: torch.float16 or bfloat16), as
-    TMA writes it and wgmma reads it; cached like :func:`layouts`."""
+    TMA writes it and wgmma reads it; cached like :func:`word_tile_layout`."""
     return gl.NVMMASharedLayout.get_default_for([BM, BKB * 16], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)

@@ -36,8 +36,8 @@ from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 i
 from .. import runtime
 from ..config import WgmmaWarpSpecializedConfig
 from ..runtime import cdiv, launch, tma_desc
-from .gluon_tiles import (epilogue, first_tile, layouts, load_scales, mma_step, operand_layout, raw_layout,
-                          scale_ptrs)
+from .gluon_tiles import (epilogue, first_tile, load_scales, mma_step, operand_layout, raw_layout, scale_ptrs,
+                          word_tile_layout)
 from .wgmma_register_a import pdl_after_predecode, predecode
 from .wgmma_register_a_w4a16 import W4A16_UNDO
 
@@ -196,7 +196,7 @@ def launch_gemm(x: torch.Tensor, sx: torch.Tensor, yd: torch.Tensor, alpha: torc
     kb = x.shape[1] // 8
     nx, ny = x.shape[0], yd.shape[0]
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.k_blocks
-    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), layouts(bn, bm, bkb)[0])
+    x_desc = tma_desc(x.data_ptr(), torch.int64, (nx, kb), (kb, 1), (bn, bkb), word_tile_layout(bn, bkb))
     y_desc = tma_desc(yd.data_ptr(), yd.dtype, tuple(yd.shape), yd.stride(), (bm, bkb * 16),
                       operand_layout(bm, bkb, yd.dtype))
     nt, steps = cdiv(nx, bn), cdiv(kb, bkb)
