@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import types
 
 import torch
@@ -377,16 +378,56 @@ class FakeHummingLayer(torch.nn.Module):
                                                    requires_grad=False)
             self.input_scale_2 = torch.nn.Parameter(self.input_scale.data.amax().reshape(1), requires_grad=False)
             del self.input_scale
-        self.humming_config = {"n": self.n, "k": self.k, "dtype": self.dtype, "a4": self.a4, "e": self.e}
+        self.humming_config = FakeLayerConfig(n=self.n, k=self.k, dtype=self.dtype, a4=self.a4, e=self.e)
+        self.humming_config.sm_version = self.cc
         # the kernel layout: words of 8 codes, least significant nibble first
         self.weight = torch.nn.Parameter(self.weight.data.view(torch.int32).clone(), requires_grad=False)
 
 
+class FakeLayerConfig(dict):
+    """``HummingLayer.humming_config``: ``to_str()`` (its JSON, which ``prepare_kernels`` merges into each kernel's
+    config) and ``sm_version`` (set on the layer's device)."""
+
+    sm_version = 0
+
+    def to_str(self) -> str:
+        return json.dumps({"shape_n": self["n"], "shape_k": self["k"], "c_dtype": str(self["dtype"]),
+                           "sublayer_name": "", "sm_version": self.sm_version})
+
+
+class FakeHummingKernel:
+    """``humming.kernel.HummingKernel`` as the background compile meets it: constructing one compiles it (recorded
+    in ``compiled``, or raises for a config with ``fail``), then ``register_kernel`` loads it into the CUDA driver
+    (recorded in ``registered``); every object made is kept in ``_instances``."""
+
+    compiled: list[dict] = []
+    registered: list[dict] = []
+    _instances: dict = {}
+    compiler_nice: list[int] = []  # the niceness of the compiler each construction started (``nice`` prints it)
+
+    def __init__(self, **config):
+        if config.get("fail"):
+            raise RuntimeError("NVRTC failed with exit code 1")
+        if config.get("run_compiler"):  # Humming compiles in a subprocess (humming/jit/compiler.py)
+            out = subprocess.run(["nice"], capture_output=True, text=True, check=True).stdout
+            type(self).compiler_nice.append(int(out))
+        type(self).compiled.append(config)
+        type(self)._instances[("HummingKernel", 0, tuple(sorted(config.items())))] = self
+        self.register_kernel()
+
+    def register_kernel(self):
+        type(self).registered.append(True)
+
+
 class FakeHumming:
-    """``humming`` with ``layer``, ``forward`` and ``tune``; records each forward's tuning config."""
+    """``humming`` with ``layer``, ``forward``, ``tune``, ``kernel`` and ``device``; records each forward's tuning
+    config, and the kernels compiled (``kernel_class``)."""
 
     def __init__(self):
         self.calls: list[dict] = []
+        # a class per fake: the background compile's records of one test are not another's
+        self.kernel_class = type("HummingKernel", (FakeHummingKernel,), {"compiled": [], "registered": [],
+                                                                        "_instances": {}, "compiler_nice": []})
         self.searches = 0  # get_heuristics_config calls
         self.heuristics = [[0, 1 << 30, {"block_m": 64, "use_stream_k": True}]]  # lru-cached upstream: shared
 
@@ -399,6 +440,10 @@ class FakeHumming:
         mod.forward.humming_forward = self.humming_forward
         mod.tune = types.ModuleType("humming.tune")
         mod.tune.get_heuristics_config = self.get_heuristics_config
+        mod.kernel = types.ModuleType("humming.kernel")
+        mod.kernel.HummingKernel = self.kernel_class
+        mod.device = types.ModuleType("humming.device")
+        mod.device.current_device = types.SimpleNamespace(sm_version=cc)  # Humming's view of the current GPU
         return mod
 
     def get_heuristics_config(self, config, gemm_type="dense", device=None):

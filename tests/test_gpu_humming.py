@@ -64,3 +64,75 @@ def test_humming_in_a_cuda_graph_and_against_triton_fused(m):
         fused.run(problem, other, cfg)
         # both sum exact products in fp32; the order of the sums may differ: at most a rounding apart
         torch.testing.assert_close(other.out.float(), eager.float(), rtol=8e-3, atol=1e-3 * float(eager.abs().max()))
+
+
+def _count_compiles(monkeypatch) -> list:
+    """Each compiler run Humming starts from now on (a cubin found in its disk cache starts none)."""
+    from humming.jit import compiler
+
+    runs = []
+    for cls in (compiler.NVRTCCompiler, compiler.NVCCCompiler):
+        real = cls._compile.__func__
+
+        def counted(c, *args, real=real, **kw):
+            runs.append(c.__name__)
+            return real(c, *args, **kw)
+        monkeypatch.setattr(cls, "_compile", classmethod(counted))
+    return runs
+
+
+def test_a_shapes_other_buckets_compile_in_the_background_into_the_cubins_its_next_keys_load(tmp_path, monkeypatch):
+    from fp4dispatch.backends import humming_compile
+    from fp4dispatch.backends.humming import HummingBackend
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
+    from fp4dispatch.dispatch.verify import check_output
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, k = 1536, 2560  # a shape no other test compiles: its cubins are new to Humming's disk cache
+    d = Dispatcher([HummingBackend()], cache_dir=tmp_path)
+    before = len(humming_compile.started)
+
+    def call(m):
+        problem = Problem(m, n, k, torch.bfloat16, dev)
+        ops = make_operands(problem, seed=m)
+        out = d.fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha)
+        assert check_output(out, reference_mm(problem, ops), problem) is None
+
+    call(1)  # decided on its first call: the rest of the shape's table is handed to the background
+    assert humming_compile.wait_idle(600)
+    assert len(humming_compile.started) > before and humming_compile.failures == []
+    runs = _count_compiles(monkeypatch)
+    for m in (100, 700, 3000):  # buckets 128, 1024, 4096: new keys, whose first runs find their kernels compiled
+        call(m)
+    assert runs == []
+
+
+def test_a_cuda_graph_captured_while_humming_compiles_in_the_background_is_sound(tmp_path):
+    from fp4dispatch.backends import humming_compile
+    from fp4dispatch.backends.humming import HummingBackend
+    from fp4dispatch.dispatch.dispatcher import Dispatcher
+    from fp4dispatch.problem import Problem
+    from fp4dispatch.testing import make_operands
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ops = make_operands(Problem(1, 1280, 2112, torch.bfloat16, dev), seed=3)  # a shape of its own: a cold compile
+    Dispatcher([HummingBackend()], cache_dir=tmp_path).fp4_mm(ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha)
+    x, w = torch.randn(64, 512, device=dev), torch.randn(512, 256, device=dev)
+    captures = overlapped = 0
+    # captured in the default (global) mode: a CUDA call from another thread that is unsafe then fails the capture
+    while humming_compile._jobs.unfinished_tasks and captures < 2000:
+        g, y = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(g):
+            y = x @ w
+        overlapped += bool(humming_compile._jobs.unfinished_tasks)
+        captures += 1
+        y.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, x @ w)
+    assert humming_compile.wait_idle(600)
+    assert overlapped > 0, "the background compile ended before a capture: nothing was checked"
+    assert humming_compile.failures == []

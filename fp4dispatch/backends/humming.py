@@ -39,6 +39,7 @@ from ..problem import M_BUCKETS, Operands, Problem, m_bucket
 from ._native import (NativeBackend, PreparedWeightCache, aligned_alpha, alignment_reason, import_library,
                       library_installed)
 from .base import Config
+from .humming_compile import compile_later
 from .humming_tables import heuristics_table
 
 __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT", "bucket_entries"]
@@ -60,15 +61,18 @@ class HummingBackend(NativeBackend):
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
     tuning_per_bucket = True  # dense: each M bucket gets its own entries of the table (``bucket_entries``)
-    _transient = ("_lib", "prepared")
+    _transient = ("_lib", "prepared", "layers", "wanted")
 
     def __init__(self) -> None:
         super().__init__()
         self.prepared = PreparedWeightCache(self.name)
+        self.layers: dict[tuple, tuple] = {}  # _shape(problem) -> (layer config, table), once a weight was prepared
+        self.wanted: dict[tuple, int] = {}  # shape -> M whose nearest buckets compile first (compile_other_buckets)
 
     def _reset_transient(self) -> None:
         super()._reset_transient()
         self.prepared = PreparedWeightCache(self.name)
+        self.layers, self.wanted = {}, {}
 
     # -- availability --------------------------------------------------------------------------------------------
     def unavailable_before_import(self, device: torch.device) -> str | None:
@@ -146,6 +150,8 @@ class HummingBackend(NativeBackend):
             layer.load_from_tensors(self.layer_tensors(problem, ops))
             layer.transform()
         tuning = heuristics_table(lib, layer.humming_config, self.gemm_type, ops.b.device)  # Stream-K off
+        self.layers[_shape(problem)] = (layer.humming_config, tuning)
+        self._compile_wanted(_shape(problem))
         extra = {"input_scale_2": layer.input_scale_2} if self.input_config is not None else {}
         return (layer.weight, layer.weight_scale, layer.locks, layer.humming_config,
                 _Tuning(tuning, self.tuning_per_bucket), extra)
@@ -155,6 +161,25 @@ class HummingBackend(NativeBackend):
         grouped layer's whole shape."""
         unit = super().first_run_unit(problem)
         return unit + (problem.bucket,) if self.tuning_per_bucket else unit
+
+    def compile_other_buckets(self, problem: Problem) -> None:
+        """Compile, in the background, the kernels of ``problem``'s shape's whole table (``humming_compile``: no CUDA
+        call), those nearest to its M first: now if the shape's layer was prepared, else once it is (in the first
+        run of the key being decided, beside the compile of that key's own bucket). The dispatcher asks for this when
+        it decides a key on its first call."""
+        if not self.tuning_per_bucket or self.device_capability(problem.device) is None:
+            return
+        shape = _shape(problem)
+        self.wanted[shape] = problem.m
+        if shape in self.layers:
+            self._compile_wanted(shape)
+
+    def _compile_wanted(self, shape: tuple) -> None:
+        m = self.wanted.pop(shape, None)
+        if m is not None:
+            config, table = self.layers[shape]
+            compile_later(self._lib or self._load(), config, table, m, self.device_capability(shape[0]),
+                          own=bucket_entries(table, m_bucket(m)))  # the key's first run compiles those
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         # the prepared weight depends on the out dtype (Humming's layer dtype): one cache entry per dtype
@@ -201,6 +226,11 @@ class HummingW4A4Backend(HummingBackend):
         scale = unswizzle_scales(ops.a_scale.view(torch.uint8), problem.m, problem.k // BLOCK)
         return {"inputs": ops.a.view(torch.uint8), "input_scale": scale.contiguous().view(torch.int32),
                 "input_scale_2": layer_extra["input_scale_2"]}
+
+
+def _shape(problem: Problem) -> tuple:
+    """What a prepared layer's kernels depend on, less M (the table serves every M)."""
+    return problem.device, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts
 
 
 def bucket_entries(table: list, bucket: int) -> list:

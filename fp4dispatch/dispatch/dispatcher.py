@@ -81,6 +81,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._probed_ops: dict[torch.device, set[str]] = {}  # the ops whose backends have verdicts in _states
         self._lock = threading.RLock()
         self._warned: set[str] = set()
+        self._keys_ahead: set[tuple] = set()  # the keys compile_keys was given (their kernels compiled together)
         # guard mode (fp4dispatch.dispatch.guard): checks outputs for non-finite values without a host sync per call
         self.guard = None
         if guard if guard is not None else self.settings.guard:
@@ -168,7 +169,10 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                 return self._capture_choice(key, problem, c)
             self._state(problem.device, problem.op)
             if c is None:
-                c = self._cached_choice(key, problem) or self._tune_key(key, problem)
+                c = self._cached_choice(key, problem)
+                if c is None:
+                    self._compile_other_buckets(key, problem)
+                    c = self._tune_key(key, problem)
             c = self._prove(key, problem, c)
             self._choices[key] = c
             return c

@@ -73,6 +73,23 @@ class KeyTuning:
                 reasons[b.name] = why
         return candidates, reasons
 
+    def _compile_other_buckets(self, key: tuple, problem: Problem) -> None:
+        """Before a key is tuned on its first call: each usable backend that compiles per M bucket on its first run
+        (Humming) is asked to compile, in the background, its kernels for the shape's other buckets, so that the
+        shape's next keys find them compiled (backends/humming_compile.py). Not for a key that ``compile_keys`` was
+        given: its model's keys are compiled together, and the buckets that none of them needs are left alone."""
+        if key in self._keys_ahead:
+            return
+        for b in self._candidates(key, problem)[0]:
+            start = getattr(b, "compile_other_buckets", None)
+            if start is None:
+                continue
+            try:
+                start(problem)
+            except Exception as e:  # noqa: BLE001 - a head start only: each key still compiles what it needs
+                log.debug("fp4dispatch: %s could not compile ahead for %s (%s)", b.name, key_str(key),
+                          describe_exception(e))
+
     def _rule(self, problem: Problem) -> tuple[Search, DoBench | None]:
         """How much of a key's candidates is timed in full, and the screen timer that picks them (none: all)."""
         return FULL if self.settings.search == "full" else Search(), self._screen(problem)

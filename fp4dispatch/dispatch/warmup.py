@@ -68,7 +68,10 @@ class Warmup:
         the part spent handing the compiles out before that), after it compiling ("compile"; with ``decide``, handing
         the compiles out) and, with ``decide``, deciding the rest ("decide")."""
         t0 = time.perf_counter()
+        problems = list(problems)
         todo: dict[tuple, Problem] = {}
+        with self._lock:
+            self._keys_ahead.update(p.key for p in problems)
         for p in problems:
             if _compiles(p.device) and self._forced is None:
                 todo.setdefault(p.key, p)
