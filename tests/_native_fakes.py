@@ -448,6 +448,9 @@ class FakeHumming:
 
     def get_heuristics_config(self, config, gemm_type="dense", device=None):
         self.searches += 1
+        if config.sm_version // 10 == 9 and not config["a4"]:
+            # tune/sm90_policies.py, build_sm90_seed_config: a four-warp WGMMA group of 32-column warps along N
+            assert config["n"] % 128 == 0, "block_shape_n >= min_warp_shape_n * 4"
         _need(gemm_type == ("grouped_contiguous" if config["e"] else "dense"),
               f"heuristics for gemm_type={gemm_type!r} of a layer with {config['e']} experts")
         return self.heuristics

@@ -38,7 +38,7 @@ def humming(monkeypatch):
     return install
 
 
-@pytest.mark.parametrize("m, n, k, dt", [(1, 64, 32, BF16), (5, 128, 512, BF16), (130, 192, 96, FP16),
+@pytest.mark.parametrize("m, n, k, dt", [(1, 128, 32, BF16), (5, 128, 512, BF16), (130, 384, 96, FP16),
                                          (300, 256, 256, BF16)])
 def test_humming_adapter_matches_reference_with_stream_k_off(cc, humming, m, n, k, dt):
     cc(90)
@@ -92,7 +92,7 @@ def test_hummings_table_is_searched_once_and_then_read_from_the_cache_dir(cc, hu
     files[0].write_text('[[0, 1, "not a config"]]')
     HummingBackend().run(problem, ops, {})
     assert fake.searches == 2 and json.loads(files[0].read_text())[0][2] == {"block_m": 64, "use_stream_k": False}
-    other = Problem(3, 192, 256, BF16, CPU)
+    other = Problem(3, 384, 256, BF16, CPU)
     HummingBackend().run(other, make_operands(other, seed=2), {})
     assert fake.searches == 3 and len(list((cache_dir / "humming-tables").glob("*.json"))) == 2
     assert not list((cache_dir / "humming-tables").glob("*.tmp"))
@@ -116,7 +116,7 @@ def test_hummings_table_still_serves_when_the_cache_dir_cannot_be_written(cc, hu
 def test_a_misaligned_alpha_is_copied_to_an_aligned_one(cc, humming):
     cc(90)
     humming()
-    problem = Problem(2, 64, 64, BF16, CPU)
+    problem = Problem(2, 128, 64, BF16, CPU)
     ops = make_operands(problem, seed=3)
     alpha = torch.empty(5, dtype=FP32)[1:2].copy_(ops.alpha)
     assert alpha.data_ptr() % 16 != 0
@@ -244,8 +244,11 @@ def test_humming_device_reasons(cc, humming, cap, want):
     (90, 128, 256, FP32, "Humming writes bfloat16/float16 only (its output dtype is the activations'); got "
                          "out_dtype=torch.float32"),
     (75, 128, 256, BF16, "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"),
-    (90, 96, 256, BF16, "Humming (its padded tile) needs N % 64 == 0 and K % 32 == 0; N=96 is not a multiple of 64 "
+    (80, 96, 256, BF16, "Humming (its padded tile) needs N % 64 == 0 and K % 32 == 0; N=96 is not a multiple of 64 "
                         "(not padded: the triton/reference backends take any N, K multiple of 16)"),
+    (80, 192, 96, BF16, None),
+    (90, 192, 96, BF16, "Humming on SM90 (four 32-column warps along N) needs N % 128 == 0 and K % 32 == 0; N=192 is "
+                        "not a multiple of 128 (not padded: the triton/reference backends take any N, K multiple of 16)"),
 ])
 def test_humming_unsupported_rules(cc, cap, n, k, dt, want):
     cc(cap)
@@ -256,7 +259,7 @@ def test_humming_pickles_for_probe_workers_and_asks_for_time_to_compile(cc, humm
     cc(90)
     humming()
     backend = HummingBackend()
-    problem = Problem(2, 64, 64, BF16, CPU)
+    problem = Problem(2, 128, 64, BF16, CPU)
     ops = make_operands(problem)
     backend.run(problem, ops, {})
     clone = pickle.loads(pickle.dumps(backend))
@@ -384,7 +387,7 @@ def test_humming_grouped_spreads_one_alpha_and_prepares_the_experts_once(cc, hum
     cc(90)
     fake = humming()
     backend = HummingGroupedBackend()
-    problem, case = _grouped_case(20, 4, 64, 64, 1)
+    problem, case = _grouped_case(20, 4, 128, 64, 1)
     ops = case.ops._replace(alpha=case.ops.alpha[:1].clone())
     ref = reference_mm(problem, ops)
     for _ in range(2):
@@ -400,7 +403,7 @@ def test_humming_grouped_clamps_a_wrong_routing_table_it_was_not_checked_against
 
     cc(90)
     fake = humming()
-    problem, case = _grouped_case(10, 3, 64, 64, 0)
+    problem, case = _grouped_case(10, 3, 128, 64, 0)
     bad = torch.tensor([6, 2, 99], dtype=torch.int32)
     HummingGroupedBackend().run(problem, case.ops._replace(offs=bad), {})
     assert fake.calls[-1]["expert_layout"] == [0, 6, 6, 10]
@@ -439,7 +442,7 @@ class _GroupedTokensAsDense(__import__("fp4dispatch.backends.humming_grouped", f
 def test_wrong_humming_grouped_layouts_are_refused_by_the_emulator(cc, humming, cls, match):
     cc(90)
     humming()
-    problem, case = _grouped_case(9, 4, 64, 64, 0)
+    problem, case = _grouped_case(9, 4, 128, 96, 0)  # K/16 = 6: the swizzled scales' padded 8 columns differ
     with pytest.raises(fakes.ContractError, match=match):
         cls().run(problem, case.ops, {})
 
@@ -460,7 +463,7 @@ def test_fp4_grouped_mm_runs_through_humming_end_to_end_and_its_reasons(cc, humm
     cc(90)
     fake = humming()
     d = Dispatcher([HummingGroupedBackend()], cache_dir=tmp_path)
-    problem, case = _grouped_case(12, 4, 64, 64, 2)
+    problem, case = _grouped_case(12, 4, 128, 64, 2)
     o = case.ops
     out = d.fp4_grouped_mm(o.a, o.b, o.a_scale, o.b_scale, o.alpha, o.offs)
     _assert_grouped_matches(problem, out, case.ref)
@@ -471,7 +474,7 @@ def test_fp4_grouped_mm_runs_through_humming_end_to_end_and_its_reasons(cc, humm
         "HummingGroupedBackend(max_bytes=...) to allow it")
     assert HummingGroupedBackend().unsupported(problem._replace(out_dtype=FP32)) == \
         "Humming writes bfloat16/float16 only (its output dtype is the activations'); got out_dtype=torch.float32"
-    assert "N=96 is not a multiple of 64" in HummingGroupedBackend().unsupported(problem._replace(n=96))
+    assert "N=192 is not a multiple of 128" in HummingGroupedBackend().unsupported(problem._replace(n=192))
     assert pickle.loads(pickle.dumps(HummingGroupedBackend(max_bytes=5))).max_bytes == 5
 
 

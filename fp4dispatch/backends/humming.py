@@ -18,7 +18,8 @@ How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/mode
   (two identical calls gave different bits on the H200), and fp4dispatch returns the same bits for the same call. The
   tuning config Humming's heuristics choose is passed with ``use_stream_k`` off.
 - Out: bf16 or fp16 (Humming's output dtype is its activation dtype). N % 64 == 0 and K % 32 == 0 (its padded tile;
-  fp4dispatch does not pad).
+  fp4dispatch does not pad), N % 128 == 0 on SM90 (``tune/sm90_policies.py`` asserts a four-warp WGMMA group of
+  32-column warps along N: N = 1216, 1344, 192 raised there on the H200, 1280 and 1408 ran).
 - Kernels are compiled on first use (NVRTC or nvcc), so a probe in a worker gets ``PROBE_TIMEOUT_S`` at least.
   ``humming_forward`` compiles every config of the tuning table it is given on its first run (some 30 for a dense
   shape), so a dense layer is given, per M bucket, only the table's entries that serve that bucket's M
@@ -102,6 +103,9 @@ class HummingBackend(NativeBackend):
                     f"{problem.out_dtype}")
         if problem.out_dtype == torch.bfloat16 and (self.device_capability(problem.device) or 0) < 80:
             return "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"
+        if (self.device_capability(problem.device) or 0) // 10 == 9:
+            # its SM90 heuristics keep a four-warp WGMMA group of 32-column warps along N, and assert it
+            return alignment_reason(problem, 128, 32, "Humming on SM90 (four 32-column warps along N)")
         return alignment_reason(problem, 64, 32, "Humming (its padded tile)")
 
     # -- the call ------------------------------------------------------------------------------------------------
