@@ -4,7 +4,8 @@ Modes (all on one CUDA GPU; results are printed and written under $OUT or --out)
   --candidates  the CUDA-graph time of every candidate config of triton:fused (``configs_for``) per (shape, M), next
                 to cuBLAS bf16; candidates.json. Works with this tree's kernels and with those before the kernels/
                 restructure (8af9a38), so that ``--ab`` can compare them. With ``--op w4a16``: those of
-                triton:w4a16 (``w4a16_configs_for``, bf16 activations) instead.
+                triton:w4a16 (``w4a16_configs_for``, bf16 activations) instead. With ``--uncut``: every config the
+                heuristics list before their cut at ``MAX_CONFIGS`` (is a config left out ever the fastest?).
   --ab OLD      ``--candidates`` for the fp4dispatch under the folder OLD and for this tree's, each in child
                 processes, alternating (--ab-rounds pairs, the faster of each cell kept); ab.json and a table of
                 old / new time per cell and per config, flagging cells off by more than --ab-tol.
@@ -318,6 +319,7 @@ def main() -> int:
     ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
     ap.add_argument("--op", choices=("fp4_mm", "w4a16"), default="fp4_mm",
                     help="--candidates of fp4_mm (default) or of w4a16_mm")
+    ap.add_argument("--uncut", action="store_true", help="--candidates: also the configs after MAX_CONFIGS")
     ap.add_argument("--table", action="store_true", help="the dispatcher table (default when no mode is given)")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK shapes (comma list)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="M values (comma list)")
@@ -327,6 +329,10 @@ def main() -> int:
         log("bench_hopper: needs a CUDA GPU")
         return 2
     os.makedirs(args.out, exist_ok=True)
+    if args.uncut:
+        from fp4dispatch.kernels import heuristics
+
+        heuristics.MAX_CONFIGS = 1 << 10  # read by every *configs_for when it returns its list
     if args.ab:
         return 0 if run_ab(args.ab, args) else 1
     shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]

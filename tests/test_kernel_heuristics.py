@@ -388,6 +388,8 @@ def test_w4a16_warp_specialized_first_above_m128_on_sm90_with_gluon_never_swappe
         want = [C.WgmmaWarpSpecializedW4A16Config(**vars(c)) for c in fp4] if offered and m > 128 else []
         assert ws == want, (m, n, cfgs)
         assert cfgs[:len(ws)] == ws and len(cfgs) <= 7 and _of(cfgs, C.WgmmaRegisterAW4A16Config)
+        if ws:  # then the register-operand stream-K tile, which the cut left out from M = 257 (it wins at M = 300)
+            assert cfgs[len(ws)].family == "w4a16_wgmma_register_a" and cfgs[len(ws)].stream_k, (m, n, cfgs)
         assert not any(type(c) is C.WgmmaWarpSpecializedConfig for c in cfgs)  # the NVFP4 kernel's class never
         assert all(c.family == "w4a16_wgmma_warp_specialized" and c.launches == 2 for c in ws)
         assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs

@@ -230,8 +230,8 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     first. On SM90 the weight-as-register-operand tiles, then the ``tl.dot`` tiles (which win some small layers); with
     Gluon, as ``configs_for`` offers them, at 64 < M <= 128 the decode-warps GEMM after the first tile (N % 32 == 0
     and K % 32 == 0; at M = 1024 it lost to the register-operand tiles) and above M = 128 the warp-specialized GEMM
-    first (K % 32 == 0; never swapped: ``_warp_specialized``); elsewhere the ``tl.dot`` tiles, the
-    CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90,
+    first (K % 32 == 0; never swapped: ``_warp_specialized``), then the register-operand stream-K tile; elsewhere
+    the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90,
     where it lost to both at every shape measured (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
@@ -248,7 +248,10 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
         register_a = _register_a_w4a16(_Problem(m, n, k, device))
         out = register_a + out if rank == 2 else out + register_a
     if m > 128 and k % 32 == 0 and target.gluon_ok(device):
-        out = _warp_specialized(m, n, WgmmaWarpSpecializedW4A16Config) + out
+        # then the register-operand stream-K tile, which the cut at MAX_CONFIGS left out behind the four
+        # warp-specialized tiles from M = 257, where it won (at M = 300: RESULTS.md, "W4A16 candidates")
+        sk = [c for c in out if getattr(c, "stream_k", False)]
+        out = _warp_specialized(m, n, WgmmaWarpSpecializedW4A16Config) + sk + [c for c in out if c not in sk]
     elif 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
         out = out[:1] + _decode_warps(_Problem(m, n, k, device), WgmmaDecodeWarpsW4A16Config) + out[1:]
     return out[:MAX_CONFIGS]
