@@ -169,10 +169,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                 return self._capture_choice(key, problem, c)
             self._state(problem.device, problem.op)
             if c is None:
-                c = self._cached_choice(key, problem)
-                if c is None:
-                    self._compile_other_buckets(key, problem)
-                    c = self._tune_key(key, problem)
+                c = self._cached_choice(key, problem) or self._tune_key(key, problem)
             c = self._prove(key, problem, c)
             self._choices[key] = c
             return c

@@ -73,14 +73,14 @@ class KeyTuning:
                 reasons[b.name] = why
         return candidates, reasons
 
-    def _compile_other_buckets(self, key: tuple, problem: Problem) -> None:
-        """Before a key is tuned on its first call: each usable backend that compiles per M bucket on its first run
-        (Humming) is asked to compile, in the background, its kernels for the shape's other buckets, so that the
-        shape's next keys find them compiled (backends/humming_compile.py). Not for a key that ``compile_keys`` was
-        given: its model's keys are compiled together, and the buckets that none of them needs are left alone."""
+    def _compile_other_buckets(self, key: tuple, problem: Problem, candidates: list[Backend]) -> None:
+        """Before a key is tuned: each candidate that compiles per M bucket on its first run (Humming) is asked to
+        compile, in the background, its kernels for the shape's other buckets, so that the shape's next keys find them
+        compiled (backends/humming_compile.py). Not for a key that ``compile_keys`` was given: its model's keys are
+        compiled together, and the buckets that none of them needs are left alone."""
         if key in self._keys_ahead:
             return
-        for b in self._candidates(key, problem)[0]:
+        for b in candidates:
             start = getattr(b, "compile_other_buckets", None)
             if start is None:
                 continue
@@ -98,6 +98,7 @@ class KeyTuning:
         candidates, reasons = self._candidates(key, problem)
         if not candidates:
             raise self._no_backend(problem, reasons)
+        self._compile_other_buckets(key, problem, candidates)
         if self._timer(problem) is None:
             return self._settle(key, problem, verify_only(problem, candidates), reasons, ())
         tuning, sources = self._search(key, problem, candidates, self._states[key[0]][0].decisions)

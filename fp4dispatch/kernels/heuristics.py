@@ -231,8 +231,8 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     Gluon, as ``configs_for`` offers them, at 64 < M <= 128 the decode-warps GEMM after the first tile (N % 32 == 0
     and K % 32 == 0; at M = 1024 it lost to the register-operand tiles) and above M = 128 the warp-specialized GEMM
     first (K % 32 == 0; never swapped: ``_warp_specialized``), then the register-operand stream-K tile; elsewhere
-    the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is not offered on SM90,
-    where it lost to both at every shape measured (docs/kernels.md)."""
+    the ``tl.dot`` tiles, the CUDA-core GEMV for M <= 8, then (SM89, SM12x) the register-operand tiles. The GEMV is
+    not offered on SM90, where it lost to both at every shape measured (docs/kernels.md)."""
     sms, kb = runtime.num_sms(device), k // 16
     out: list[KernelConfig] = []
     tiles = next(t for top, t in W4A16_MMA_TILES.items() if m <= top)
