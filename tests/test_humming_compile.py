@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def fake(cc, monkeypatch):
     monkeypatch.setattr(humming_compile, "_seen", set())
     monkeypatch.setattr(humming_compile, "started", [])
     monkeypatch.setattr(humming_compile, "failures", [])
-    monkeypatch.setattr(humming_compile, "_workers", lambda: 1)
+    monkeypatch.setattr(humming_compile, "_workers", lambda lib: 1)
     return f
 
 
@@ -131,6 +132,14 @@ def test_the_compilers_run_at_the_lowest_priority_and_the_caller_keeps_its_own(f
     assert humming_compile.wait_idle(60) and humming_compile.failures == []
     assert fake.kernel_class.compiler_nice == [humming_compile.NICE]
     assert os.getpriority(os.PRIO_PROCESS, 0) == before
+
+
+def test_as_many_compiles_at_once_as_hummings_own_parallel_build(monkeypatch):
+    lib = types.SimpleNamespace(utils=types.SimpleNamespace(cpu=types.SimpleNamespace(
+        get_parallel_build_workers=lambda: 3)))  # its rule: the CPUs this process may use, HUMMING_MAX_... caps it
+    assert humming_compile._workers(lib) == 3
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert humming_compile._workers(types.SimpleNamespace()) == cpus  # a release without it
 
 
 def test_the_compile_threads_do_not_keep_a_process_alive(fake, tmp_path):

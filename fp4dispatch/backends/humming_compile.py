@@ -46,9 +46,14 @@ failures: list[str] = []  # why a compile raised (its key's own first run raises
 NICE = 19  # the background's niceness: it compiles on the CPU time that the foreground leaves
 
 
-def _workers() -> int:
-    """Compiles at once: one per core (at ``NICE``, they take no core from the foreground's compiles)."""
-    return os.cpu_count() or 1
+def _workers(lib) -> int:
+    """Compiles at once: as many as Humming's own parallel build runs (the CPUs this process may use, its cgroup
+    quota included, capped by ``HUMMING_MAX_PARALLEL_BUILD_WORKERS``); at ``NICE`` they take no core from the
+    foreground's compiles."""
+    try:
+        return max(1, int(lib.utils.cpu.get_parallel_build_workers()))
+    except Exception:  # noqa: BLE001 - a release without it: the CPUs this process may run on
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _lower_priority() -> None:
@@ -104,13 +109,13 @@ def compile_later(lib, layer_config, table: list, m: int, device_sm: int, own: l
     if new:
         log.info("fp4dispatch: Humming compiles %d kernels of the %sx%s layer's table in the background", new,
                  layer.get("shape_n"), layer.get("shape_k"))
-        _start()
+        _start(lib)
     return new
 
 
-def _start() -> None:
+def _start(lib) -> None:
     with _lock:
-        while len(_threads) < _workers():
+        while len(_threads) < _workers(lib):
             t = threading.Thread(target=_work, name="fp4dispatch-humming-compile", daemon=True)
             t.start()
             _threads.append(t)
