@@ -142,6 +142,14 @@ def test_as_many_compiles_at_once_as_hummings_own_parallel_build(monkeypatch):
     assert humming_compile._workers(types.SimpleNamespace()) == cpus  # a release without it
 
 
+def test_a_process_that_is_exiting_starts_no_more_compiles(fake, tmp_path, monkeypatch):
+    stopping = humming_compile.threading.Event()
+    monkeypatch.setattr(humming_compile, "_stopping", stopping)
+    stopping.set()  # what the atexit hook does
+    _call(Dispatcher([HummingBackend()], cache_dir=tmp_path), 4)
+    assert humming_compile.wait_idle(60) and fake.kernel_class.compiled == [] and humming_compile.started == []
+
+
 def test_the_compile_threads_do_not_keep_a_process_alive(fake, tmp_path):
     _call(Dispatcher([HummingBackend()], cache_dir=tmp_path), 4)
     assert humming_compile.wait_idle(60)
