@@ -31,6 +31,7 @@ TABLE = [[0, 1, {"block_m": 16, "use_stream_k": True}], [1, 16, {"block_m": 32, 
 def fake(cc, monkeypatch):
     """The emulator installed as ``humming`` on a faked SM90, this module's records fresh, one compile at a time
     (so that the order is the hand-out order)."""
+    assert humming_compile.wait_idle(60)  # another test's jobs (its own emulator's) are over before these records
     cc(90)
     f = fakes.FakeHumming()
     f.heuristics = [[lo, hi, dict(cfg)] for lo, hi, cfg in TABLE]
