@@ -85,7 +85,8 @@ def _check_scale(s: object, name: str, rows: int, k: int, rows_name: str, layout
         raise _fail(f"{name} with scale_layout='linear' must have shape {lin} = ({rows_name}, K/16); "
                     f"got {name}.shape={shape}.{hint}")
     if s.device != device:
-        raise _fail(f"{name} must be on {device} like a; got {name}.device={s.device}. Move it with .to({str(device)!r})")
+        raise _fail(f"{name} must be on {device} like a; got {name}.device={s.device}. "
+                    f"Move it with .to({str(device)!r})")
     if not s.is_contiguous():
         raise _fail(f"{name} must be contiguous; got strides {s.stride()} for shape {shape}. Call .contiguous()")
     if layout == "linear":

@@ -61,7 +61,8 @@ def _environment() -> dict:
 
 
 def _stderr_fd() -> int | None:
-    """This process's stderr descriptor for a worker's stdout, or None (the worker inherits stdout) when it is closed."""
+    """This process's stderr descriptor for a worker's stdout, or None (the worker inherits stdout) when it is
+    closed."""
     try:
         os.fstat(2)
     except OSError:

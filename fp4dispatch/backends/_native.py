@@ -176,7 +176,8 @@ class PreparedWeightCache:
             self._entries.clear()
             self._bytes = 0
 
-    def get(self, b: torch.Tensor, b_scale: torch.Tensor, prepare: Callable[[], tuple], variant: object = None) -> tuple:
+    def get(self, b: torch.Tensor, b_scale: torch.Tensor, prepare: Callable[[], tuple],
+            variant: object = None) -> tuple:
         """The prepared form of (b, b_scale), made by ``prepare()`` on a miss: a tuple whose tensors count
         against the byte limit (other items, such as a library's config object, are kept alongside). ``variant``
         tells apart forms of one weight prepared for different calls (e.g. per out dtype)."""

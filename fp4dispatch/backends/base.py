@@ -15,9 +15,10 @@ A backend is a small object with a ``name`` that
 
 ``compiles_ahead`` marks a backend whose ``run`` launches only through ``kernels.runtime.launch`` (Triton kernels):
 inside ``runtime.compiles_ahead`` such a run starts the compiles of its kernels not yet compiled instead of launching
-them, so that the tuner compiles all of a key's configs at once (``dispatch/precompile.py``). A backend whose run does other work (a library's
-kernels, a cache filled from its operands) leaves it False. ``compiles_on_first_run`` marks a library that
-compiles a new shape's kernels in its first call (Humming): the tuner runs it once in a thread meanwhile.
+them, so that the tuner compiles all of a key's configs at once (``dispatch/precompile.py``). A backend whose run
+does other work (a library's kernels, a cache filled from its operands) leaves it False. ``compiles_on_first_run``
+marks a library that compiles a new shape's kernels in its first call (Humming): the tuner runs it once in a thread
+meanwhile.
 
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside

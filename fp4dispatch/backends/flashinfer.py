@@ -114,7 +114,8 @@ class FlashInferBackend(NativeBackend):
                 except Exception as e:  # noqa: BLE001 - FlashInfer raises ValueError("CuTe DSL is not available.")
                     return f"{describe_exception(e)} (pip install nvidia-cutlass-dsl)"
         if self.backend == "cute-dsl" and cc // 10 == 12 and int((torch.version.cuda or "0").split(".")[0]) < 13:
-            return f"cute-dsl on SM{cc} needs a CUDA 13 torch (sm12x_cute runner); this torch has CUDA {torch.version.cuda}"
+            return (f"cute-dsl on SM{cc} needs a CUDA 13 torch (sm12x_cute runner); this torch has CUDA "
+                    f"{torch.version.cuda}")
         return None
 
     # -- per-problem rules -----------------------------------------------------------------------------------------

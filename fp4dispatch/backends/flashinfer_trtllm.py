@@ -27,7 +27,8 @@ EPILOGUE_TILE_M = 128  # what FlashInfer's nvfp4_quantize(do_shuffle=True) uses
 
 
 def prepare_trtllm_weight(b: torch.Tensor, b_scale: torch.Tensor, n: int, k: int,
-                          row_indices: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                          row_indices: Callable[[torch.Tensor, int], torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shuffled weight ``(b_shuffled uint8 [N, K/2], b_sf_shuffled uint8 [N, K/16])`` that trtllm reads.
 
     ``row_indices`` is FlashInfer's ``get_shuffle_matrix_a_row_indices`` (``new_row r = old_row idx[r]``). The scale

@@ -1,5 +1,6 @@
 """``wmma``: the tensor-core NVFP4 GEMM with the weight as the register operand (``WgmmaRegisterAConfig``, SM89+;
-on SM90 the first candidate from M = 3 to 128), its A pre-decode (:func:`predecode`, also used by the Gluon GEMMs) and launcher.
+on SM90 the first candidate from M = 3 to 128), its A pre-decode (:func:`predecode`, also used by the Gluon GEMMs)
+and launcher.
 
 ``acc[BN, BM] = W @ A.T``: the weight tile is the first ``tl.dot`` operand, which Hopper's wgmma reads from
 registers, so the decoded weight never goes through shared memory; only the small activation tile does. For that to
