@@ -14,6 +14,7 @@
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
 | FP4DISPATCH_COMPILE_WORKERS | processes compiling many keys' kernels at once (0: threads only) | (cores-2)/ranks, 1-14 |
+| FP4DISPATCH_BACKGROUND_COMPILE | 0: a new key's shape's other M buckets are not compiled ahead (Humming) | 1 |
 """
 from __future__ import annotations
 
@@ -91,6 +92,7 @@ class Settings:
     timer: str = "graph"
     search: str = "fast"
     compile_workers: int | None = None  # None: compile_processes.worker_count()
+    background_compile: bool = True  # a key tuned on its first call compiles its shape's other buckets ahead
 
 
 def default_cache_dir() -> Path:
@@ -118,6 +120,7 @@ def read_settings() -> Settings:
         timer=_choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"),
         search=_choice("FP4DISPATCH_SEARCH", ("fast", "full"), "fast"),
         compile_workers=_count("FP4DISPATCH_COMPILE_WORKERS"),
+        background_compile=_flag("FP4DISPATCH_BACKGROUND_COMPILE", True),
     )
 
 

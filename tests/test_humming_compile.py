@@ -75,6 +75,18 @@ def test_a_key_decided_on_its_first_call_compiles_the_shapes_other_buckets_neare
     assert humming_compile.failures == []
 
 
+def test_the_background_compile_is_switched_off_by_its_knob_and_a_bad_value_is_named(fake, tmp_path, monkeypatch):
+    from fp4dispatch.errors import InvalidInputError
+
+    monkeypatch.setenv("FP4DISPATCH_BACKGROUND_COMPILE", "0")
+    _call(Dispatcher([HummingBackend()], cache_dir=tmp_path), 4)
+    assert humming_compile.wait_idle(60) and fake.kernel_class.compiled == [] and humming_compile.started == []
+    monkeypatch.setenv("FP4DISPATCH_BACKGROUND_COMPILE", "sometimes")
+    with pytest.raises(InvalidInputError, match=r"^FP4DISPATCH_BACKGROUND_COMPILE='sometimes' is not valid; accepted: "
+                                                r"1/true/yes/on or 0/false/no/off\. Unset it for the default '1'$"):
+        Dispatcher([HummingBackend()], cache_dir=tmp_path)
+
+
 def test_keys_warmed_up_together_compile_no_other_bucket(fake, tmp_path):
     d = Dispatcher([HummingBackend()], cache_dir=tmp_path)
     d.warmup([(4, N, K), (64, N, K)], device=CPU)

@@ -77,8 +77,9 @@ class KeyTuning:
         """Before a key is tuned: each candidate that compiles per M bucket on its first run (Humming) is asked to
         compile, in the background, its kernels for the shape's other buckets, so that the shape's next keys find them
         compiled (backends/humming_compile.py). Not for a key that ``compile_keys`` was given: its model's keys are
-        compiled together, and the buckets that none of them needs are left alone."""
-        if key in self._keys_ahead:
+        compiled together, and the buckets that none of them needs are left alone. ``FP4DISPATCH_BACKGROUND_COMPILE=0``
+        turns it off."""
+        if key in self._keys_ahead or not self.settings.background_compile:
             return
         for b in candidates:
             start = getattr(b, "compile_other_buckets", None)
