@@ -122,6 +122,23 @@ def test_a_layer_not_prepared_yet_compiles_its_table_once_its_first_run_prepares
     assert humming_compile.wait_idle(60) and _block_ms(fake) == [16, 64, 128]
 
 
+def test_a_hand_out_that_raises_inside_the_first_run_leaves_that_run_right(fake, monkeypatch):
+    from fp4dispatch.backends.reference import reference_mm
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("humming changed its kernel class")
+    monkeypatch.setattr(humming, "compile_later", broken)
+    problem = Problem(4, N, K, torch.bfloat16, CPU)
+    b = HummingBackend()
+    b.unavailable(CPU)
+    b.compile_other_buckets(problem)  # handed out from the first run's _prepare, where a raise would fail the run
+    ops = make_operands(problem, seed=1)
+    b.run(problem, ops, {})
+    torch.testing.assert_close(ops.out.float(), reference_mm(problem, ops).to(torch.bfloat16).float(), rtol=8e-3,
+                               atol=1e-2)
+    assert b.wanted == {} and fake.kernel_class.compiled == []
+
+
 def test_a_grouped_layer_or_no_gpu_compiles_nothing_ahead(fake, cc):
     grouped = Problem(4, N, K, torch.bfloat16, CPU, experts=2)
     g = HummingGroupedBackend()

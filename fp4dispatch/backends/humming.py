@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from types import ModuleType
 
 import torch
 
+from ..errors import describe_exception
 from ..format import BLOCK, dequantize_nvfp4, unswizzle_scales
 from ..kernels.dequant import dequantize_to_scratch
 from ..problem import M_BUCKETS, Operands, Problem, m_bucket
@@ -45,6 +47,7 @@ from .humming_tables import heuristics_table
 
 __all__ = ["HummingBackend", "HummingW4A4Backend", "INSTALL_HINT", "bucket_entries"]
 
+log = logging.getLogger("fp4dispatch")
 INSTALL_HINT = "pip install fp4dispatch[humming]"
 PROBE_TIMEOUT_S = 120.0  # a worker's probe compiles the probe shape's kernels
 _HALF = (torch.bfloat16, torch.float16)
@@ -101,9 +104,10 @@ class HummingBackend(NativeBackend):
         if problem.op == "w4a16" and problem.a_dtype != problem.out_dtype:
             return (f"Humming writes its activations' dtype: out_dtype must be a's dtype ({problem.a_dtype}); got "
                     f"{problem.out_dtype}")
-        if problem.out_dtype == torch.bfloat16 and (self.device_capability(problem.device) or 0) < 80:
+        cc = self.device_capability(problem.device) or 0
+        if problem.out_dtype == torch.bfloat16 and cc < 80:
             return "Humming's bfloat16 activations need compute capability >= 8.0; use out_dtype=torch.float16"
-        if (self.device_capability(problem.device) or 0) // 10 == 9:
+        if cc // 10 == 9:
             # its SM90 heuristics keep a four-warp WGMMA group of 32-column warps along N, and assert it
             return alignment_reason(problem, 128, 32, "Humming on SM90 (four 32-column warps along N)")
         return alignment_reason(problem, 64, 32, "Humming (its padded tile)")
@@ -169,8 +173,8 @@ class HummingBackend(NativeBackend):
     def compile_other_buckets(self, problem: Problem) -> None:
         """Compile, in the background, the kernels of ``problem``'s shape's whole table (``humming_compile``: no CUDA
         call), those nearest to its M first: now if the shape's layer was prepared, else once it is (in the first
-        run of the key being decided, beside the compile of that key's own bucket). The dispatcher asks for this when
-        it decides a key on its first call."""
+        run of the key being decided, beside the compile of that key's own bucket). The tuner asks for this before it
+        tunes a key on its first call (``KeyTuning._compile_other_buckets``)."""
         if not self.tuning_per_bucket or self.device_capability(problem.device) is None:
             return
         shape = _shape(problem)
@@ -179,11 +183,17 @@ class HummingBackend(NativeBackend):
             self._compile_wanted(shape)
 
     def _compile_wanted(self, shape: tuple) -> None:
+        """The background compile asked for ``shape``, started; it runs inside ``_prepare`` too, where anything it
+        raises would fail the run it is a head start for, so that is logged and dropped."""
         m = self.wanted.pop(shape, None)
-        if m is not None:
-            config, table = self.layers[shape]
+        if m is None:
+            return
+        config, table = self.layers[shape]
+        try:
             compile_later(self._lib or self._load(), config, table, m, self.device_capability(shape[0]),
                           own=bucket_entries(table, m_bucket(m)))  # the key's first run compiles those
+        except Exception as e:  # noqa: BLE001 - a head start only: each key still compiles what it needs
+            log.debug("fp4dispatch: %s could not compile ahead for %s (%s)", self.name, shape, describe_exception(e))
 
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         # the prepared weight depends on the out dtype (Humming's layer dtype): one cache entry per dtype

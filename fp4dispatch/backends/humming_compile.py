@@ -1,9 +1,9 @@
 """Humming's kernels for a dense shape's other M buckets, compiled in the background without being loaded.
 
 A dense layer's first run at a new M bucket compiles that bucket's kernels (``humming.bucket_entries``), and that
-compile is most of a new key's first call (benchmarks/RESULTS.md, "Cold start"). Once one key of a shape has been
-decided on its first call, the dispatcher asks for the rest of the shape's table here (``compile_later``), so that
-the shape's next keys find their kernels compiled.
+compile is most of a new key's first call (benchmarks/RESULTS.md, "Cold start"). When a key of a shape is tuned on
+its first call, the rest of the shape's table is handed here (``compile_later``) once that key's first run has
+prepared the layer, so that the shape's next keys find their kernels compiled.
 
 How that stays off the CUDA driver (a thread of ours must make no CUDA call: the caller may be capturing a graph):
 Humming compiles a kernel in a subprocess (NVRTC or nvcc) into its disk cache, one cubin per hash of the kernel's
@@ -150,7 +150,7 @@ def _compile(lib, config: dict, text: str, device_sm: int) -> None:
 
 
 def wait_idle(timeout: float | None = None) -> bool:
-    """Wait until every kernel handed out has been compiled (tests, benchmarks); False if ``timeout`` ran out."""
+    """Wait until every kernel handed out has been compiled (tests); False if ``timeout`` ran out."""
     done = threading.Event()
 
     def join():
