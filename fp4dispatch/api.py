@@ -18,6 +18,11 @@ _default_lock = threading.Lock()
 
 
 def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    # 0. a repeat of a call already validated and decided (same weight, M, dtypes, devices, layouts): one C++ check of
+    #    its tensors' metadata stands for steps 1 and 2 (fp4dispatch/dispatch/call_memo.py says why it is sound)
+    hit = dispatcher.memo.fp4_mm(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
+    if hit is not None:
+        return dispatcher.execute(*hit)
     # 1. validate: every contract error is raised here, naming argument, expected, got and the fix
     problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
     if problem.m == 0:
@@ -25,15 +30,22 @@ def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_
     # 2. decide: one dict lookup once this (device, M bucket, N, K, out_dtype) is decided; the first call of a key
     #    probes the device (once) and tunes the key, both remembered on disk
     choice = dispatcher.choose(problem, backend)
+    dispatcher.memo.remember((a, b, a_scale, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem,
+                             ops)
     # 3. run: a backend that raises is blacklisted for this key and the call is redone on the next best
     return dispatcher.execute(choice, problem, ops)
 
 
 def run_w4a16_mm(dispatcher, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    hit = dispatcher.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
+    if hit is not None:
+        return dispatcher.execute(*hit)
     problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
     if problem.m == 0:
         return ops.out
-    return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
+    choice = dispatcher.choose(problem, backend)
+    dispatcher.memo.remember((a, b, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem, ops)
+    return dispatcher.execute(choice, problem, ops)
 
 
 def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,

@@ -3,7 +3,8 @@ once per key, prove the pick at every M it serves, remember on disk, fall back o
 
 Key = (device, M bucket, N, K, out_dtype, activation dtype, experts) (``Problem.key``); the device fingerprint (GPU,
 driver, CUDA, library versions, env) names the cache file. Once a key is decided and the call's M proven, a call
-costs one dict lookup, one set lookup and the chosen backend's run. The rules (docs/tuning.md):
+costs one dict lookup, one set lookup and the chosen backend's run; a repeat of a canonical call, one check of its
+tensors' metadata instead of validation and lookups (call_memo.py). The rules (docs/tuning.md):
   * a decision serves an M bucket, and is proven at each M before its first result there: one run on the
     dispatcher's own hostile inputs against the exact reference (fp4dispatch/dispatch/verify.py), remembered on disk;
     a backend wrong at some M (probing or proving) is banned from the key of that M's bucket;
@@ -29,6 +30,7 @@ from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args, check_w4a16_mm_args
 from ..validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 from .cache import DecisionCache
+from .call_memo import CallMemo
 from .choice import Choice, add_proven, check_device, ident, resolve_device
 from .faults import FAULT_LIMIT, FaultRecovery
 from .untuned import UntunedChoices
@@ -75,6 +77,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._do_bench, self._screen_bench = do_bench, screen_bench
         self._forced = self.settings.forced_backend
         self._choices: dict[tuple, Choice] = {}
+        self.memo = CallMemo(self._choices)  # repeat calls skip validation and lookup (dispatch/call_memo.py)
         self._named: dict[tuple, Choice] = {}
         self._proven: dict[tuple, set] = {}  # (key, ident) -> M proven, shared by every Choice of that pair
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
@@ -103,14 +106,29 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
+        hit = self.memo.fp4_mm(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
+        if hit is not None:
+            return self.execute(*hit)
         problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
-        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+        if problem.m == 0:
+            return ops.out
+        choice = self.choose(problem, backend)
+        self.memo.remember((a, b, a_scale, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem,
+                           ops)
+        return self.execute(choice, problem, ops)
 
     def w4a16_mm(self, a, b, b_scale, alpha=None, *, out_dtype=None, out=None, scale_layout="swizzled",
                  backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.w4a16_mm`, through this dispatcher."""
+        hit = self.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
+        if hit is not None:
+            return self.execute(*hit)
         problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
-        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+        if problem.m == 0:
+            return ops.out
+        choice = self.choose(problem, backend)
+        self.memo.remember((a, b, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem, ops)
+        return self.execute(choice, problem, ops)
 
     def fp4_grouped_mm(self, a, b, a_scale, b_scale, alpha, offs, *, out_dtype=torch.bfloat16, out=None,
                        scale_layout="swizzled", backend=None, check_offs=True) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""Repeat calls: a call that repeats a validated, decided one (same weight, M, dtypes, devices, layouts) skips the
+argument checks and the key lookup.
+
+An eager call's host time is the product's latency at decode sizes, and reading a tensor attribute from Python costs
+about 0.1 us: the ~25 reads of ``validate``'s fast path cost more than the rest of the dispatcher. Here one C++
+check of all the call's tensors (torch's ``TensorGuards``, the check torch.compile runs before reusing a compiled
+graph: Python type, dispatch keys incl. device type, device index, dtype, requires_grad, sizes, strides) stands for
+them. What it is checked against is what ``validate`` accepted, so it never accepts a call ``validate`` would refuse:
+
+* the guard is built from a canonical call only: the tensors ``validate`` returned are the ones passed (no view,
+  swizzle or alpha tensor made for the call), scale_layout is "swizzled", no backend is forced, and the choice was
+  proven at that M;
+* every size is fixed but the M rows of ``a``, ``a_scale`` and ``out``, which are read and compared with M; every
+  stride is the contiguous one (a tensor that is contiguous with other strides, possible where a dim is 1, takes the
+  ordinary path each time);
+* the guard holds no tensor: a weight reassigned in place (``.data =``, ``set_``, ``resize_``, ``model.to``) fails it
+  and is checked afresh; a freed weight's id reused by another tensor can only match what was validated.
+
+The decision part: the remembered Choice is used only while it is still the dispatcher's choice for its key (a ban,
+a fault or a ``clear`` replaces it). Without ``TensorGuards`` (a torch without dynamo) nothing is remembered.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..problem import Operands, Problem
+
+__all__ = ["CallMemo", "MAX_CALLS"]
+
+try:
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # a torch build without dynamo: every call takes the ordinary path
+    TensorGuards = None
+
+MAX_CALLS = 1 << 16  # remembered (weight, M) pairs per dispatcher; past that all are forgotten and relearned
+
+_new = tuple.__new__
+_FP4, _W4A16 = 0, 1
+
+
+class _Weight:
+    """One weight's calls of one op, out dtype and out mode: the guard of their tensors (M free) and, per M, what
+    the ordinary path returned."""
+
+    __slots__ = ("guard", "by_m", "extra")
+
+    def __init__(self, guard, extra):
+        self.guard, self.by_m, self.extra = guard, {}, extra  # extra: w4a16's empty a_scale
+
+
+def _contiguous(shape) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _guard(tensors: tuple, m_free: tuple[int, ...]):
+    """A TensorGuards of ``tensors`` with the sizes and contiguous strides they have now, dim 0 free in those at
+    ``m_free``; None where they do not have those strides (contiguous with others: they would fail it each call)."""
+    shapes = [t.shape for t in tensors]
+    strides = [_contiguous(s) for s in shapes]
+    if any(list(t.stride()) != s for t, s in zip(tensors, strides)):
+        return None
+    sizes = [[None if i in m_free and d == 0 else s for d, s in enumerate(shape)] for i, shape in enumerate(shapes)]
+    return TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+
+
+class CallMemo:
+    """What the dispatcher's ordinary path returned for canonical calls, looked up per weight and M.
+
+    ``choices`` is the dispatcher's own key -> Choice dict (read, never written)."""
+
+    def __init__(self, choices: dict):
+        self._choices = choices
+        self._weights: dict[tuple, _Weight] = {}
+        self._calls = 0
+
+    def fp4_mm(self, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend):
+        """(choice, problem, ops) of a repeated canonical ``fp4_mm`` call, else None."""
+        w = self._weights.get((id(b), out_dtype, out is None, _FP4))
+        if w is None or backend is not None or scale_layout != "swizzled":
+            return None
+        if out is None:
+            if not w.guard.check(a, b, a_scale, b_scale, alpha):
+                return None
+        elif not w.guard.check(a, b, a_scale, b_scale, alpha, out):
+            return None
+        m = a.shape[0]
+        hit = w.by_m.get(m)
+        if (hit is None or self._choices.get(hit[0].key) is not hit[0] or a_scale.shape[0] != (m + 127) // 128 * 128
+                or (out.shape[0] != m if out is not None else False)):
+            return None
+        if out is None:
+            out = torch.empty((m, hit[1].n), dtype=out_dtype, device=hit[1].device)
+        return hit[0], hit[1], _new(Operands, (a, b, a_scale, b_scale, alpha, out))
+
+    def w4a16_mm(self, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend):
+        """(choice, problem, ops) of a repeated canonical ``w4a16_mm`` call, else None."""
+        w = self._weights.get((id(b), out_dtype, out is None, _W4A16))
+        if w is None or backend is not None or scale_layout != "swizzled":
+            return None
+        if out is None:
+            if not w.guard.check(a, b, b_scale, alpha):
+                return None
+        elif not w.guard.check(a, b, b_scale, alpha, out):
+            return None
+        m = a.shape[0]
+        hit = w.by_m.get(m)
+        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out.shape[0] != m if out is not None
+                                                                            else False):
+            return None
+        if out is None:
+            out = torch.empty((m, hit[1].n), dtype=hit[1].out_dtype, device=hit[1].device)
+        return hit[0], hit[1], _new(Operands, (a, b, w.extra, b_scale, alpha, out))
+
+    def remember(self, args: tuple, out_dtype, scale_layout: str, backend, choice, problem: Problem,
+                 ops: Operands) -> None:
+        """Remember a call the ordinary path validated and decided: ``args`` are the call's tensors as passed,
+        (a, b, a_scale, b_scale, alpha, out) for ``fp4_mm``, (a, b, b_scale, alpha, out) for ``w4a16_mm``."""
+        if (TensorGuards is None or backend is not None or scale_layout != "swizzled" or choice.key is None
+                or problem.m not in choice.verified):
+            return
+        fp4 = len(args) == 6
+        out = args[-1]
+        canonical = (ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha) if fp4 else (ops.a, ops.b, ops.b_scale,
+                                                                                      ops.alpha)
+        if any(x is not y for x, y in zip(args, canonical)) or (out is not None and out is not ops.out):
+            return  # validate made a tensor for this call: the next one must be checked the same way
+        tensors = args if out is not None else args[:-1]
+        key = (id(args[1]), out_dtype, out is None, _FP4 if fp4 else _W4A16)
+        w = self._weights.get(key)
+        if w is not None and not w.guard.check(*tensors):  # the weight changed, or its id is another tensor's now
+            self._calls -= len(w.by_m)
+            w = None
+        if (w is None or problem.m not in w.by_m) and self._calls >= MAX_CALLS:
+            self._weights.clear()
+            self._calls, w = 0, None
+        if w is None:
+            guard = _guard(tensors, (0, 2, 5) if fp4 else (0, 4))
+            if guard is None:
+                return
+            w = self._weights[key] = _Weight(guard, None if fp4 else ops.a_scale)
+        if problem.m not in w.by_m:
+            self._calls += 1
+        w.by_m[problem.m] = (choice, problem)
