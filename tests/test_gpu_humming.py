@@ -136,3 +136,31 @@ def test_a_cuda_graph_captured_while_humming_compiles_in_the_background_is_sound
     assert humming_compile.wait_idle(600)
     assert overlapped > 0, "the background compile ended before a capture: nothing was checked"
     assert humming_compile.failures == []
+
+
+@pytest.mark.parametrize("n, k", [(768, 6144), (2048, 1024)])
+def test_the_direct_launch_gives_humming_forwards_bits_at_every_m_of_its_buckets(n, k):
+    """``HummingBackend.run`` calls Humming's launcher op itself for a dense W4A16 layer: the same kernels as
+    ``humming_forward`` (same tuning string), so the same bits, at M across several buckets and inside one."""
+    from fp4dispatch.backends.humming import HummingBackend
+    from fp4dispatch.problem import Operands, Problem
+    from fp4dispatch.testing import make_nvfp4_inputs
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    backend = HummingBackend()
+    if why := backend.unavailable(dev):
+        pytest.skip(why)
+    _, b, _, sb, alpha = (t.to(dev) for t in make_nvfp4_inputs(1, n, k, seed=3))
+    for m in (1, 2, 5, 16, 17, 100, 128, 129, 300, 1000):
+        problem = Problem(m, n, k, torch.bfloat16, dev, torch.bfloat16)
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        ops = Operands(a, b, torch.empty(0, dtype=torch.float8_e4m3fn, device=dev), sb, alpha,
+                       torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev))
+        backend.run(problem, ops, {})
+        direct = ops.out.clone()
+        backend.direct_launch = False
+        ops.out.fill_(float("nan"))
+        backend.run(problem, ops, {})
+        backend.direct_launch = True
+        assert torch.equal(direct.view(torch.int16), ops.out.view(torch.int16)), f"M={m}: the direct launch differs"
+        assert torch.isfinite(direct).all(), f"M={m}: rows left unwritten"

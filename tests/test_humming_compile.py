@@ -37,7 +37,7 @@ def fake(cc, monkeypatch):
     f.heuristics = [[lo, hi, dict(cfg)] for lo, hi, cfg in TABLE]
     mod = f.module("0.1.20", 90)
     monkeypatch.setitem(sys.modules, "humming", mod)
-    for sub in ("layer", "forward", "tune"):
+    for sub in ("layer", "forward", "tune", "kernel"):
         monkeypatch.setitem(sys.modules, f"humming.{sub}", getattr(mod, sub))
     monkeypatch.setattr(humming_compile, "_seen", set())
     monkeypatch.setattr(humming_compile, "started", [])

@@ -32,7 +32,7 @@ def humming(monkeypatch):
         if drop:
             delattr(getattr(mod, drop.split(".")[0]), drop.split(".")[1])
         monkeypatch.setitem(sys.modules, "humming", mod)
-        for sub in ("layer", "forward", "tune"):
+        for sub in ("layer", "forward", "tune", "kernel"):
             monkeypatch.setitem(sys.modules, f"humming.{sub}", getattr(mod, sub))
         return fake
     return install
@@ -225,10 +225,11 @@ def test_hummings_probe_worker_starts_before_this_process_imports_it(cc, humming
                                                                "(pip install fp4dispatch[humming])")
 
 
-def test_a_humming_without_the_functional_api_is_a_reason(cc, humming):
+@pytest.mark.parametrize("part", ["forward.humming_forward", "kernel.HummingKernel"])
+def test_a_humming_without_a_part_the_adapter_calls_is_a_reason(cc, humming, part):
     cc(90)
-    humming(version="0.1.0", drop="forward.humming_forward")
-    assert HummingBackend().unavailable(CPU) == ("humming 0.1.0 lacks humming.forward.humming_forward (fp4dispatch's "
+    humming(version="0.1.0", drop=part)
+    assert HummingBackend().unavailable(CPU) == (f"humming 0.1.0 lacks humming.{part} (fp4dispatch's "
                                                  "adapter is written against humming-kernels 0.1.20)")
 
 

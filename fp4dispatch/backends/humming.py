@@ -25,6 +25,10 @@ How ``fp4_mm`` maps onto it (humming-kernels 0.1.20: ``layer.py``, ``schema/mode
   shape), so a dense layer is given, per M bucket, only the table's entries that serve that bucket's M
   (``bucket_entries``): a new key compiles its own few kernels, the same ones the whole table would run at those M.
   The table is Humming's search in Python (seconds for a grouped layer), kept on disk (``humming_tables.py``).
+- A dense W4A16 call on a GPU skips ``humming_forward``'s Python: it runs that function's own two steps, the
+  bucket's kernel table (``HummingKernel.prepare_kernels`` of the same strings, kept per string) and Humming's
+  launcher op (``torch.ops.humming.launch_kernel.out``) with the same arguments. The W4A4 and grouped calls, whose
+  inputs ``humming_forward`` processes or routes, still go through it.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ class HummingBackend(NativeBackend):
     input_config: dict | None = None  # None: 16-bit activations (W4A16)
     gemm_type = "dense"  # the kind of Humming GEMM whose heuristics' tuning configs are run
     tuning_per_bucket = True  # dense: each M bucket gets its own entries of the table (``bucket_entries``)
+    direct_launch = True  # dense W4A16 on a GPU: the launcher op called directly (``run``)
     _transient = ("_lib", "prepared", "layers", "wanted")
 
     def __init__(self) -> None:
@@ -200,9 +205,17 @@ class HummingBackend(NativeBackend):
         w, ws, locks, cfg, tuning, extra = self.prepared.get(ops.b, ops.b_scale, lambda: self._prepare(problem, ops),
                                                              variant=problem.out_dtype)
         lib = self._lib or self._load()
-        lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=self.epilogue_scale(problem, ops),
-                                    outputs=ops.out, locks=locks, tuning_config=tuning.for_m(problem.m),
-                                    **self.forward_inputs(problem, ops, extra))
+        alpha, fwd = self.epilogue_scale(problem, ops), self.forward_inputs(problem, ops, extra)
+        if self.direct_launch and ops.out.is_cuda:
+            # humming_forward's own two steps for a dense W4A16 layer (its input needs no processing), without the
+            # per-call Python around them: the bucket's kernels (prepare_kernels, compiled on their first call,
+            # then a [lo, hi, kernel, sms] table that the launcher searches by M) and its launcher op
+            kernels = tuning.kernels(problem.m, lambda s: _kernels(lib, cfg, s, ops.b.device))
+            torch.ops.humming.launch_kernel.out(kernels, fwd["inputs"], w, ws, alpha, None, None, None, None, ops.out,
+                                                None, None, None, None, locks, 1, 0)
+            return
+        lib.forward.humming_forward(cfg, weight=w, weight_scale=ws, weight_scale_2=alpha, outputs=ops.out,
+                                    locks=locks, tuning_config=tuning.for_m(problem.m), **fwd)
 
     def _import(self) -> tuple[ModuleType | None, str | None]:
         return _import_humming()
@@ -219,6 +232,7 @@ class HummingW4A4Backend(HummingBackend):
     ops = ("fp4_mm",)
     fp4_tensor_cores = True
     input_config = {"quant_method": "modelopt", "quant_algo": "nvfp4"}  # static activation scale (input_scale)
+    direct_launch = False  # humming_forward passes the activation scales its own way
 
     def unavailable_before_import(self, device: torch.device) -> str | None:
         cc = self.device_capability(device)
@@ -260,12 +274,13 @@ def bucket_entries(table: list, bucket: int) -> list:
 class _Tuning:
     """A prepared weight's tuning table (Stream-K off) as ``humming_forward``'s JSON string: per M bucket, or whole
     (``per_bucket`` False). A string, because ``humming_forward`` serializes a list on every call (host time that
-    grows with the table) and keys its compiled kernels by that string; each string is made once."""
+    grows with the table) and keys its compiled kernels by that string; each string is made once, and so is each
+    string's kernel table for the direct launch."""
 
-    __slots__ = ("table", "per_bucket", "strings")
+    __slots__ = ("table", "per_bucket", "strings", "tables")
 
     def __init__(self, table: list, per_bucket: bool) -> None:
-        self.table, self.per_bucket, self.strings = table, per_bucket, {}
+        self.table, self.per_bucket, self.strings, self.tables = table, per_bucket, {}, {}
 
     def for_m(self, m: int) -> str:
         bucket = m_bucket(m) if self.per_bucket else 0
@@ -274,6 +289,21 @@ class _Tuning:
             s = self.strings[bucket] = json.dumps(bucket_entries(self.table, bucket) if bucket else self.table)
         return s
 
+    def kernels(self, m: int, prepare) -> torch.Tensor:
+        """The kernel table of M's entries: ``prepare(string)``'s, made once per string."""
+        s = self.for_m(m)
+        t = self.tables.get(s)
+        if t is None:
+            t = self.tables[s] = prepare(s)
+        return t
+
+
+def _kernels(lib: ModuleType, cfg, tuning: str, device: torch.device) -> torch.Tensor:
+    """``humming_forward``'s kernel table for a dense layer: ``HummingKernel.prepare_kernels`` of the layer's config
+    string, no compute config and the tuning string, on the weight's device (as its ``prepare_kernels`` op does)."""
+    with torch.cuda.device(device):
+        return lib.kernel.HummingKernel.prepare_kernels(cfg.to_str(), None, tuning, device)
+
 
 def _import_humming() -> tuple[ModuleType | None, str | None]:
     """``(humming, None)`` with the parts the adapter calls, or ``(None, why)``: not installed, fails to import, or
@@ -281,7 +311,8 @@ def _import_humming() -> tuple[ModuleType | None, str | None]:
     lib, why = import_library("humming", INSTALL_HINT)
     if lib is None:
         return None, why
-    for sub, attr in (("layer", "HummingLayer"), ("forward", "humming_forward"), ("tune", "get_heuristics_config")):
+    for sub, attr in (("layer", "HummingLayer"), ("forward", "humming_forward"), ("tune", "get_heuristics_config"),
+                      ("kernel", "HummingKernel")):
         mod, why = import_library(f"humming.{sub}", INSTALL_HINT)
         if mod is None or not hasattr(mod, attr):
             version = getattr(lib, "__version__", "?")

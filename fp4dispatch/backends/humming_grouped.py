@@ -44,6 +44,7 @@ class HummingGroupedBackend(HummingBackend):
     # the whole table: Humming's grouped heuristics are indexed by its own measure of M, which fp4dispatch's bucket
     # of T (all experts' rows) does not bound; a layer's kernels compile once, at its first run
     tuning_per_bucket = False
+    direct_launch = False  # its call adds the routing table (expert_layout) and a compute config
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes  # None: a quarter of the weight's GPU memory
