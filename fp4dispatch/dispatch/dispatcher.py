@@ -105,29 +105,27 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     # -- the call ------------------------------------------------------------------------------------------------
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
                scale_layout="swizzled", backend=None) -> torch.Tensor:
-        """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher."""
+        """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher (the path of api.run_fp4_mm)."""
         hit = self.memo.fp4_mm(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
-        if hit is not None:
-            return self.execute(*hit)
-        problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
-        if problem.m == 0:
-            return ops.out
-        choice = self.choose(problem, backend)
-        self.memo.remember((a, b, a_scale, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem,
-                           ops)
-        return self.execute(choice, problem, ops)
+        return self.execute(*hit) if hit is not None else self._first(
+            check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout),
+            (a, b, a_scale, b_scale, alpha, out), out_dtype, scale_layout, backend)
 
     def w4a16_mm(self, a, b, b_scale, alpha=None, *, out_dtype=None, out=None, scale_layout="swizzled",
                  backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.w4a16_mm`, through this dispatcher."""
         hit = self.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
-        if hit is not None:
-            return self.execute(*hit)
-        problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
+        return self.execute(*hit) if hit is not None else self._first(
+            check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout), (a, b, b_scale, alpha, out),
+            out_dtype, scale_layout, backend)
+
+    def _first(self, checked: tuple, args: tuple, out_dtype, scale_layout: str, backend) -> torch.Tensor:
+        """A validated call the memo did not know: decided (and remembered), then run."""
+        problem, ops = checked
         if problem.m == 0:
             return ops.out
         choice = self.choose(problem, backend)
-        self.memo.remember((a, b, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem, ops)
+        self.memo.remember(args, out_dtype, scale_layout, backend, choice, problem, ops)
         return self.execute(choice, problem, ops)
 
     def fp4_grouped_mm(self, a, b, a_scale, b_scale, alpha, offs, *, out_dtype=torch.bfloat16, out=None,
