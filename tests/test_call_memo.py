@@ -162,12 +162,27 @@ def test_past_max_calls_everything_is_forgotten_and_relearned(counted, monkeypat
     assert sum(len(w.by_m) for w in memo._weights.values()) == 2
 
 
-def test_without_tensor_guards_nothing_is_remembered(counted, monkeypatch):
+def test_without_tensor_guards_nothing_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setattr(call_memo, "TensorGuards", None)
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    assert d.memo.disabled == "torch has no torch._C._dynamo.guards.TensorGuards"
     a, b, sa, sb, alpha, out = _inputs(4)
     for _ in range(2):
+        d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
+    assert not d.memo._weights and torch.equal(out, _exact(a, b, sa, sb, alpha))
+
+
+def test_a_tensor_guards_of_another_signature_turns_the_memo_off_and_calls_stay_right(counted, monkeypatch):
+    def other_signature(*tensors, **kw):
+        raise TypeError("TensorGuards() got an unexpected keyword argument 'dynamic_dims_sizes'")
+    monkeypatch.setattr(call_memo, "TensorGuards", other_signature)
+    a, b, sa, sb, alpha, out = _inputs(4)
+    for _ in range(3):
         fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
-    assert len(counted) == 2 and torch.equal(out, _exact(a, b, sa, sb, alpha))
+    assert len(counted) == 3 and torch.equal(out, _exact(a, b, sa, sb, alpha))
+    assert fp4dispatch.get_dispatcher().memo.disabled == (
+        "TensorGuards refused its arguments: TypeError: TensorGuards() got an unexpected keyword argument "
+        "'dynamic_dims_sizes'")
 
 
 def test_a_named_backend_or_a_made_alpha_is_validated_every_call(counted):

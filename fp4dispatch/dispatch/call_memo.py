@@ -17,15 +17,22 @@ them. What it is checked against is what ``validate`` accepted, so it never acce
   and is checked afresh; a freed weight's id reused by another tensor can only match what was validated.
 
 The decision part: the remembered Choice is used only while it is still the dispatcher's choice for its key (a ban,
-a fault or a ``clear`` replaces it). Without ``TensorGuards`` (a torch without dynamo) nothing is remembered.
+a fault or a ``clear`` replaces it). Without ``TensorGuards`` (a torch without dynamo), or with one that refuses the
+arguments it is built with here (another torch's signature), nothing is remembered: every call takes the ordinary
+path, and ``CallMemo.disabled`` says why.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from ..errors import describe_exception
 from ..problem import Operands, Problem
 
 __all__ = ["CallMemo", "MAX_CALLS"]
+
+log = logging.getLogger("fp4dispatch")
 
 try:
     from torch._C._dynamo.guards import TensorGuards
@@ -76,6 +83,7 @@ class CallMemo:
         self._choices = choices
         self._weights: dict[tuple, _Weight] = {}
         self._calls = 0
+        self.disabled = None if TensorGuards is not None else "torch has no torch._C._dynamo.guards.TensorGuards"
 
     def fp4_mm(self, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend):
         """(choice, problem, ops) of a repeated canonical ``fp4_mm`` call, else None."""
@@ -90,7 +98,7 @@ class CallMemo:
         m = a.shape[0]
         hit = w.by_m.get(m)
         if (hit is None or self._choices.get(hit[0].key) is not hit[0] or a_scale.shape[0] != (m + 127) // 128 * 128
-                or (out.shape[0] != m if out is not None else False)):
+                or (out is not None and out.shape[0] != m)):
             return None
         if out is None:
             out = torch.empty((m, hit[1].n), dtype=out_dtype, device=hit[1].device)
@@ -108,8 +116,7 @@ class CallMemo:
             return None
         m = a.shape[0]
         hit = w.by_m.get(m)
-        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out.shape[0] != m if out is not None
-                                                                            else False):
+        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out is not None and out.shape[0] != m):
             return None
         if out is None:
             out = torch.empty((m, hit[1].n), dtype=hit[1].out_dtype, device=hit[1].device)
@@ -119,7 +126,7 @@ class CallMemo:
                  ops: Operands) -> None:
         """Remember a call the ordinary path validated and decided: ``args`` are the call's tensors as passed,
         (a, b, a_scale, b_scale, alpha, out) for ``fp4_mm``, (a, b, b_scale, alpha, out) for ``w4a16_mm``."""
-        if (TensorGuards is None or backend is not None or scale_layout != "swizzled" or choice.key is None
+        if (self.disabled or backend is not None or scale_layout != "swizzled" or choice.key is None
                 or problem.m not in choice.verified):
             return
         fp4 = len(args) == 6
@@ -138,7 +145,12 @@ class CallMemo:
             self._weights.clear()
             self._calls, w = 0, None
         if w is None:
-            guard = _guard(tensors, (0, 2, 5) if fp4 else (0, 4))
+            try:
+                guard = _guard(tensors, (0, 2, 5) if fp4 else (0, 4))
+            except Exception as e:  # noqa: BLE001 - a TensorGuards of another signature: the ordinary path serves
+                self.disabled = f"TensorGuards refused its arguments: {describe_exception(e)}"
+                log.info("fp4dispatch: repeat calls are validated in full (%s)", self.disabled)
+                return
             if guard is None:
                 return
             w = self._weights[key] = _Weight(guard, None if fp4 else ops.a_scale)
