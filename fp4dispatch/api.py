@@ -50,19 +50,32 @@ def run_w4a16_mm(dispatcher, a, b, b_scale, alpha, out_dtype, out, scale_layout,
 
 def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
                        check_offs) -> torch.Tensor:
+    hit = dispatcher.memo.grouped(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
+                                  check_offs)
+    if hit is not None:
+        return dispatcher.execute(*hit)
     problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
                                              check_offs)
     if problem.m == 0:
         return ops.out
-    return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
+    choice = dispatcher.choose(problem, backend)
+    dispatcher.memo.remember((a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, choice,
+                             problem, ops, check_offs)
+    return dispatcher.execute(choice, problem, ops)
 
 
 def run_w4a16_grouped_mm(dispatcher, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
                          check_offs) -> torch.Tensor:
+    hit = dispatcher.memo.grouped(a, b, None, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
+    if hit is not None:
+        return dispatcher.execute(*hit)
     problem, ops = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs)
     if problem.m == 0:
         return ops.out
-    return dispatcher.execute(dispatcher.choose(problem, backend), problem, ops)
+    choice = dispatcher.choose(problem, backend)
+    dispatcher.memo.remember((a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, choice, problem, ops,
+                             check_offs)
+    return dispatcher.execute(choice, problem, ops)
 
 
 def fp4_mm(

@@ -241,3 +241,82 @@ def test_gpu_a_remembered_call_is_refused_once_its_weight_moves_and_replays_its_
     with pytest.raises(InvalidInputError) as through:
         fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out=out)
     assert str(through.value) == str(direct.value) and "device" in str(direct.value)
+
+
+def _grouped(counts=(0, 3, 2, 0), seed=0):
+    """A grouped call's (a, b, a_scale, b_scale, alpha, offs): a_scale with room for any routing of its T rows, as a
+    call that does not let validate read offs needs."""
+    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
+    from fp4dispatch.routing import offs_from_counts
+
+    g = torch.Generator().manual_seed(seed)
+    offs = offs_from_counts(torch.tensor(counts))
+    t, e = int(offs[-1]), len(counts)
+    a = torch.randint(0, 256, (t, K // 2), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (e, N, K // 2), dtype=torch.uint8, generator=g)
+    sa = torch.rand(t, K // 16, generator=g).add(0.5).to(torch.float8_e4m3fn)
+    sb = torch.rand(e, N, K // 16, generator=g).add(0.5).to(torch.float8_e4m3fn)
+    sa = swizzle_grouped_scales(sa, offs)
+    room = torch.zeros(grouped_scale_rows(t, e) - sa.shape[0], sa.shape[1], dtype=sa.dtype)
+    return a, b, torch.cat([sa, room]), swizzle_expert_scales(sb), torch.rand(e, generator=g) + 0.5, offs
+
+
+@pytest.fixture
+def counted_grouped(monkeypatch, tmp_path):
+    """The process-wide dispatcher (reference backend) and a counter of ``fp4_grouped_mm``'s validations."""
+    from fp4dispatch.validate_grouped import check_fp4_grouped_mm_args
+
+    fp4dispatch.set_dispatcher(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"))
+    calls = []
+    monkeypatch.setattr(api, "check_fp4_grouped_mm_args",
+                        lambda *args: calls.append(args) or check_fp4_grouped_mm_args(*args))
+    return calls
+
+
+def test_a_grouped_call_that_leaves_offs_unread_is_remembered_and_one_that_reads_it_never(counted_grouped):
+    a, b, sa, sb, alpha, offs = _grouped()
+    checked = fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=torch.float32)
+    firsts = [fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=torch.float32, check_offs=False)
+              for _ in range(3)]
+    assert len(counted_grouped) == 2  # the checked call, then the first unchecked one
+    assert all(torch.equal(x, checked) for x in firsts)
+    fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=torch.float32)
+    assert len(counted_grouped) == 3  # a call that reads offs is validated every time
+
+
+GROUPED_CHANGES = {
+    "a_scale without room for any routing": lambda a, b, sa, sb, al, offs: (a, b, sa[:128], sb, al, offs),
+    "offs int64 by .data": lambda a, b, sa, sb, al, offs: (a, b, sa, sb, al, _rebind(offs, offs.long())),
+    "b_scale resized in place": lambda a, b, sa, sb, al, offs: (a, b, sa, sb.resize_(sb.shape[0], 8, 8), al, offs),
+    "alpha of E+1 by .data": lambda a, b, sa, sb, al, offs: (a, b, sa, sb, _rebind(al, torch.ones(5)), offs),
+}
+
+
+@pytest.mark.parametrize("change", list(GROUPED_CHANGES))
+def test_a_remembered_grouped_call_changed_afterwards_gets_validations_own_error(change, counted_grouped):
+    from fp4dispatch.validate_grouped import check_fp4_grouped_mm_args
+
+    a, b, sa, sb, alpha, offs = _grouped()
+    for _ in range(2):
+        fp4dispatch.fp4_grouped_mm(a, b, sa, sb, alpha, offs, out_dtype=torch.float32, check_offs=False)
+    assert len(counted_grouped) == 1
+    args = GROUPED_CHANGES[change](a, b, sa, sb, alpha, offs)
+    with pytest.raises(InvalidInputError) as direct:
+        check_fp4_grouped_mm_args(*args, torch.float32, None, "swizzled", False)
+    with pytest.raises(InvalidInputError) as through:
+        fp4dispatch.fp4_grouped_mm(*args, out_dtype=torch.float32, check_offs=False)
+    assert str(through.value) == str(direct.value)
+
+
+def test_w4a16_grouped_repeats_are_remembered_with_their_out_dtype(tmp_path, monkeypatch):
+    from fp4dispatch.validate_grouped import check_w4a16_grouped_mm_args
+
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    calls = []
+    monkeypatch.setattr("fp4dispatch.dispatch.dispatcher.check_w4a16_grouped_mm_args",
+                        lambda *args: calls.append(args) or check_w4a16_grouped_mm_args(*args))
+    _, b, _, sb, alpha, offs = _grouped()
+    x = torch.randn(int(offs[-1]), K, dtype=torch.bfloat16)
+    outs = [d.w4a16_grouped_mm(x, b, sb, alpha, offs, check_offs=False) for _ in range(3)]
+    assert len(calls) == 1 and all(o.dtype == torch.bfloat16 and torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0], d.w4a16_grouped_mm(x, b, sb, alpha, offs))

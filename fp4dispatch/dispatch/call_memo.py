@@ -7,12 +7,14 @@ check of all the call's tensors (torch's ``TensorGuards``, the check torch.compi
 graph: Python type, dispatch keys incl. device type, device index, dtype, requires_grad, sizes, strides) stands for
 them. What it is checked against is what ``validate`` accepted, so it never accepts a call ``validate`` would refuse:
 
-* the guard is built from a canonical call only: the tensors ``validate`` returned are the ones passed (no view,
-  swizzle or alpha tensor made for the call), scale_layout is "swizzled", no backend is forced, and the choice was
-  proven at that M;
-* every size is fixed but the M rows of ``a``, ``a_scale`` and ``out``, which are read and compared with M; every
-  stride is the contiguous one (a tensor that is contiguous with other strides, possible where a dim is 1, takes the
-  ordinary path each time);
+* the guard is built from a canonical call only: the tensors ``validate`` returned are the ones passed, or views of
+  them with the same dtype, shape and strides (no reshape, swizzle or alpha tensor made for the call),
+  scale_layout is "swizzled", no backend is forced, and the choice was proven at that M;
+* every size is fixed but the M rows of ``a``, ``a_scale`` and ``out``, which are read and checked against M as
+  validate does; every stride is the contiguous one (a tensor that is contiguous with other strides, possible where
+  a dim is 1, takes the ordinary path each time);
+* the grouped calls (``fp4_grouped_mm``, ``w4a16_grouped_mm``) only with ``check_offs=False`` (as ``Fp4MoeExperts``
+  calls them): with the check, validate reads offs' values on every call;
 * the guard holds no tensor: a weight reassigned in place (``.data =``, ``set_``, ``resize_``, ``model.to``) fails it
   and is checked afresh; a freed weight's id reused by another tensor can only match what was validated.
 
@@ -28,7 +30,8 @@ import logging
 import torch
 
 from ..errors import describe_exception
-from ..problem import Operands, Problem
+from ..format_grouped import grouped_scale_rows
+from ..problem import GroupedOperands, Operands, Problem
 
 __all__ = ["CallMemo", "MAX_CALLS"]
 
@@ -42,7 +45,8 @@ except ImportError:  # a torch build without dynamo: every call takes the ordina
 MAX_CALLS = 1 << 16  # remembered (weight, M) pairs per dispatcher; past that all are forgotten and relearned
 
 _new = tuple.__new__
-_FP4, _W4A16 = 0, 1
+# per op (``Problem.op``): the positions, in the call's tensors (out last), of those whose dim 0 is the call's M
+_M_FREE = {"fp4_mm": (0, 2, 5), "w4a16": (0, 4), "grouped": (0, 2, 6), "w4a16_grouped": (0, 5)}
 
 
 class _Weight:
@@ -87,7 +91,7 @@ class CallMemo:
 
     def fp4_mm(self, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend):
         """(choice, problem, ops) of a repeated canonical ``fp4_mm`` call, else None."""
-        w = self._weights.get((id(b), out_dtype, out is None, _FP4))
+        w = self._weights.get((id(b), out_dtype, out is None, "fp4_mm"))
         if w is None or backend is not None or scale_layout != "swizzled":
             return None
         if out is None:
@@ -106,7 +110,7 @@ class CallMemo:
 
     def w4a16_mm(self, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend):
         """(choice, problem, ops) of a repeated canonical ``w4a16_mm`` call, else None."""
-        w = self._weights.get((id(b), out_dtype, out is None, _W4A16))
+        w = self._weights.get((id(b), out_dtype, out is None, "w4a16"))
         if w is None or backend is not None or scale_layout != "swizzled":
             return None
         if out is None:
@@ -122,21 +126,44 @@ class CallMemo:
             out = torch.empty((m, hit[1].n), dtype=hit[1].out_dtype, device=hit[1].device)
         return hit[0], hit[1], _new(Operands, (a, b, w.extra, b_scale, alpha, out))
 
-    def remember(self, args: tuple, out_dtype, scale_layout: str, backend, choice, problem: Problem,
-                 ops: Operands) -> None:
-        """Remember a call the ordinary path validated and decided: ``args`` are the call's tensors as passed,
-        (a, b, a_scale, b_scale, alpha, out) for ``fp4_mm``, (a, b, b_scale, alpha, out) for ``w4a16_mm``."""
-        if (self.disabled or backend is not None or scale_layout != "swizzled" or choice.key is None
+    def grouped(self, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs):
+        """(choice, problem, ops) of a repeated canonical ``fp4_grouped_mm`` (``a_scale`` given) or
+        ``w4a16_grouped_mm`` (``a_scale`` None) call with ``check_offs=False``, else None: ``offs`` is then read by
+        no check, so its metadata is all there is to validate (the call with the check reads its values each time)."""
+        fp4 = a_scale is not None
+        w = self._weights.get((id(b), out_dtype, out is None, "grouped" if fp4 else "w4a16_grouped"))
+        if w is None or check_offs or backend is not None or scale_layout != "swizzled":
+            return None
+        tensors = (a, b, a_scale, b_scale, alpha, offs) if fp4 else (a, b, b_scale, alpha, offs)
+        if not (w.guard.check(*tensors) if out is None else w.guard.check(*tensors, out)):
+            return None
+        t = a.shape[0]
+        hit = w.by_m.get(t)
+        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out is not None and out.shape[0] != t):
+            return None
+        choice, problem = hit
+        if fp4:  # validate's rule for a_scale when offs is not read: room for any routing of T rows
+            rows = a_scale.shape[0]
+            if rows % 128 or rows < max((t + 127) // 128 * 128, grouped_scale_rows(t, problem.experts)):
+                return None
+        if out is None:
+            out = torch.empty((t, problem.n), dtype=problem.out_dtype, device=problem.device)
+        return choice, problem, GroupedOperands(a, b, a_scale if fp4 else w.extra, b_scale, alpha, out, offs)
+
+    def remember(self, args: tuple, out_dtype, scale_layout: str, backend, choice, problem: Problem, ops,
+                 check_offs: bool = False) -> None:
+        """Remember a call the ordinary path validated and decided: ``args`` are the call's tensors as passed, out
+        last: (a, b, a_scale, b_scale, alpha, out) for ``fp4_mm``, (a, b, b_scale, alpha, out) for ``w4a16_mm``,
+        with offs before out for the grouped calls (remembered only with ``check_offs`` False)."""
+        if (self.disabled or backend is not None or scale_layout != "swizzled" or check_offs or choice.key is None
                 or problem.m not in choice.verified):
             return
-        fp4 = len(args) == 6
+        op = problem.op
         out = args[-1]
-        canonical = (ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha) if fp4 else (ops.a, ops.b, ops.b_scale,
-                                                                                      ops.alpha)
-        if any(x is not y for x, y in zip(args, canonical)) or (out is not None and out is not ops.out):
+        if not all(map(_same, args[:-1], _canonical(op, ops))) or (out is not None and out is not ops.out):
             return  # validate made a tensor for this call: the next one must be checked the same way
         tensors = args if out is not None else args[:-1]
-        key = (id(args[1]), out_dtype, out is None, _FP4 if fp4 else _W4A16)
+        key = (id(args[1]), out_dtype, out is None, op)
         w = self._weights.get(key)
         if w is not None and not w.guard.check(*tensors):  # the weight changed, or its id is another tensor's now
             self._calls -= len(w.by_m)
@@ -146,14 +173,32 @@ class CallMemo:
             self._calls, w = 0, None
         if w is None:
             try:
-                guard = _guard(tensors, (0, 2, 5) if fp4 else (0, 4))
+                guard = _guard(tensors, _M_FREE[op])
             except Exception as e:  # noqa: BLE001 - a TensorGuards of another signature: the ordinary path serves
                 self.disabled = f"TensorGuards refused its arguments: {describe_exception(e)}"
                 log.info("fp4dispatch: repeat calls are validated in full (%s)", self.disabled)
                 return
             if guard is None:
                 return
-            w = self._weights[key] = _Weight(guard, None if fp4 else ops.a_scale)
+            w = self._weights[key] = _Weight(guard, ops.a_scale if op in ("w4a16", "w4a16_grouped") else None)
         if problem.m not in w.by_m:
             self._calls += 1
         w.by_m[problem.m] = (choice, problem)
+
+
+def _canonical(op: str, ops) -> tuple:
+    """The canonical operands that stand for a call's tensors, in the call's order, out left out."""
+    if op == "fp4_mm":
+        return ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha
+    if op == "w4a16":
+        return ops.a, ops.b, ops.b_scale, ops.alpha
+    if op == "grouped":
+        return ops.a, ops.b, ops.a_scale, ops.b_scale, ops.alpha, ops.offs
+    return ops.a, ops.b, ops.b_scale, ops.alpha, ops.offs
+
+
+def _same(x, y) -> bool:
+    """``x`` is ``y``, or a view of the same memory with the same dtype, shape and strides (validate's
+    ``.view(float8_e4m3fn)`` of a scale that already is e4m3)."""
+    return x is y or (isinstance(x, torch.Tensor) and x.dtype == y.dtype and x.data_ptr() == y.data_ptr()
+                      and x.shape == y.shape and x.stride() == y.stride() and x.device == y.device)

@@ -119,28 +119,31 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
             check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout), (a, b, b_scale, alpha, out),
             out_dtype, scale_layout, backend)
 
-    def _first(self, checked: tuple, args: tuple, out_dtype, scale_layout: str, backend) -> torch.Tensor:
+    def _first(self, checked: tuple, args: tuple, out_dtype, scale_layout: str, backend,
+               check_offs: bool = False) -> torch.Tensor:
         """A validated call the memo did not know: decided (and remembered), then run."""
         problem, ops = checked
         if problem.m == 0:
             return ops.out
         choice = self.choose(problem, backend)
-        self.memo.remember(args, out_dtype, scale_layout, backend, choice, problem, ops)
+        self.memo.remember(args, out_dtype, scale_layout, backend, choice, problem, ops, check_offs)
         return self.execute(choice, problem, ops)
 
     def fp4_grouped_mm(self, a, b, a_scale, b_scale, alpha, offs, *, out_dtype=torch.bfloat16, out=None,
                        scale_layout="swizzled", backend=None, check_offs=True) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_grouped_mm`, through this dispatcher."""
-        problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                                                 check_offs)
-        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+        hit = self.memo.grouped(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
+        return self.execute(*hit) if hit is not None else self._first(
+            check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs),
+            (a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
     def w4a16_grouped_mm(self, a, b, b_scale, alpha, offs, *, out_dtype=None, out=None, scale_layout="swizzled",
                          backend=None, check_offs=True) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.w4a16_grouped_mm`, through this dispatcher."""
-        problem, ops = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                                                   check_offs)
-        return ops.out if problem.m == 0 else self.execute(self.choose(problem, backend), problem, ops)
+        hit = self.memo.grouped(a, b, None, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
+        return self.execute(*hit) if hit is not None else self._first(
+            check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs),
+            (a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
     def choose(self, problem: Problem, backend: str | None = None) -> Choice:
         """The backend and config for ``problem``: a dict and a set lookup once the key is decided and M proven."""
