@@ -162,6 +162,16 @@ def test_past_max_calls_everything_is_forgotten_and_relearned(counted, monkeypat
     assert sum(len(w.by_m) for w in memo._weights.values()) == 2
 
 
+def test_past_max_weights_everything_is_forgotten(tmp_path, monkeypatch):
+    monkeypatch.setattr(call_memo, "MAX_WEIGHTS", 2)
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    calls = [_inputs(4, seed=seed) for seed in range(3)]  # three weights alive at once (three ids)
+    for i, (a, b, sa, sb, alpha, out) in enumerate(calls):
+        d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
+        assert torch.equal(out, _exact(a, b, sa, sb, alpha))
+        assert len(d.memo._weights) == (1, 2, 1)[i]  # the third cleared the two before it
+
+
 def test_without_tensor_guards_nothing_is_remembered(monkeypatch, tmp_path):
     monkeypatch.setattr(call_memo, "TensorGuards", None)
     d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")

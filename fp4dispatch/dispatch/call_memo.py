@@ -33,7 +33,7 @@ from ..errors import describe_exception
 from ..format_grouped import grouped_scale_rows
 from ..problem import GroupedOperands, Operands, Problem
 
-__all__ = ["CallMemo", "MAX_CALLS"]
+__all__ = ["CallMemo", "MAX_CALLS", "MAX_WEIGHTS"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -42,7 +42,10 @@ try:
 except ImportError:  # a torch build without dynamo: every call takes the ordinary path
     TensorGuards = None
 
-MAX_CALLS = 1 << 16  # remembered (weight, M) pairs per dispatcher; past that all are forgotten and relearned
+# bounds per dispatcher, past which everything is forgotten and relearned (a weight's guard is about 1 KB, an M of
+# it a few hundred bytes): a process that keeps making new weights or new M cannot grow the memo without end
+MAX_CALLS = 1 << 16  # remembered (weight, M) pairs
+MAX_WEIGHTS = 1 << 13  # remembered weights (per op, out dtype and out mode)
 
 _new = tuple.__new__
 # per op (``Problem.op``): the positions, in the call's tensors (out last), of those whose dim 0 is the call's M
@@ -168,7 +171,8 @@ class CallMemo:
         if w is not None and not w.guard.check(*tensors):  # the weight changed, or its id is another tensor's now
             self._calls -= len(w.by_m)
             w = None
-        if (w is None or problem.m not in w.by_m) and self._calls >= MAX_CALLS:
+        if ((w is None or problem.m not in w.by_m) and self._calls >= MAX_CALLS
+                or w is None and len(self._weights) >= MAX_WEIGHTS):
             self._weights.clear()
             self._calls, w = 0, None
         if w is None:
