@@ -330,3 +330,20 @@ def test_w4a16_grouped_repeats_are_remembered_with_their_out_dtype(tmp_path, mon
     outs = [d.w4a16_grouped_mm(x, b, sb, alpha, offs, check_offs=False) for _ in range(3)]
     assert len(calls) == 1 and all(o.dtype == torch.bfloat16 and torch.equal(o, outs[0]) for o in outs)
     assert torch.equal(outs[0], d.w4a16_grouped_mm(x, b, sb, alpha, offs))
+
+
+def test_guard_mode_checks_remembered_calls_and_its_ban_is_seen_by_the_next(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    bad = FakeBackend("bad", cost=1e-6)
+    good = FakeBackend("good", cost=1e-5)
+    d = Dispatcher([bad, good], cache_dir=tmp_path / "c", do_bench=fake_do_bench, guard=True)
+    a, b, sa, sb, alpha, out = _inputs(6)
+    for _ in range(2):  # decided on "bad" (right so far, fastest), then a remembered repeat
+        d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
+    assert d.memo.fp4_mm(a, b, sa, sb, alpha, torch.float32, out, "swizzled", None)[0].backend is bad
+    bad.nan_rows_after = bad.calls  # it goes bad while serving
+    d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)  # a remembered call: the guard still checks it
+    assert torch.equal(out, _exact(a, b, sa, sb, alpha))
+    runs = bad.calls
+    d.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
+    assert bad.calls == runs and torch.equal(out, _exact(a, b, sa, sb, alpha))
