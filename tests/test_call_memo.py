@@ -213,6 +213,21 @@ def test_inference_mode_calls_are_remembered_apart_and_stay_right(counted):
     assert len(counted) == 2 and torch.equal(o, _exact(a, b, sa, sb, alpha))
 
 
+def test_a_weight_called_in_and_out_of_inference_mode_by_turns_stops_rebuilding_its_guard(counted, monkeypatch):
+    """Inference mode changes a tensor's dispatch keys as the guard sees them: one guard cannot hold both states, so
+    calls that alternate would rebuild it on every call. After MAX_REBUILDS the weight is left to the ordinary path."""
+    builds = []
+    real = call_memo._guard
+    monkeypatch.setattr(call_memo, "_guard", lambda *args: builds.append(1) or real(*args))
+    a, b, sa, sb, alpha, out = _inputs(4)
+    for i in range(20):
+        with torch.inference_mode(i % 2 == 1):
+            fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32, out=out)
+        assert torch.equal(out, _exact(a, b, sa, sb, alpha))
+    assert len(builds) == call_memo.MAX_REBUILDS + 1
+    assert len(counted) == 20  # every call missed, and each was validated
+
+
 def test_w4a16_repeats_skip_validation_and_a_changed_weight_gets_its_error(monkeypatch, tmp_path):
     fp4dispatch.set_dispatcher(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"))
     calls = []

@@ -21,7 +21,7 @@ them. What it is checked against is what ``validate`` accepted, so it never acce
 The decision part: the remembered Choice is used only while it is still the dispatcher's choice for its key (a ban,
 a fault or a ``clear`` replaces it). Without ``TensorGuards`` (a torch without dynamo), or with one that refuses the
 arguments it is built with here (another torch's signature), nothing is remembered: every call takes the ordinary
-path, and ``CallMemo.disabled`` says why.
+path, and ``CallMemo.disabled`` says why. Nor is a weight whose calls keep failing its guard (``MAX_REBUILDS``).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from ..errors import describe_exception
 from ..format_grouped import grouped_scale_rows
 from ..problem import GroupedOperands, Operands, Problem
 
-__all__ = ["CallMemo", "MAX_CALLS", "MAX_WEIGHTS"]
+__all__ = ["CallMemo", "MAX_CALLS", "MAX_WEIGHTS", "MAX_REBUILDS"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -46,6 +46,10 @@ except ImportError:  # a torch build without dynamo: every call takes the ordina
 # it a few hundred bytes): a process that keeps making new weights or new M cannot grow the memo without end
 MAX_CALLS = 1 << 16  # remembered (weight, M) pairs
 MAX_WEIGHTS = 1 << 13  # remembered weights (per op, out dtype and out mode)
+# a weight whose guard had to be rebuilt this often is left to the ordinary path: its calls alternate between states
+# one guard cannot hold (inside and outside torch.inference_mode, say, whose dispatch keys differ), and a rebuild
+# per call would cost more than the checks it saves
+MAX_REBUILDS = 4
 
 _new = tuple.__new__
 # per op (``Problem.op``): the positions, in the call's tensors (out last), of those whose dim 0 is the call's M
@@ -56,10 +60,11 @@ class _Weight:
     """One weight's calls of one op, out dtype and out mode: the guard of their tensors (M free) and, per M, what
     the ordinary path returned."""
 
-    __slots__ = ("guard", "by_m", "extra")
+    __slots__ = ("guard", "by_m", "extra", "rebuilds")
 
-    def __init__(self, guard, extra):
+    def __init__(self, guard, extra, rebuilds: int = 0):
         self.guard, self.by_m, self.extra = guard, {}, extra  # extra: w4a16's empty a_scale
+        self.rebuilds = rebuilds  # guards this key had before this one
 
 
 def _contiguous(shape) -> list[int]:
@@ -89,6 +94,7 @@ class CallMemo:
     def __init__(self, choices: dict):
         self._choices = choices
         self._weights: dict[tuple, _Weight] = {}
+        self._unstable: set[tuple] = set()  # keys past MAX_REBUILDS: not remembered
         self._calls = 0
         self.disabled = None if TensorGuards is not None else "torch has no torch._C._dynamo.guards.TensorGuards"
 
@@ -167,13 +173,21 @@ class CallMemo:
             return  # validate made a tensor for this call: the next one must be checked the same way
         tensors = args if out is not None else args[:-1]
         key = (id(args[1]), out_dtype, out is None, op)
+        if key in self._unstable:
+            return
         w = self._weights.get(key)
+        rebuilds = 0
         if w is not None and not w.guard.check(*tensors):  # the weight changed, or its id is another tensor's now
             self._calls -= len(w.by_m)
-            w = None
+            del self._weights[key]
+            rebuilds, w = w.rebuilds + 1, None
+            if rebuilds > MAX_REBUILDS:
+                self._unstable.add(key)
+                return
         if ((w is None or problem.m not in w.by_m) and self._calls >= MAX_CALLS
-                or w is None and len(self._weights) >= MAX_WEIGHTS):
+                or w is None and len(self._weights) + len(self._unstable) >= MAX_WEIGHTS):
             self._weights.clear()
+            self._unstable.clear()
             self._calls, w = 0, None
         if w is None:
             try:
@@ -184,7 +198,8 @@ class CallMemo:
                 return
             if guard is None:
                 return
-            w = self._weights[key] = _Weight(guard, ops.a_scale if op in ("w4a16", "w4a16_grouped") else None)
+            w = self._weights[key] = _Weight(guard, ops.a_scale if op in ("w4a16", "w4a16_grouped") else None,
+                                             rebuilds)
         if problem.m not in w.by_m:
             self._calls += 1
         w.by_m[problem.m] = (choice, problem)
