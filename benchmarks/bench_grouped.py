@@ -5,7 +5,7 @@ Per (layer, batch B), one run, bf16 out: B tokens each routed to top-k of E expe
 per-expert bias makes the load uneven, as trained routers are); R routings per cell captured in one graph (R calls,
 each with its own routing, activations and touched experts), time per call:
   pick          fp4dispatch.fp4_grouped_mm, decided (tuned, proven) before capture
-  grouped best  triton:grouped's fastest config (its config in the JSON)
+  grouped best  triton:grouped's fastest config (its config in the JSON, every config's time there too)
   humming:grouped  fp4dispatch's Humming adapter called directly (the token decode + Humming, Stream-K off)
   humming       Humming's grouped MoE GEMM (``grouped_contiguous``) on the dequantized bf16 tokens, default tuning
                 (Stream-K on); humming-nosk: Stream-K off (fp4dispatch's determinism rule)
@@ -126,10 +126,11 @@ def cell(name: str, b_tokens: int, bw: float, loop: bool, bias: float = 1.0) -> 
     row["us"]["pick"] = _graph_us(grouped, len(rs))
     tg = TritonGroupedBackend()
     p = Problem(t, n, k, torch.bfloat16, torch.device("cuda"), torch.uint8, e)
-    best = None
+    best, row["grouped_configs"] = None, []
     for cfg in tg.configs(p):
         ops = [GroupedOperands(r[0], b, r[1], sb, alpha, o, r[2]) for r, o in zip(rs, outs)]
         us = _graph_us(lambda i, c=cfg: tg.run(p, ops[i], c), len(rs))
+        row["grouped_configs"].append([cfg.to_json(), us])
         if best is None or us < best[0]:
             best = (us, cfg.to_json())
     row["us"]["grouped best"], row["grouped_config"] = best

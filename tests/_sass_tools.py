@@ -208,21 +208,30 @@ def build_wgds(BN: int, BM: int, BKB: int, STAGES: int, ASTAGES: int, DSTAGES: i
     return build(wgds_kernel, sig, consts, 4, ("out_ptr", "ws_ptr", "cnt_ptr", "M", "N"))
 
 
-def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1, DP: bool = False) -> dict:
+def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1, DP: bool = False,
+               grouped: bool = False) -> dict:
     """``build`` of ``tma_warp_specialized.gvws_kernel`` with the register cap its launcher uses for CTAS CTAs per
-    SM, specialized as a launch is at M = MB: M = 1 becomes a constant."""
+    SM, specialized as a launch is at M = MB: M = 1 becomes a constant; ``grouped``: of
+    ``tma_warp_specialized_grouped.grouped_gvws_kernel`` instead (8 experts of 1024 rows, 64 routed rows)."""
     from fp4dispatch.kernels.gemv import tma_warp_specialized as gv
 
-    n, k = 8192, 8192
-    a = torch.zeros(MB, k // 2, dtype=torch.uint8)
-    b = torch.zeros(n, k // 2, dtype=torch.uint8)
-    sa = torch.zeros(128, k // 16, dtype=torch.uint8)
-    sb = torch.zeros(n, k // 16, dtype=torch.uint8)
+    e, n, k = (8, 1024, 2048) if grouped else (1, 8192, 8192)
+    a = torch.zeros(64 if grouped else MB, k // 2, dtype=torch.uint8)
+    b = torch.zeros(e * n, k // 2, dtype=torch.uint8)
+    sa = torch.zeros(1024 if grouped else 128, k // 16, dtype=torch.uint8)
+    sb = torch.zeros(e * n, k // 16, dtype=torch.uint8)
     d = gv.descriptors(a, b, sa, sb, R, BW, MB)
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
            "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "TILES": "i32", "STEPS": "i32"}
     consts = {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP}
+    if grouped:
+        from fp4dispatch.kernels.gemv.tma_warp_specialized_grouped import grouped_gvws_kernel
+
+        del sig["M"], sig["TILES"]
+        sig = {**{x: sig[x] for x in list(sig)[:6]}, "offs_ptr": "*i32", "T": "i32", "N": "i32", "E": "i32",
+               "STEPS": "i32", "ALPHA_STRIDE": "i32"}
+        return build(grouped_gvws_kernel, sig, consts, WARPS, ("out_ptr", "offs_ptr", "N"), **gv.reg_cap(WARPS, CTAS))
     if MB == 1:  # Triton specializes an int argument equal to 1
         del sig["M"]
         consts["M"] = 1

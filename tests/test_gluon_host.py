@@ -73,6 +73,26 @@ def test_tma_gemv_refuses_what_tma_cannot_describe():
         run(torch.zeros(2, 1024, dtype=torch.uint8), torch.zeros(256, 1024, dtype=torch.uint8), s, s, s, s, cfg)
 
 
+def test_grouped_tma_gemv_refuses_what_tma_cannot_describe_and_launches_nothing_for_no_rows(monkeypatch):
+    from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
+
+    mod = _gluon_module("gemv.tma_warp_specialized_grouped")
+    cfg = TmaGemvGroupedConfig(2, 16, 32, 5, warps=4, ctas_per_sm=2)
+    s, offs = torch.zeros(128, 128, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^fp4_grouped_mm: TmaGemvGroupedConfig needs N % 128 == 0, K % 32 == 0 and "
+                                         r"16-byte aligned operands; got N=960, K=2048, data_ptr\(\) % 16 of \(a, b, "
+                                         r"a_scale, b_scale\) = \(0, 0, 0, 0\)\. Use another config from "
+                                         r"grouped_configs_for\(\)$"):
+        mod.run(torch.zeros(3, 1024, dtype=torch.uint8), torch.zeros(4, 960, 1024, dtype=torch.uint8), s, s, s, s,
+                offs, cfg)
+    with pytest.raises(ValueError, match=r"got N=1024, K=2064"):
+        mod.run(torch.zeros(3, 8 * 129, dtype=torch.uint8), torch.zeros(4, 1024, 8 * 129, dtype=torch.uint8), s, s,
+                s, s, offs, cfg)
+    monkeypatch.setattr(mod, "launch", lambda *a, **k: pytest.fail("launched for T = 0"))
+    mod.run(torch.zeros(0, 1024, dtype=torch.uint8), torch.zeros(4, 1024, 1024, dtype=torch.uint8), s, s, s,
+            torch.zeros(0, 1024), offs, cfg)
+
+
 def _needs_gluon():
     from fp4dispatch.kernels import gluon_missing
 

@@ -77,16 +77,21 @@ def test_sass_race_flags_the_rolled_loop():
     assert race.races(built["sass"])  # one group in flight while the next step decodes into the same registers
 
 
-@pytest.mark.parametrize("dp", [True, False], ids=["dp4a", "f16x2"])
-@pytest.mark.parametrize("mb", [1, 2])
-@pytest.mark.parametrize("tile", TMA_GEMV_TILES, ids=[f"R{t[0]}-BW{t[1]}-S{t[2]}-C{t[3]}" for t in TMA_GEMV_TILES])
-def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb, dp):
+# the grouped GEMV as heuristics._tma_gemv_grouped offers it: int8 dot products, the 3-CTA tile at 1 row
+_GVWS_BUILDS = [(tile, mb, dp, False) for tile in TMA_GEMV_TILES for mb in (1, 2) for dp in (True, False)] + [
+    (TMA_GEMV_TILES[0], 2, True, True), (TMA_GEMV_TILES[0], 1, True, True), (TMA_GEMV_TILES[1], 1, True, True)]
+
+
+@pytest.mark.parametrize("tile, mb, dp, grouped", _GVWS_BUILDS,
+                         ids=[f"R{t[0]}-BW{t[1]}-S{t[2]}-C{t[3]}-{mb}-{'dp4a' if dp else 'f16x2'}"
+                              f"{'-grouped' if g else ''}" for t, mb, dp, g in _GVWS_BUILDS])
+def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb, dp, grouped):
     """In the consumer's step loop, the proxy fence (MEMBAR.ALL.CTA) comes before the arrive that frees the ring
     slot: ptxas leaves uses of the slot's loaded values after the arrive, and without the fence the producer's next
-    TMA write overtook reads still in flight (wrong sums at 2-3 CTAs per SM)."""
+    TMA write overtook reads still in flight (wrong sums at 2-3 CTAs per SM). The grouped form runs the same step."""
     race = _tools()
     r, bw, stages, ctas = tile
-    built = race.build_gvws(r, bw, mb, stages, 4, ctas, DP=dp)
+    built = race.build_gvws(r, bw, mb, stages, 4, ctas, DP=dp, grouped=grouped)
     code = race._parse(built["sass"])
     loops = race.hot_loops(code, "F2FP")  # the scale bytes' e4m3x2 -> f16x2 conversions (and the f16x2 decode)
     assert loops, "no decode loop found in the SASS"

@@ -82,3 +82,59 @@ def test_one_captured_graph_replays_every_routing_with_the_eager_bits(tmp_path, 
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+# (T, E, N, K, rows of each expert or None for a top-k routing): experts of 1-7 rows (several passes of 2 rows), more
+# experts than one pass of the expert search reads (E = 300: the producer warp reads 32 at a time, the consumers 128),
+# all rows on one expert, one expert, one row, a routing whose last experts own nothing, experts with rows in every
+# quarter of a 128-row scale group (their scales' box holds all four) and past it
+_TMA_ROUTINGS = [(96, 300, 256, 512, None), (60, 16, 384, 1024, [0, 1, 2, 3, 4, 5, 6, 7, 0, 7, 6, 5, 4, 3, 2, 1]),
+                 (9, 8, 256, 2048, [0, 0, 0, 9, 0, 0, 0, 0]), (5, 1, 512, 512, [5]), (1, 64, 128, 512, None),
+                 (33, 40, 256, 512, [3] * 11 + [0] * 29), (128, 8, 256, 512, [20, 1, 0, 33, 5, 2, 64, 3]),
+                 (231, 3, 256, 1024, [130, 1, 100])]
+
+
+@pytest.mark.parametrize("t, e, n, k, rows", _TMA_ROUTINGS)
+def test_tma_gemv_grouped_every_config_exact_on_uneven_routings(t, e, n, k, rows):
+    """The TMA-fed grouped GEMV (SM90 with Gluon) against the exact result with every config it can take, fp32 and
+    bf16 out poisoned with NaN (nothing written past T), per-expert and one alpha, the same bits twice."""
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
+    from fp4dispatch.kernels import target
+    from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
+    from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
+    from fp4dispatch.problem import GroupedOperands, Problem
+    from fp4dispatch.routing import offs_from_counts, topk_counts
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if not target.gluon_ok(dev):
+        pytest.skip("the TMA-fed grouped GEMV needs SM90 and Triton's Gluon")
+    run = __import__("fp4dispatch.kernels.gemv.tma_warp_specialized_grouped", fromlist=["run"]).run
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    counts = (torch.tensor(rows, device="cuda") if rows else topk_counts(t // 8 or 1, e, min(8, t), seed=1,
+                                                                          device="cuda"))
+    offs = offs_from_counts(counts)
+    t = int(offs[-1])
+    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    lin = torch.randint(0x28, 0x48, (t, k // 16), dtype=torch.uint8, device="cuda", generator=g)
+    sa = swizzle_grouped_scales(lin.view(torch.float8_e4m3fn), offs, grouped_scale_rows(t, e)).view(torch.uint8)
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    sb = swizzle_expert_scales(torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, device="cuda",
+                                             generator=g).view(torch.float8_e4m3fn)).view(torch.uint8)
+    cfgs = [TmaGemvGroupedConfig(mb, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True) for r, bw, st, c in
+            TMA_GEMV_TILES for mb in (1, 2)]
+    for alpha in (torch.rand(e, device="cuda", generator=g) - 0.5, torch.full((1,), -0.75, device="cuda")):
+        ops = GroupedOperands(a, b, sa.view(torch.float8_e4m3fn), sb.view(torch.float8_e4m3fn), alpha, None, offs)
+        want = reference_mm(Problem(t, n, k, torch.float32, dev, torch.uint8, e), ops)
+        for odt in (torch.float32, torch.bfloat16):
+            for cfg in cfgs:
+                out = torch.full((t + 3, n), float("nan"), dtype=odt, device="cuda")
+                run(a, b, sa, sb, alpha, out[:t], offs, cfg)
+                got = out[:t].float()
+                assert torch.isnan(out[t:]).all(), cfg  # nothing written past T
+                err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+                assert torch.isfinite(got).all() and err < (1e-5 if odt == torch.float32 else 4e-3), (cfg, odt, err)
+                again = torch.full_like(out, float("nan"))
+                run(a, b, sa, sb, alpha, again[:t], offs, cfg)
+                assert torch.equal(again[:t].view(torch.uint8 if odt == torch.float32 else torch.int16),
+                                   out[:t].view(torch.uint8 if odt == torch.float32 else torch.int16)), cfg

@@ -327,6 +327,31 @@ def test_tma_gemv_first_at_m_le_2_on_sm90_only(monkeypatch, cap, offered):
 
 
 @pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
+def test_grouped_tma_gemv_first_for_decode_batches_on_sm90_only(monkeypatch, cap, offered):
+    from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
+    from fp4dispatch.kernels.heuristics import (GROUPED_TMA_GEMV_ROWS, TMA_GEMV_TILES, grouped_configs_for,
+                                                w4a16_grouped_configs_for)
+
+    cuda = _cuda(monkeypatch, cap)
+    first, second = TMA_GEMV_TILES
+    # a row per touched expert on average (up to GROUPED_TMA_GEMV_ROWS)
+    for t, e in ((1, 256), (64, 256), (GROUPED_TMA_GEMV_ROWS * 256, 256)):
+        cfgs = grouped_configs_for(t, e, 4096, 7168, cuda)
+        tma = _of(cfgs, TmaGemvGroupedConfig)
+        want = [(2, *first), (1, *first), (1, *second)] if offered else []
+        assert [(c.rows, c.rows_per_quarter, c.k_blocks, c.stages, c.ctas_per_sm) for c in tma] == want
+        assert cfgs[:len(tma)] == tma and all(c.int8_dot and c.warps == 4 for c in tma)
+        assert len(cfgs) <= 7 and len(cfgs) > len(tma)  # the tuner still compares the other families
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+        assert not _of(w4a16_grouped_configs_for(t, e, 4096, 7168, cuda), TmaGemvGroupedConfig)
+    # prefill batches, and what its boxes cannot hold: N % 128 (each expert whole scale groups), K % 32
+    for t, e, n, k in ((GROUPED_TMA_GEMV_ROWS * 256 + 1, 256, 4096, 7168), (8, 256, 4160, 7168),
+                       (8, 256, 4096, 7184)):
+        assert not _of(grouped_configs_for(t, e, n, k, cuda), TmaGemvGroupedConfig)
+    assert TmaGemvGroupedConfig(1, 16, 32, 5) != C.TmaGemvConfig(1, 16, 32, 5)  # the dense op's launcher refuses it
+
+
+@pytest.mark.parametrize("cap, offered", [((9, 0), True), ((8, 9), False), ((12, 0), False)])
 def test_decode_warps_offered_at_m_65_to_128_on_sm90_only(monkeypatch, cap, offered):
     from dataclasses import replace
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .config import KernelConfig, _check_dot_tile, _check_word_gemv
+from .config import KernelConfig, TmaGemvConfig, _check_dot_tile, _check_word_gemv
 
-__all__ = ["MmaGroupedConfig", "GemvGroupedConfig", "MmaW4A16GroupedConfig"]
+__all__ = ["MmaGroupedConfig", "GemvGroupedConfig", "MmaW4A16GroupedConfig", "TmaGemvGroupedConfig"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,13 @@ class MmaW4A16GroupedConfig(MmaGroupedConfig):
         super().check()
         self._require("k_blocks", not self.register_a or self.k_blocks % 4 == 0,
                       "a multiple of 4 with register_a (the K order goes by scale groups of 4)")
+
+
+@dataclass(frozen=True)
+class TmaGemvGroupedConfig(TmaGemvConfig):
+    """``gemv/tma_warp_specialized_grouped`` (SM90, Gluon): ``fp4_grouped_mm`` for decode batches, the TMA-fed GEMV
+    of :class:`TmaGemvConfig` (same fields) over every touched expert in one launch; ``rows`` (1 or 2) rows of one
+    expert per pass over its weight tile, so an expert of r rows reads each tile ceil(r / rows) times (from L2 after
+    the first)."""
+
+    family: ClassVar[str] = "gemv_tma_warp_specialized_grouped"

@@ -7,7 +7,7 @@ from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config
                      MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
                      WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig,
                      WgmmaWarpSpecializedW4A16Config)
-from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
+from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig, TmaGemvGroupedConfig
 
 __all__ = ["FAMILIES", "from_json"]
 
@@ -15,7 +15,7 @@ FAMILIES: dict[str, type[KernelConfig]] = {c.family: c for c in (
     BytewiseGemvConfig, CudaCoreGemvConfig, TmaGemvConfig, MmaBf16Config, WgmmaRegisterAConfig,
     WgmmaWarpSpecializedConfig, WgmmaDecodeWarpsConfig, CudaCoreW4A16Config, WgmmaRegisterAW4A16Config,
     WgmmaDecodeWarpsW4A16Config, WgmmaWarpSpecializedW4A16Config, MmaW4A16Config, MmaGroupedConfig, GemvGroupedConfig,
-    MmaW4A16GroupedConfig)}
+    MmaW4A16GroupedConfig, TmaGemvGroupedConfig)}
 
 
 def from_json(doc: dict) -> KernelConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import KernelConfig
-from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
+from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig, TmaGemvGroupedConfig
 from .launchers import LauncherTable
 
 __all__ = ["grouped_mm", "LAUNCHERS"]
@@ -13,6 +13,7 @@ __all__ = ["grouped_mm", "LAUNCHERS"]
 # config class -> the module (under fp4dispatch.kernels) whose run(a, b, sa, sb, alpha, out, offs, config) launches it
 LAUNCHERS: dict[type[KernelConfig], str] = {
     GemvGroupedConfig: "gemv.cuda_core_grouped",
+    TmaGemvGroupedConfig: "gemv.tma_warp_specialized_grouped",  # SM90 with Gluon (heuristics offer it only there)
     MmaGroupedConfig: "gemm.mma_grouped",
     MmaW4A16GroupedConfig: "gemm.mma_w4a16_grouped",  # w4a16_grouped_mm: a is bf16/fp16, a_scale unused
 }

@@ -18,7 +18,7 @@ from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config
                      MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
                      WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig,
                      WgmmaWarpSpecializedW4A16Config, decode_warps_work, register_a_resident)
-from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig
+from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig, TmaGemvGroupedConfig
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
            "GROUPED_GEMV_TILES", "GROUPED_MMA_TILES",
@@ -276,6 +276,10 @@ def _register_a_w4a16(p: _Problem) -> list[WgmmaRegisterAW4A16Config]:
 # M <= 4), whose time is the touched weights' bytes. A prefill batch gives hundreds: tensor-core tiles (block_m,
 # block_n, k_blocks, warps, stages) that reuse each decoded weight tile across more rows.
 GROUPED_GEMV_TILES = {2: ((2, 4, 128, 2), (4, 16, 32, 4), (1, 4, 256, 4)), 8: ((4, 16, 32, 4), (8, 16, 32, 4))}
+# the most rows per expert (``_per_expert``: T over min(E, T)) where the TMA-fed grouped GEMV is offered. It reads
+# each weight tile once per 2 rows of an expert (from HBM again: the tiles in flight overrun the L2), so it wins
+# where most touched experts have a row or two (RESULTS.md "MoE expert GEMM": B <= 8) and lost 2.7x at 4 rows
+GROUPED_TMA_GEMV_ROWS = 1
 GROUPED_MMA_TILES = {
     8: ((16, 64, 8, 4, 3),),
     64: ((16, 64, 8, 4, 3), (32, 64, 8, 4, 3), (64, 64, 8, 4, 3)),
@@ -313,15 +317,31 @@ def _with_register_a(plain: list, register_a: list, device: torch.device) -> lis
     return out[:MAX_CONFIGS]
 
 
+def _tma_gemv_grouped(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
+    """The TMA-fed grouped GEMV for decode batches (SM90 with Gluon; N % 128 == 0, K % 32 == 0): ``TMA_GEMV_TILES``'
+    first tile at 2 rows per pass (a pass of an expert's last single row skips the second row's work) and 1, the
+    second tile at 1 (at 2, its register cap for 3 CTAs per SM leaves the int8 dot products' table out of registers:
+    tests/test_gluon_sass.py). Placed first, ahead of ``_with_register_a``'s order: the dense GEMV it extends is the
+    fastest weight stream at M <= 2."""
+    if _per_expert(t, e) > GROUPED_TMA_GEMV_ROWS or n % 128 or k % 32 or not target.gluon_ok(device):
+        return []
+    (r, bw, st, c), (r2, bw2, st2, c2) = TMA_GEMV_TILES
+    return [TmaGemvGroupedConfig(2, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True),
+            TmaGemvGroupedConfig(1, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True),
+            TmaGemvGroupedConfig(1, r2, bw2, st2, warps=4, ctas_per_sm=c2, int8_dot=True)]
+
+
 def grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
-    """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first; from
-    SM89 also ``w4a16_grouped_mm``'s register-operand tiles on the tokens decoded first (on SM90 those first)."""
+    """Candidate configs for ``fp4_grouped_mm`` (T routed rows over E experts, each [N, K]), best guess first: on SM90
+    for decode batches the TMA-fed grouped GEMV; from SM89 also ``w4a16_grouped_mm``'s register-operand tiles on the
+    tokens decoded first (on SM90 those before the rest)."""
     out: list[KernelConfig] = []
     gemv = next((v for top, v in GROUPED_GEMV_TILES.items() if _per_expert(t, e) <= top), ())
     for rows, bn, bkb, warps in gemv:
         out.append(GemvGroupedConfig(rows, bn, bkb, warps, prefetch=bn > 4, max_registers=64 if bkb > 128 else None))
     out += [MmaGroupedConfig(bm, bn, bkb, warps, stages) for bm, bn, bkb, warps, stages in _grouped_tiles(t, e)]
-    return _with_register_a(out, _register_a_grouped(t, e), device)
+    tma = _tma_gemv_grouped(t, e, n, k, device)
+    return (tma + _with_register_a(out, _register_a_grouped(t, e), device))[:MAX_CONFIGS]
 
 
 def w4a16_grouped_configs_for(t: int, e: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:

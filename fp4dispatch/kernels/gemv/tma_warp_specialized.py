@@ -97,15 +97,24 @@ def _producer(w_desc, ws_desc, a_desc, as_desc, w_s, ws_s, a_s, as_s, ready, emp
 
 
 @gluon.jit
-def _act(a_s, as_s, s, m, L: gl.constexpr):
+def _act(a_s, as_s, s, m, q, L: gl.constexpr):
     """Activation row m of ring slot s: its words as (lo, hi) uint32 [BW/4, 4] and its block scales (fp32) in L, the
-    layout that broadcasts against the weight's."""
+    layout that broadcasts against the weight's. The scale box holds the rows' bytes of all four quarters; q: the
+    rows' quarter (0 here; the grouped kernel's chunks may start in any: a runtime value, uniform per tile)."""
     STAGES: gl.constexpr = a_s.type.shape[0]
     MB: gl.constexpr = a_s.type.shape[1]
     BW: gl.constexpr = a_s.type.shape[2]
     x = a_s._reinterpret(gl.int64, [STAGES * MB, BW // 4, 4], plain(2)).index(s * MB + m).load(L)
-    raw = as_s._reinterpret(gl.uint8, [STAGES, BW // 4, MB * 16], plain(2)).index(s)  # (j, m, q, b): q = 0
-    return x.to(gl.uint32), (x >> 32).to(gl.uint32), _e4m3(raw.slice(16 * m, 4, dim=1).load(L))
+    raw = as_s._reinterpret(gl.uint8, [STAGES, BW // 4, MB * 16], plain(2)).index(s)  # (j, m, q, b)
+    if q == 0:
+        sa = raw.slice(16 * m, 4, dim=1).load(L)
+    elif q == 1:
+        sa = raw.slice(16 * m + 4, 4, dim=1).load(L)
+    elif q == 2:
+        sa = raw.slice(16 * m + 8, 4, dim=1).load(L)
+    else:
+        sa = raw.slice(16 * m + 12, 4, dim=1).load(L)
+    return x.to(gl.uint32), (x >> 32).to(gl.uint32), _e4m3(sa)
 
 
 @gluon.jit
@@ -128,8 +137,10 @@ def _undo(dp) -> float:
 
 
 @gluon.jit
-def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, tbl, LW: gl.constexpr, DP: gl.constexpr):
-    """Ring step ``it``: wait for its slot, add this step's products to the accumulators, free the slot."""
+def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, tbl, LW: gl.constexpr, DP: gl.constexpr, q=0,
+          ROW1: gl.constexpr = True):
+    """Ring step ``it``: wait for its slot, add this step's products to the accumulators, free the slot (q: the
+    activation rows' quarter, ``_act``; ROW1 False: the slot's second row is not needed, acc1 is left as it is)."""
     STAGES: gl.constexpr = w_s.type.shape[0]
     R: gl.constexpr = w_s.type.shape[2]
     BW: gl.constexpr = w_s.type.shape[3]
@@ -140,14 +151,14 @@ def _step(w_s, ws_s, a_s, as_s, ready, empty, it, acc0, acc1, tbl, LW: gl.conste
     # (views of the whole ring: Triton 3.6 reinterprets only a buffer, not a slot of it)
     w = w_s._reinterpret(gl.int64, [STAGES, 4, R, BW // 4, 4], plain(4)).index(s).load(LW)
     sw = ws_s._reinterpret(gl.uint8, [STAGES, BW // 4, R, 4, 4], plain(4)).index(s).permute((2, 1, 0, 3)).load(LW)
-    a_lo, a_hi, sa = _act(a_s, as_s, s, 0, LA)
-    if MB > 1:
-        a1_lo, a1_hi, sa1 = _act(a_s, as_s, s, 1, LA)
+    a_lo, a_hi, sa = _act(a_s, as_s, s, 0, q, LA)
+    if MB > 1 and ROW1:
+        a1_lo, a1_hi, sa1 = _act(a_s, as_s, s, 1, q, LA)
     b_lo = w.to(gl.uint32)
     b_hi = (w >> 32).to(gl.uint32)
     sb = _e4m3(sw)
     acc0 += _sum(b_lo, b_hi, a_lo, a_hi, tbl, DP) * (sb * sa[None, None])
-    if MB > 1:
+    if MB > 1 and ROW1:
         acc1 += _sum(b_lo, b_hi, a1_lo, a1_hi, tbl, DP) * (sb * sa1[None, None])
     # The producer's next TMA write into the slot must not overtake a read of it still in flight. Nothing in the
     # program orders them: ptxas leaves uses of loaded values (and so the loads' completion) after the arrive, and
