@@ -138,3 +138,57 @@ def test_tma_gemv_grouped_every_config_exact_on_uneven_routings(t, e, n, k, rows
                 run(a, b, sa, sb, alpha, again[:t], offs, cfg)
                 assert torch.equal(again[:t].view(torch.uint8 if odt == torch.float32 else torch.int16),
                                    out[:t].view(torch.uint8 if odt == torch.float32 else torch.int16)), cfg
+
+
+def test_tma_gemv_grouped_one_graph_replays_every_routing_with_the_eager_bits():
+    """Captured once, the TMA-fed grouped GEMV gives every routing (top-k ones, all rows on one expert past its first
+    32) the eager call's bits: it counts its items from offs on the GPU."""
+    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
+    from fp4dispatch.kernels import target
+    from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
+    from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
+    from fp4dispatch.routing import offs_from_counts, topk_counts
+
+    if not target.gluon_ok(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("the TMA-fed grouped GEMV needs SM90 and Triton's Gluon")
+    run = __import__("fp4dispatch.kernels.gemv.tma_warp_specialized_grouped", fromlist=["run"]).run
+    e, n, k, t = 64, 256, 1024, 48
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    sb = swizzle_expert_scales(torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, device="cuda",
+                                             generator=g).view(torch.float8_e4m3fn)).view(torch.uint8)
+    alpha = torch.rand(e, device="cuda", generator=g)
+    counts = [topk_counts(12, e, 4, seed=s, device="cuda") for s in range(3)]
+    counts.append(torch.nn.functional.pad(torch.tensor([t], device="cuda"), (5, e - 6)))
+    routings = []
+    for c in counts:
+        offs = offs_from_counts(c)
+        a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+        lin = torch.randint(0x28, 0x48, (t, k // 16), dtype=torch.uint8, device="cuda", generator=g)
+        sa = swizzle_grouped_scales(lin.view(torch.float8_e4m3fn), offs, grouped_scale_rows(t, e)).view(torch.uint8)
+        routings.append((a, sa, offs))
+    (r, bw, st, c), (r2, bw2, st2, c2) = TMA_GEMV_TILES
+    for cfg in (TmaGemvGroupedConfig(2, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True),
+                TmaGemvGroupedConfig(1, r2, bw2, st2, warps=4, ctas_per_sm=c2, int8_dot=True)):
+        eager = []
+        for a, sa, offs in routings:
+            eager.append(torch.empty(t, n, dtype=torch.bfloat16, device="cuda"))
+            run(a, b, sa, sb, alpha, eager[-1], offs, cfg)
+        a_in, sa_in, offs_in = (x.clone() for x in routings[0])
+        out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run(a_in, b, sa_in, sb, alpha, out, offs_in, cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(a_in, b, sa_in, sb, alpha, out, offs_in, cfg)
+        for (a, sa, offs), want in zip(routings, eager):
+            a_in.copy_(a)
+            sa_in.copy_(sa)
+            offs_in.copy_(offs)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), cfg

@@ -479,15 +479,22 @@ def test_the_grouped_decode_in_k_order_writes_what_permute_a_makes_of_the_plain_
 
 
 def test_a_config_of_another_op_is_refused_by_the_grouped_launcher():
-    from fp4dispatch.kernels.config import MmaBf16Config
+    from fp4dispatch.kernels.config import MmaBf16Config, TmaGemvConfig
+    from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
+    from fp4dispatch.kernels.fp4_mm import fp4_mm
     from fp4dispatch.kernels.grouped_mm import grouped_mm
 
     a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
-    with pytest.raises(InvalidInputError, match=r"^grouped_mm: config must be one of GemvGroupedConfig, "
-                                                r"MmaGroupedConfig, MmaW4A16GroupedConfig \(from heuristics."
-                                                r"grouped_configs_for or w4a16_grouped_configs_for\); got "
-                                                r"MmaBf16Config$"):
-        grouped_mm(a, b, sa, sb, alpha, torch.empty(5, 64), offs, MmaBf16Config(16, 64, 8, 1, 4, 3))
+    for cfg in (MmaBf16Config(16, 64, 8, 1, 4, 3), TmaGemvConfig(1, 16, 32, 5)):
+        with pytest.raises(InvalidInputError, match=r"^grouped_mm: config must be one of GemvGroupedConfig, "
+                                                    r"TmaGemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig "
+                                                    r"\(from heuristics.grouped_configs_for or "
+                                                    rf"w4a16_grouped_configs_for\); got {type(cfg).__name__}$"):
+            grouped_mm(a, b, sa, sb, alpha, torch.empty(5, 64), offs, cfg)
+    # the grouped GEMV's config is a TmaGemvConfig by class, and still not the dense op's
+    with pytest.raises(InvalidInputError, match=r"^fp4_mm: config must be one of .*TmaGemvConfig.*; got "
+                                                r"TmaGemvGroupedConfig$"):
+        fp4_mm(a, b[0], sa, sb, alpha, torch.empty(5, 64), TmaGemvGroupedConfig(1, 16, 32, 5))
 
 
 def test_warmup_decides_grouped_keys_of_both_ops_before_capture(tmp_path):
