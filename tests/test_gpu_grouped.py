@@ -64,16 +64,24 @@ def test_one_captured_graph_replays_every_routing_with_the_eager_bits(tmp_path, 
         routings.append((a, sa.view(torch.float8_e4m3fn), offs))
     sbv = sb.view(torch.float8_e4m3fn)
     eager = [d.fp4_grouped_mm(a, b, sa, sbv, alpha, offs) for a, sa, offs in routings]  # decides and proves
+    _assert_replays_match(lambda a, sa, offs, out: d.fp4_grouped_mm(a, b, sa, sbv, alpha, offs, out=out), routings,
+                          eager)
+
+
+def _assert_replays_match(call, routings, eager) -> None:
+    """``call(a, a_scale, offs, out)`` captured once in a CUDA graph (warmed on a side stream first) on copies of the
+    first routing; replayed with each routing copied in, out NaN-poisoned, it must give that routing's ``eager``
+    bits."""
     a_in, sa_in, offs_in = (x.clone() for x in routings[0])
     out = torch.empty_like(eager[0])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        d.fp4_grouped_mm(a_in, b, sa_in, sbv, alpha, offs_in, out=out)
+        call(a_in, sa_in, offs_in, out)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        d.fp4_grouped_mm(a_in, b, sa_in, sbv, alpha, offs_in, out=out)
+        call(a_in, sa_in, offs_in, out)
     for (a, sa, offs), want in zip(routings, eager):
         a_in.copy_(a)
         sa_in.copy_(sa)
@@ -174,21 +182,4 @@ def test_tma_gemv_grouped_one_graph_replays_every_routing_with_the_eager_bits():
         for a, sa, offs in routings:
             eager.append(torch.empty(t, n, dtype=torch.bfloat16, device="cuda"))
             run(a, b, sa, sb, alpha, eager[-1], offs, cfg)
-        a_in, sa_in, offs_in = (x.clone() for x in routings[0])
-        out = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run(a_in, b, sa_in, sb, alpha, out, offs_in, cfg)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(a_in, b, sa_in, sb, alpha, out, offs_in, cfg)
-        for (a, sa, offs), want in zip(routings, eager):
-            a_in.copy_(a)
-            sa_in.copy_(sa)
-            offs_in.copy_(offs)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out.view(torch.int16), want.view(torch.int16)), cfg
+        _assert_replays_match(lambda a, sa, offs, out, c=cfg: run(a, b, sa, sb, alpha, out, offs, c), routings, eager)
