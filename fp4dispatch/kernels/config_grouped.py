@@ -68,7 +68,6 @@ class MmaW4A16GroupedConfig(MmaGroupedConfig):
 class TmaGemvGroupedConfig(TmaGemvConfig):
     """``gemv/tma_warp_specialized_grouped`` (SM90, Gluon): ``fp4_grouped_mm`` for decode batches, the TMA-fed GEMV
     of :class:`TmaGemvConfig` (same fields) over every touched expert in one launch; ``rows`` (1 or 2) rows of one
-    expert per pass over its weight tile, so an expert of r rows reads each tile ceil(r / rows) times (from L2 after
-    the first)."""
+    expert per pass over its weight tile, so an expert of r rows reads each tile ceil(r / rows) times."""
 
     family: ClassVar[str] = "gemv_tma_warp_specialized_grouped"

@@ -5,8 +5,9 @@ Only imported where :func:`~fp4dispatch.kernels.target.gluon_missing` says it ca
 A decode step gives each touched expert a row or a few, so the call is a GEMV per touched expert and its time is the
 touched weights' bytes over the bandwidth reached; the dense TMA GEMV is this package's fastest weight stream at
 M <= 2. Here its ring, steps and stores run unchanged over *items*: (expert with rows, N tile, chunk of ``rows``
-rows of that expert), in that order, so the chunks of one expert's tile follow each other on one CTA and the
-second reads the weight tile from L2. A persistent grid of ``ctas_per_sm`` CTAs per SM shares out the items, which
+rows of that expert), in that order, so the chunks of one expert's tile follow each other on one CTA (each chunk
+still reads the tile from HBM: the tiles in flight overrun the L2; a chunk of one row skips the second row's work).
+A persistent grid of ``ctas_per_sm`` CTAs per SM shares out the items, which
 both partitions count from ``offs`` on the GPU (no host sync: one CUDA graph serves every routing; an expert
 without rows makes no item). The boxes of the grouped operands:
 
@@ -17,8 +18,8 @@ without rows makes no item). The boxes of the grouped operands:
   stored; past T, zero-filled);
 - activation scales: expert e's rows start at the 128-aligned row P[e] of the grouped swizzled layout, so the
   chunk's rows are consecutive ``i`` of one quarter ``q``: the dense box of rows ``i..`` (all four quarters' bytes;
-  a box that started at column ``4i + q`` instead is an illegal instruction on the H200 where q is odd: TMA starts
-  a box's rows on 16 bytes), and the consumers read quarter q's bytes of it (``_act``).
+  a box that started at column ``4i + q`` instead, 4 bytes past a 16-byte boundary at q = 1, was an illegal
+  instruction on the H200), and the consumers read quarter q's bytes of it (``_act``).
 """
 from __future__ import annotations
 
