@@ -37,15 +37,12 @@ def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_
 
 
 def run_w4a16_mm(dispatcher, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    # the steps of run_fp4_mm: a remembered repeat, else validate, then decide and run (Dispatcher.run_new)
     hit = dispatcher.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
     if hit is not None:
         return dispatcher.execute(*hit)
-    problem, ops = check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)
-    if problem.m == 0:
-        return ops.out
-    choice = dispatcher.choose(problem, backend)
-    dispatcher.memo.remember((a, b, b_scale, alpha, out), out_dtype, scale_layout, backend, choice, problem, ops)
-    return dispatcher.execute(choice, problem, ops)
+    return dispatcher.run_new(check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout),
+                              (a, b, b_scale, alpha, out), out_dtype, scale_layout, backend)
 
 
 def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
@@ -54,14 +51,9 @@ def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtyp
                                   check_offs)
     if hit is not None:
         return dispatcher.execute(*hit)
-    problem, ops = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                                             check_offs)
-    if problem.m == 0:
-        return ops.out
-    choice = dispatcher.choose(problem, backend)
-    dispatcher.memo.remember((a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, choice,
-                             problem, ops, check_offs)
-    return dispatcher.execute(choice, problem, ops)
+    return dispatcher.run_new(check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out,
+                                                        scale_layout, check_offs),
+                              (a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
 
 def run_w4a16_grouped_mm(dispatcher, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
@@ -69,13 +61,9 @@ def run_w4a16_grouped_mm(dispatcher, a, b, b_scale, alpha, offs, out_dtype, out,
     hit = dispatcher.memo.grouped(a, b, None, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
     if hit is not None:
         return dispatcher.execute(*hit)
-    problem, ops = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs)
-    if problem.m == 0:
-        return ops.out
-    choice = dispatcher.choose(problem, backend)
-    dispatcher.memo.remember((a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, choice, problem, ops,
-                             check_offs)
-    return dispatcher.execute(choice, problem, ops)
+    return dispatcher.run_new(check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
+                                                          check_offs),
+                              (a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
 
 def fp4_mm(

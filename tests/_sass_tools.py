@@ -222,16 +222,14 @@ def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1,
     sb = torch.zeros(e * n, k // 16, dtype=torch.uint8)
     d = gv.descriptors(a, b, sa, sb, R, BW, MB)
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
-           "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-           "TILES": "i32", "STEPS": "i32"}
+           "as_desc": mangle_type(d[3]), "alpha_ptr": "*fp32", "out_ptr": "*bf16"}
     consts = {"R": R, "BW": BW, "MB": MB, "STAGES": STAGES, "DP": DP}
     if grouped:
         from fp4dispatch.kernels.gemv.tma_warp_specialized_grouped import grouped_gvws_kernel
 
-        del sig["M"], sig["TILES"]
-        sig = {**{x: sig[x] for x in list(sig)[:6]}, "offs_ptr": "*i32", "T": "i32", "N": "i32", "E": "i32",
-               "STEPS": "i32", "ALPHA_STRIDE": "i32"}
+        sig.update({"offs_ptr": "*i32", "T": "i32", "N": "i32", "E": "i32", "STEPS": "i32", "ALPHA_STRIDE": "i32"})
         return build(grouped_gvws_kernel, sig, consts, WARPS, ("out_ptr", "offs_ptr", "N"), **gv.reg_cap(WARPS, CTAS))
+    sig.update({"M": "i32", "N": "i32", "TILES": "i32", "STEPS": "i32"})
     if MB == 1:  # Triton specializes an int argument equal to 1
         del sig["M"]
         consts["M"] = 1

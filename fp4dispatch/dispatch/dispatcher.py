@@ -107,7 +107,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                scale_layout="swizzled", backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_mm`, through this dispatcher (the path of api.run_fp4_mm)."""
         hit = self.memo.fp4_mm(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
-        return self.execute(*hit) if hit is not None else self._first(
+        return self.execute(*hit) if hit is not None else self.run_new(
             check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout),
             (a, b, a_scale, b_scale, alpha, out), out_dtype, scale_layout, backend)
 
@@ -115,13 +115,14 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                  backend=None) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.w4a16_mm`, through this dispatcher."""
         hit = self.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
-        return self.execute(*hit) if hit is not None else self._first(
+        return self.execute(*hit) if hit is not None else self.run_new(
             check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout), (a, b, b_scale, alpha, out),
             out_dtype, scale_layout, backend)
 
-    def _first(self, checked: tuple, args: tuple, out_dtype, scale_layout: str, backend,
-               check_offs: bool = False) -> torch.Tensor:
-        """A validated call the memo did not know: decided (and remembered), then run."""
+    def run_new(self, checked: tuple, args: tuple, out_dtype, scale_layout: str, backend,
+                check_offs: bool = False) -> torch.Tensor:
+        """A call the memo did not know, given validate's ``(problem, ops)`` and the call's tensors as passed (out
+        last; ``CallMemo.remember``): decided (and remembered), then run. api.run_fp4_mm spells these steps out."""
         problem, ops = checked
         if problem.m == 0:
             return ops.out
@@ -133,7 +134,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                        scale_layout="swizzled", backend=None, check_offs=True) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.fp4_grouped_mm`, through this dispatcher."""
         hit = self.memo.grouped(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
-        return self.execute(*hit) if hit is not None else self._first(
+        return self.execute(*hit) if hit is not None else self.run_new(
             check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs),
             (a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
@@ -141,7 +142,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                          backend=None, check_offs=True) -> torch.Tensor:
         """Same contract as :func:`fp4dispatch.w4a16_grouped_mm`, through this dispatcher."""
         hit = self.memo.grouped(a, b, None, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
-        return self.execute(*hit) if hit is not None else self._first(
+        return self.execute(*hit) if hit is not None else self.run_new(
             check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs),
             (a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
