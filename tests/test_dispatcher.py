@@ -308,6 +308,42 @@ def test_a_call_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
     assert eager == [timer.EAGER_REP_MS, timer.SCREEN_REP_MS]
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cyclic_collector_is_paused_while_capturing_and_runs_after_a_refusal(monkeypatch, enabled):
+    """torch.cuda.graph no longer collects before capturing, so a collection inside one could destroy a dead graph
+    (its reset is forbidden during a capture) and void it: the timer pauses the collector around its capture, leaves
+    it as the caller had it, and after a refused capture collects at once (the refused graph may be cyclic garbage,
+    which would otherwise be freed inside a later capture)."""
+    import gc
+
+    import triton.testing
+
+    from fp4dispatch.dispatch import timer
+    from fp4dispatch.kernels import workspace
+
+    seen, collected = [], []
+
+    def capture(fn, rep, return_mode, refuse=False):
+        seen.append(gc.isenabled())
+        if refuse:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.5
+    monkeypatch.setattr(workspace, "prepare_capture", lambda device: None)
+    monkeypatch.setattr(timer, "default_do_bench", lambda fn, rep: 0.25)
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        monkeypatch.setattr(triton.testing, "do_bench_cudagraph", capture)
+        assert timer.cuda_graph_do_bench(lambda: None) == 0.5 and collected == []
+        assert gc.isenabled() is enabled
+        monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda *a, **k: capture(*a, **k, refuse=True))
+        assert timer.cuda_graph_do_bench(lambda: None) == 0.25 and len(collected) == 1
+        assert gc.isenabled() is enabled and seen == [False, False]
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_reference_is_the_default_fallback_on_cpu(tmp_path):
     d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
     out, ref = _call(d, 3)

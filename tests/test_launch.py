@@ -25,7 +25,7 @@ class FakeCompiled:
     def __getitem__(self, grid):
         def runner(*args):
             if self.fail:
-                raise TypeError("function takes exactly 12 arguments")
+                raise self.fail if isinstance(self.fail, Exception) else TypeError("function takes exactly 12 arguments")
             self.log.append(("direct", grid, args))
         return runner
 
@@ -138,6 +138,23 @@ def test_failed_direct_launch_switches_to_the_jit_path(caplog):
         L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
     assert [e[0] for e in fn.log] == ["jit", "jit", "jit"]
     assert caplog.text.count("direct launch of a compiled Triton kernel failed (TypeError") == 1
+
+
+def test_a_cuda_error_in_a_direct_launch_propagates_and_keeps_the_fast_path(caplog):
+    """A CUDA error (here: a capture voided by another thread's call) is not about the argument list: it is the
+    call's, as kernel[grid]'s would be, and the later launches stay direct (it once switched them off for the
+    process)."""
+    fn = FakeJIT()
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    compiled = L._COMPILED[next(iter(L._COMPILED))][0]
+    compiled.fail = RuntimeError("Triton Error [CUDA]: operation failed due to a previous error during capture")
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        with pytest.raises(RuntimeError, match="previous error during capture"):
+            L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    compiled.fail = False
+    L.launch(fn, (4, 1), x, y, 10, BLOCK=32)
+    assert L._fast and [e[0] for e in fn.log] == ["jit", "direct"] and "direct launch" not in caplog.text
 
 
 def test_interpreter_always_takes_the_jit_path(monkeypatch):

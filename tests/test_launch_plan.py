@@ -290,6 +290,21 @@ def test_a_plan_whose_launcher_raises_is_dropped_with_a_warning(caplog):
     assert "the fp4_mm launch plan of" in caplog.text and "failed (TypeError: function takes exactly 21" in caplog.text
 
 
+def test_a_cuda_error_in_a_plan_propagates_and_keeps_the_plan(caplog):
+    """A CUDA error is the call's (the ordinary path would raise it too), not a sign that the launcher wants other
+    arguments: the plan stays for the key's later calls (a voided capture once dropped it for the process)."""
+    class Voided:
+        def __call__(self, *ops):
+            raise RuntimeError("Triton Error [CUDA]: operation failed due to a previous error during capture")
+    plans = plan.Plans("fp4_mm", lambda *a: None)
+    key, cfg, launcher = ("k",), object(), Voided()
+    plans.table[key] = (cfg, launcher)
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        with pytest.raises(RuntimeError, match="previous error during capture"):
+            plans.replay(key, plans.table[key], ())
+    assert plans.table[key] == (cfg, launcher) and "launch plan" not in caplog.text
+
+
 def test_the_plans_of_an_op_record_once_per_key_replay_after_and_stay_bounded(fake_cuda, monkeypatch):
     """plan.Plans, as fp4_mm and w4a16_mm use it: the first call of a key runs the op's path once (recorded), later
     ones replay without it; another config or shape is another key; unplannable operands take the ordinary path

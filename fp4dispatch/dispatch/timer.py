@@ -1,9 +1,13 @@
 """The only place that times kernels. Returns milliseconds (median), like ``triton.testing.do_bench``."""
 from __future__ import annotations
 
+import gc
+import logging
 import statistics
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -13,6 +17,7 @@ from .verify import reset_cuda_error
 __all__ = ["default_do_bench", "cuda_graph_do_bench", "for_device", "screen_for_device", "DoBench", "SCREEN_REP_MS",
            "GRAPH_REP_MS", "EAGER_REP_MS"]
 
+log = logging.getLogger("fp4dispatch")
 DoBench = Callable[[Callable[[], object]], float]
 # milliseconds of work per measurement of the full timers: a graph replay repeats the call that long (Triton's own
 # default for do_bench_cudagraph; each of its ten measurements is one replay); eager launches vary more and get more
@@ -78,12 +83,43 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
     workspace.prepare_capture(torch.device("cuda"))
     try:
-        with warnings.catch_warnings():  # a refused capture ends an empty graph, which torch warns of
+        with warnings.catch_warnings(), _no_cyclic_gc():  # a refused capture ends an empty graph: torch warns of it
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
             return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-    except Exception:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly
+    except Exception as e:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly
+        log.debug("fp4dispatch: capture refused (%s: %s); timed eagerly", type(e).__name__, str(e)[:200])
         reset_cuda_error(torch.device("cuda"))
-        return default_do_bench(fn, rep=eager_rep)
+    # The refused graph may sit in a reference cycle (the failed frames, through the traceback): freed now, not by a
+    # collection inside a later capture (ours, or the caller's own graphs'), whose destroying it would void.
+    gc.collect()
+    return default_do_bench(fn, rep=eager_rep)
+
+
+_gc_lock = threading.Lock()
+_gc_paused = 0  # captures in progress that paused the collector
+_gc_resume = False  # whether the collector was on when the first of them paused it
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic collector paused for the body. ``torch.cuda.graph`` collects before it captures only with
+    ``torch.compiler.config.force_cudagraph_gc``, so a collection could run inside a capture and free an object of a
+    reference cycle whose destructor makes a call that a capture forbids (a dead ``CUDAGraph``'s reset): the capture
+    fails, the candidate is timed eagerly (mis-ranked), and the next launch fails. Counted, so that two threads'
+    captures overlap safely; the collector is left as the caller had it."""
+    global _gc_paused, _gc_resume
+    with _gc_lock:
+        if _gc_paused == 0:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_paused += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_paused -= 1
+            if _gc_paused == 0 and _gc_resume:
+                gc.enable()
 
 
 def _cuda_event_bench(fn: Callable[[], object], reps: int = 20) -> float:

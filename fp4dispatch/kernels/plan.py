@@ -216,12 +216,13 @@ class Plans:
         self.table[key] = (config, new)
 
     def replay(self, key: tuple, hit: tuple, ops: tuple) -> bool:
-        """Replay a plan; if its launcher raises (a Triton whose launcher wants other arguments), drop the plan of
-        this key and say so: the caller then takes the ordinary path, which relaunches every kernel (their writes are
-        the same), and raises if the kernel itself cannot be launched."""
+        """Replay a plan; if its launcher refuses the argument list (TypeError: a Triton whose launcher wants other
+        arguments), drop the plan of this key and say so: the caller then takes the ordinary path, which relaunches
+        every kernel (their writes are the same). Any other error (a CUDA one, such as a capture voided elsewhere) is
+        the call's and propagates, as the ordinary path's would; the plan is kept."""
         try:
             return hit[1](*ops)
-        except Exception as e:  # noqa: BLE001 - any launcher failure: the ordinary path decides
+        except TypeError as e:
             self.table[key] = (hit[0], None)
             log.warning("fp4dispatch: the %s launch plan of %s failed (%s: %s); this key launches through Triton "
                         "from now on", self.op, hit[0], type(e).__name__, e)

@@ -9,8 +9,9 @@ holds everything those steps read, so it never needs Triton's specialization rul
 argument (of a tensor: its dtype and its address mod 16, Triton's alignment specialization; of a TMA descriptor: the
 same of its base, its block shape and layout), the keyword arguments (constexprs and launch options: scalars), the
 grid and the device. A later call with an equal key launches that compiled kernel directly, with the argument list
-``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a direct launch raises,
-the fast path is switched off for the process and the call goes through ``kernel[grid]``.
+``kernel[grid]`` would pass it (every parameter in signature order, defaults filled in). If a direct launch refuses
+its argument list (TypeError), the fast path is switched off for the process and the call goes through
+``kernel[grid]``; any other error (a CUDA one) propagates as ``kernel[grid]``'s would, and the fast path stays.
 There is one entry per distinct key (e.g. per M a model runs with); the entries share the compiled kernels.
 ``plan.py`` goes further for a whole ``fp4_mm`` call: it records the launches once (``recording``) and replays them
 through the compiled kernels' launchers with only the addresses bound.
@@ -341,7 +342,8 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
             run(*grid, raw_stream(key[1]), function, coop, pdl_, None, None, packed, None, None, None, *args, *tail)
         else:
             compiled[grid](*args, *tail)
-    except Exception as e:  # noqa: BLE001 - a Triton whose compiled-kernel launcher wants other arguments
+    except TypeError as e:  # a Triton whose compiled-kernel launcher wants other arguments (a CUDA error, such as
+        # a capture voided by another thread's call, is not about the arguments: it propagates, the fast path stays)
         _fast = False
         log.warning("fp4dispatch: direct launch of a compiled Triton kernel failed (%s: %s); using kernel[grid] "
                     "from now on", type(e).__name__, e)
