@@ -171,8 +171,11 @@ def main() -> int:
     spec = ";".join(",".join(map(str, c)) for c in cells)
     root = tempfile.mkdtemp(prefix="fp4dispatch-cold-")
     me = os.path.abspath(__file__)
-    report: dict = {"cells": cells}
-    lines: list[str] = []
+    # every part's imports compile Python again where bytecode is not written (PYTHONDONTWRITEBYTECODE, as on the
+    # lent H200): seconds more per process (RESULTS.md, "Cold start"), so the report says which it was
+    bytecode = "not written" if sys.dont_write_bytecode else f"written ({sys.pycache_prefix or '__pycache__'})"
+    report: dict = {"cells": cells, "bytecode": bytecode}
+    lines: list[str] = [f"bytecode caches: {bytecode}"]
     if "probe" in parts:  # in this part's cache, which the cell parts copy (tune --self-test would not keep it)
         wall, p = _subprocess([me, "--run-cells", ""], _env(root, "probe", "triton-probe"), args.timeout)
         got = _lines(p)

@@ -21,6 +21,10 @@ every expert equally likely, 1 as trained routers, 3 a few hot experts) and prin
 backend at each and the pick's time over it (the pick is decided once per key, on the tuner's own routing).
 
     export PYTHONPATH=$PWD; python benchmarks/bench_grouped.py --out $OUT [--layers deepseek-gate_up,... --bs 1,8]
+    python benchmarks/bench_grouped.py --plot OUT/bench_grouped-*.json --out OUT   # the table and PNG of a run
+
+A run also writes ``bench_grouped.png`` into ``--out``: per layer, µs per call against B (log-log) and the share of
+the copy bandwidth against B, with the goals drawn.
 """
 from __future__ import annotations
 
@@ -189,6 +193,44 @@ def distribution_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+PLOTTED = ("pick", "grouped best", "humming:grouped", "humming", "humming-nosk", "bf16")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Per layer (bias 1 rows): µs per call against B (log-log) above, % of the copy bandwidth against B below (the
+    goals dashed: 60 % at B = 1, 75 % at B = 8..128)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, axes = plt.subplots(2, len(layers), figsize=(3.6 * len(layers), 6.5), dpi=70, squeeze=False)
+    for col, layer in enumerate(layers):
+        rs = sorted((r for r in rows if r["layer"] == layer and r["bias"] == 1.0), key=lambda r: r["b"])
+        for i, name in enumerate(PLOTTED):
+            pts = [(r["b"], r["us"][name], r["pct_bw"][name]) for r in rs if name in r["us"]]
+            if not pts:
+                continue
+            style = dict(color=f"C{i}", marker="o", lw=2.2 if name == "pick" else 1.0, label=name)
+            axes[0][col].loglog([p[0] for p in pts], [p[1] for p in pts], **style)
+            axes[1][col].semilogx([p[0] for p in pts], [p[2] for p in pts], **style)
+        axes[1][col].plot([1], [60], "k_", ms=14)
+        axes[1][col].hlines(75, 8, 128, colors="k", linestyles="dashed", lw=0.8)
+        axes[0][col].set_title(f"{layer} (E={rs[0]['e']}, {rs[0]['n']}x{rs[0]['k']})" if rs else layer, fontsize=9)
+        axes[0][col].set_ylabel("us per call (CUDA graph)")
+        axes[1][col].set_ylabel("% of copy bandwidth")
+        axes[1][col].set_ylim(0, 100)
+        for ax in axes[:, col]:
+            ax.set_xlabel("B (tokens)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default=",".join(LAYERS))
@@ -197,7 +239,14 @@ def main() -> int:
                     "1 as trained routers, 3 a few hot experts; each (layer, B) is timed at every one")
     ap.add_argument("--loop", action="store_true", help="also time loop:fp4_mm eagerly (tunes many dense keys)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="no run: the table and PNG of these runs' JSON files")
     args = ap.parse_args()
+    if args.plot:
+        rows = [r for path in args.plot for r in json.load(open(path))["rows"]]
+        os.makedirs(args.out, exist_ok=True)
+        plot(rows, os.path.join(args.out, "bench_grouped.png"), "fp4_grouped_mm and its peers (bench_grouped.py)")
+        print("\n".join(table(rows) + distribution_lines(rows)))
+        return 0
     try:
         biases = [float(v) for v in args.biases.split(",")]
     except ValueError:
@@ -220,6 +269,8 @@ def main() -> int:
                 with open(os.path.join(args.out, f"bench_grouped-{args.layers.replace(',', '_')}.json"), "w") as f:
                     json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)
     print("\n".join(table(rows) + distribution_lines(rows)))
+    plot(rows, os.path.join(args.out, "bench_grouped.png"),
+         f"fp4_grouped_mm and its peers on {torch.cuda.get_device_name()} (bench_grouped.py)")
     return 0
 
 

@@ -522,3 +522,25 @@ def test_bench_grouped_refuses_biases_it_cannot_route_with(value):
     assert p.returncode == 2
     assert (f"error: --biases must be comma-separated finite numbers >= 0 (e.g. 0,1,3); got {value!r}"
             in p.stderr), p.stderr
+
+
+def test_bench_grouped_plots_a_runs_json(tmp_path):
+    """bench_grouped --plot: from a run's JSON (rows as a run writes them), the PNG and the table, without a GPU."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    def row(b, pick):
+        us = {"pick": pick, "grouped best": pick * 1.1, "humming": pick * 0.9, "bf16": pick * 3}
+        return {"layer": "deepseek-down", "e": 256, "n": 7168, "k": 2048, "top_k": 8, "b": b, "bias": 1.0, "t": 8 * b,
+                "touched": 8.0 * b, "us": us, "pct_bw": {c: 2000.0 / v for c, v in us.items()},
+                "pick_name": "triton:grouped"}
+    src = tmp_path / "bench_grouped-deepseek-down.json"
+    src.write_text(json.dumps({"copy_bw": 4.25e12, "rows": [row(1, 31.8), row(8, 112.4)]}))
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grouped.py"
+    p = subprocess.run([sys.executable, str(script), "--plot", str(src), "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "bench_grouped.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| deepseek-down (256, 7168x2048, 8) | 8 | 1 | 64 | 112.4 (18 %) | 123.6 (16 %) | - | 101.2 (20 %)" in p.stdout
