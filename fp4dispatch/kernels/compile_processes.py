@@ -2,7 +2,7 @@
 
 Triton's async compile mode runs each compile on an executor. On a thread pool the compiles share this process's
 GIL, which much of a compile holds (the Python front end that walks the kernel's AST), so many compiles at once
-starve each other and the thread that checks and times the keys meanwhile (benchmarks/RESULTS.md, "Cold start").
+starve each other and the thread that checks and times the keys meanwhile (docs/tuning.md, "Compile workers").
 ``CompileExecutor`` hands each compile to a worker process first (compile_worker.py), which compiles it into
 Triton's disk cache, and then runs Triton's own compile in a thread here, where it is a cache hit (reading files).
 A compile the workers cannot take (its kernel is not a module-level name, an argument does not pickle, a Triton
