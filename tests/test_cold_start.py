@@ -896,3 +896,29 @@ def test_the_expert_loops_dense_kernels_compile_ahead_before_its_keys_own_once_a
                       ("grouped", 10, [("grouped", {"m": 16}), ("grouped", {"m": -16})])]
     monkeypatch.setenv("FP4DISPATCH_DISABLE", "dense")
     assert precompile.inner_jobs([ExpertLoopBackend(Dispatcher([dense], cache_dir=None))], t[0]) == []
+
+
+@pytest.mark.parametrize("alpha", ["epilogue", "fold"])
+def test_dequant_matmul_hands_its_dequantize_out_inside_compiles_ahead(monkeypatch, alpha):
+    """triton:dequant+matmul compiles ahead with the other candidates (its dequantize once compiled serially in its
+    check, the first key's slowest check on the H200): inside ``compiles_ahead`` its run hands both dequantizes out
+    (A's with alpha folded in where asked) and launches none, and its GEMM runs on the scratch. Its weight-keeping
+    form does not: that run would keep a copy the dequantize never wrote."""
+    from fp4dispatch.backends.triton_dequant import TritonDequantBackend
+    from fp4dispatch.dispatch.precompile import _split
+    from fp4dispatch.kernels import _dequant
+    from fp4dispatch.problem import Operands
+    from fp4dispatch.testing import make_nvfp4_inputs
+
+    handed = []
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)  # a launch would compile for a GPU: it must not
+    monkeypatch.setattr(runtime, "settle", lambda fn: None)
+    monkeypatch.setattr(runtime, "_hand_out", lambda fn, grid, args, kwargs: handed.append((fn, kwargs["HAS_F"])))
+    monkeypatch.setattr(runtime._tls, "ahead", True, raising=False)
+    monkeypatch.setattr(runtime.torch.cuda, "current_device", lambda: 0)
+    a, b, sa, sb, al = make_nvfp4_inputs(4, 64, 128)
+    p = Problem(4, 64, 128, torch.bfloat16, CPU)
+    backend, kept = TritonDequantBackend(), TritonDequantBackend(cache_weight=True)
+    backend.run(p, Operands(a, b, sa, sb, al, torch.empty(4, 64, dtype=torch.bfloat16)), {"alpha": alpha})
+    assert handed == [(_dequant.dequant_kernel, alpha == "fold"), (_dequant.dequant_kernel, False)]
+    assert _split([(backend, {"alpha": alpha}), (kept, {"alpha": "epilogue"})]) == ([(backend, {"alpha": alpha})], [])

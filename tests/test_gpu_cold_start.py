@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 _SCRIPT = r"""
 import json, sys, torch
 from triton import knobs
+from fp4dispatch.backends.triton_dequant import TritonDequantBackend
 from fp4dispatch.backends.triton_fused import TritonFusedBackend
 from fp4dispatch.backends.triton_w4a16 import TritonW4A16Backend
 from fp4dispatch.dispatch import tuner
@@ -37,7 +38,7 @@ def marked(*args):
     phase[0] = "check"
 tuner.compile_ahead = marked
 m, adt, backend = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
-b = TritonFusedBackend() if backend == "fused" else TritonW4A16Backend()
+b = {"fused": TritonFusedBackend, "w4a16": TritonW4A16Backend, "dequant": TritonDequantBackend}[backend]()
 p = Problem(m, 3072, 4096, torch.bfloat16, torch.device("cuda"), adt)
 tuning = tuner.tune(p, [b], lambda fn: 1.0)
 print(json.dumps({"ahead": seen.count("ahead"), "check": seen.count("check"),
@@ -46,7 +47,8 @@ print(json.dumps({"ahead": seen.count("ahead"), "check": seen.count("check"),
 
 
 @pytest.mark.parametrize("m,adt,backend", [(16, "uint8", "fused"), (300, "uint8", "fused"),
-                                           (4, "bfloat16", "w4a16")])
+                                           (4, "bfloat16", "w4a16"), (16, "uint8", "dequant"),
+                                           (4, "bfloat16", "dequant")])
 def test_every_kernel_compiles_ahead_and_the_checks_pass(tmp_path, m, adt, backend):
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     p = subprocess.run([sys.executable, "-c", _SCRIPT, str(m), adt, backend], env=env, capture_output=True,

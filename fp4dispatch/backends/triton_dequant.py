@@ -33,6 +33,10 @@ class TritonDequantBackend(BaseBackend):
         self.cache_weight = bool(cache_weight)
         self.name = "triton:dequant+matmul" + ("(cached)" if cache_weight else "")
         self._weights: dict[tuple, torch.Tensor] = {}
+        # its Triton kernel (the dequantize) compiles with the other candidates' (precompile), not serially in its
+        # check: inside compiles_ahead the dequantize is only handed out, and the GEMM then runs on scratch whose
+        # values do not matter. Not while keeping weights: that run would keep a copy the dequantize never wrote.
+        self.compiles_ahead = not self.cache_weight
 
     def unavailable(self, device: torch.device) -> str | None:
         return device_problem(device)
