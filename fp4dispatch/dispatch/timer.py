@@ -90,8 +90,10 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
         log.debug("fp4dispatch: capture refused (%s: %s); timed eagerly", type(e).__name__, str(e)[:200])
         reset_cuda_error(torch.device("cuda"))
     # The refused graph may sit in a reference cycle (the failed frames, through the traceback): freed now, not by a
-    # collection inside a later capture (ours, or the caller's own graphs'), whose destroying it would void.
-    gc.collect()
+    # collection inside a later capture (ours, or the caller's own graphs'), whose destroying it would void. All of
+    # the cycle was made with the collector paused, so it is young: the youngest generations are enough (a full
+    # collection takes a tenth of a second in a process that imported torch and Triton; this one, milliseconds).
+    gc.collect(1)
     return default_do_bench(fn, rep=eager_rep)
 
 
