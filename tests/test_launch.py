@@ -141,9 +141,8 @@ def test_failed_direct_launch_switches_to_the_jit_path(caplog):
 
 
 def test_a_cuda_error_in_a_direct_launch_propagates_and_keeps_the_fast_path(caplog):
-    """A CUDA error (here: a capture voided by another thread's call) is not about the argument list: it is the
-    call's, as kernel[grid]'s would be, and the later launches stay direct (it once switched them off for the
-    process)."""
+    """A CUDA error (here: a capture voided before the launch) is not about the argument list: it is the call's, as
+    kernel[grid]'s would be, and the later launches stay direct (it once switched them off for the process)."""
     fn = FakeJIT()
     x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.float32)
     L.launch(fn, (4, 1), x, y, 10, BLOCK=32)

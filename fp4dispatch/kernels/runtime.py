@@ -343,7 +343,7 @@ def _launch(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
         else:
             compiled[grid](*args, *tail)
     except TypeError as e:  # a Triton whose compiled-kernel launcher wants other arguments (a CUDA error, such as
-        # a capture voided by another thread's call, is not about the arguments: it propagates, the fast path stays)
+        # that of a capture voided before this launch, is not about the arguments: it propagates, the fast path stays)
         _fast = False
         log.warning("fp4dispatch: direct launch of a compiled Triton kernel failed (%s: %s); using kernel[grid] "
                     "from now on", type(e).__name__, e)
