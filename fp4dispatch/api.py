@@ -1,17 +1,16 @@
 """``fp4_mm``, ``w4a16_mm`` and the grouped (MoE) ``fp4_grouped_mm`` and ``w4a16_grouped_mm``: the calls. The
-whole path of one — validate, decide, run — is ``run_fp4_mm`` below
-(``run_w4a16_mm`` is the same with the W4A16 checks)."""
+whole path of one — validate, decide, run — is ``run_fp4_mm`` below (the other calls take the same steps with
+their own checks: the ``Dispatcher`` methods of their names)."""
 from __future__ import annotations
 
 import threading
 
 import torch
 
-from .validate import check_fp4_mm_args, check_w4a16_mm_args
-from .validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
+from .validate import check_fp4_mm_args
 
 __all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm", "get_dispatcher", "set_dispatcher",
-           "run_fp4_mm", "run_w4a16_mm", "run_fp4_grouped_mm", "run_w4a16_grouped_mm"]
+           "run_fp4_mm"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -34,36 +33,6 @@ def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_
                              ops)
     # 3. run: a backend that raises is blacklisted for this key and the call is redone on the next best
     return dispatcher.execute(choice, problem, ops)
-
-
-def run_w4a16_mm(dispatcher, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
-    # the steps of run_fp4_mm: a remembered repeat, else validate, then decide and run (Dispatcher.run_new)
-    hit = dispatcher.memo.w4a16_mm(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
-    if hit is not None:
-        return dispatcher.execute(*hit)
-    return dispatcher.run_new(check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout),
-                              (a, b, b_scale, alpha, out), out_dtype, scale_layout, backend)
-
-
-def run_fp4_grouped_mm(dispatcher, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
-                       check_offs) -> torch.Tensor:
-    hit = dispatcher.memo.grouped(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
-                                  check_offs)
-    if hit is not None:
-        return dispatcher.execute(*hit)
-    return dispatcher.run_new(check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out,
-                                                        scale_layout, check_offs),
-                              (a, b, a_scale, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
-
-
-def run_w4a16_grouped_mm(dispatcher, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
-                         check_offs) -> torch.Tensor:
-    hit = dispatcher.memo.grouped(a, b, None, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
-    if hit is not None:
-        return dispatcher.execute(*hit)
-    return dispatcher.run_new(check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                                                          check_offs),
-                              (a, b, b_scale, alpha, offs, out), out_dtype, scale_layout, backend, check_offs)
 
 
 def fp4_mm(
@@ -139,7 +108,7 @@ def w4a16_mm(
         torch.ops.fp4dispatch.w4a16_mm_out(a, b, b_scale, alpha, out, scale_layout, backend)
         return out
     d = _default if _default is not None else get_dispatcher()
-    return run_w4a16_mm(d, a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
+    return d.w4a16_mm(a, b, b_scale, alpha, out_dtype=out_dtype, out=out, scale_layout=scale_layout, backend=backend)
 
 
 def fp4_grouped_mm(
@@ -187,8 +156,8 @@ def fp4_grouped_mm(
         torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend)
         return out
     d = _default if _default is not None else get_dispatcher()
-    return run_fp4_grouped_mm(d, a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, backend,
-                              check_offs)
+    return d.fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out_dtype, out=out,
+                            scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
 
 def w4a16_grouped_mm(
@@ -223,7 +192,8 @@ def w4a16_grouped_mm(
         torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, alpha, offs, out, scale_layout, backend)
         return out
     d = _default if _default is not None else get_dispatcher()
-    return run_w4a16_grouped_mm(d, a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, backend, check_offs)
+    return d.w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out_dtype, out=out, scale_layout=scale_layout,
+                              backend=backend, check_offs=check_offs)
 
 
 def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:

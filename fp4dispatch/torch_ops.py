@@ -75,7 +75,8 @@ def w4a16_mm_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: 
     constant tensor by torch.compile)."""
     from . import api
 
-    return api.run_w4a16_mm(api.get_dispatcher(), a, b, b_scale, alpha, out_dtype, None, scale_layout, backend)
+    return api.get_dispatcher().w4a16_mm(a, b, b_scale, alpha, out_dtype=out_dtype, scale_layout=scale_layout,
+                                         backend=backend)
 
 
 @w4a16_mm_op.register_fake
@@ -93,7 +94,8 @@ def w4a16_mm_out_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alp
     """w4a16_mm into a preallocated ``out`` (its dtype is the output dtype)."""
     from . import api
 
-    api.run_w4a16_mm(api.get_dispatcher(), a, b, b_scale, alpha, out.dtype, out, scale_layout, backend)
+    api.get_dispatcher().w4a16_mm(a, b, b_scale, alpha, out_dtype=out.dtype, out=out, scale_layout=scale_layout,
+                                  backend=backend)
 
 
 @w4a16_mm_out_op.register_fake
@@ -110,8 +112,8 @@ def fp4_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b
     """Functional fp4_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
     from . import api
 
-    return api.run_fp4_grouped_mm(api.get_dispatcher(), a, b, a_scale, b_scale, alpha, offs, out_dtype, None,
-                                  scale_layout, backend, False)
+    return api.get_dispatcher().fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out_dtype,
+                                               scale_layout=scale_layout, backend=backend, check_offs=False)
 
 
 @fp4_grouped_mm_op.register_fake
@@ -129,8 +131,8 @@ def fp4_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
     """fp4_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
     from . import api
 
-    api.run_fp4_grouped_mm(api.get_dispatcher(), a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout,
-                           backend, False)
+    api.get_dispatcher().fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out.dtype, out=out,
+                                        scale_layout=scale_layout, backend=backend, check_offs=False)
 
 
 @fp4_grouped_mm_out_op.register_fake
@@ -147,8 +149,8 @@ def w4a16_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
     """Functional w4a16_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
     from . import api
 
-    return api.run_w4a16_grouped_mm(api.get_dispatcher(), a, b, b_scale, alpha, offs, out_dtype, None, scale_layout,
-                                    backend, False)
+    return api.get_dispatcher().w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out_dtype,
+                                                 scale_layout=scale_layout, backend=backend, check_offs=False)
 
 
 @w4a16_grouped_mm_op.register_fake
@@ -165,8 +167,8 @@ def w4a16_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Ten
     """w4a16_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
     from . import api
 
-    api.run_w4a16_grouped_mm(api.get_dispatcher(), a, b, b_scale, alpha, offs, out.dtype, out, scale_layout, backend,
-                             False)
+    api.get_dispatcher().w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out.dtype, out=out,
+                                          scale_layout=scale_layout, backend=backend, check_offs=False)
 
 
 @w4a16_grouped_mm_out_op.register_fake

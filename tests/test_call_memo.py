@@ -14,6 +14,7 @@ import fp4dispatch.api as api
 from fp4dispatch import InvalidInputError
 from fp4dispatch.backends.reference import ReferenceBackend
 from fp4dispatch.dispatch import call_memo
+from fp4dispatch.dispatch import dispatcher as dispatcher_module
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 from fp4dispatch.validate import check_fp4_mm_args, check_w4a16_mm_args
@@ -231,7 +232,9 @@ def test_a_weight_called_in_and_out_of_inference_mode_by_turns_stops_rebuilding_
 def test_w4a16_repeats_skip_validation_and_a_changed_weight_gets_its_error(monkeypatch, tmp_path):
     fp4dispatch.set_dispatcher(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"))
     calls = []
-    monkeypatch.setattr(api, "check_w4a16_mm_args", lambda *args: calls.append(args) or check_w4a16_mm_args(*args))
+    # the W4A16 call validates in its Dispatcher method (api.w4a16_mm calls it)
+    monkeypatch.setattr(dispatcher_module, "check_w4a16_mm_args",
+                        lambda *args: calls.append(args) or check_w4a16_mm_args(*args))
     _, b, _, sb, alpha, _ = _inputs(3)
     x = torch.randn(3, K, dtype=torch.bfloat16)
     first = fp4dispatch.w4a16_mm(x, b, sb, alpha)
@@ -293,7 +296,7 @@ def counted_grouped(monkeypatch, tmp_path):
 
     fp4dispatch.set_dispatcher(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"))
     calls = []
-    monkeypatch.setattr(api, "check_fp4_grouped_mm_args",
+    monkeypatch.setattr(dispatcher_module, "check_fp4_grouped_mm_args",
                         lambda *args: calls.append(args) or check_fp4_grouped_mm_args(*args))
     return calls
 
