@@ -102,12 +102,31 @@ _TMA_ROUTINGS = [(96, 300, 256, 512, None), (60, 16, 384, 1024, [0, 1, 2, 3, 4, 
                  (231, 3, 256, 1024, [130, 1, 100])]
 
 
+def _tma_weights(e: int, n: int, k: int, g: torch.Generator) -> tuple:
+    """Random expert weights [E, N, K/2] and their swizzled scales (uint8, as the launcher takes them)."""
+    from fp4dispatch.format_grouped import swizzle_expert_scales
+
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    sb = swizzle_expert_scales(torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, device="cuda",
+                                             generator=g).view(torch.float8_e4m3fn)).view(torch.uint8)
+    return b, sb
+
+
+def _tma_tokens(offs: torch.Tensor, e: int, k: int, g: torch.Generator) -> tuple:
+    """Random routed tokens [T, K/2] for ``offs`` and their grouped swizzled scales (uint8)."""
+    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_grouped_scales
+
+    t = int(offs[-1])
+    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    lin = torch.randint(0x28, 0x48, (t, k // 16), dtype=torch.uint8, device="cuda", generator=g)
+    return a, swizzle_grouped_scales(lin.view(torch.float8_e4m3fn), offs, grouped_scale_rows(t, e)).view(torch.uint8)
+
+
 @pytest.mark.parametrize("t, e, n, k, rows", _TMA_ROUTINGS)
 def test_tma_gemv_grouped_every_config_exact_on_uneven_routings(t, e, n, k, rows):
     """The TMA-fed grouped GEMV (SM90 with Gluon) against the exact result with every config it can take, fp32 and
     bf16 out poisoned with NaN (nothing written past T), per-expert and one alpha, the same bits twice."""
     from fp4dispatch.backends.reference import reference_mm
-    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
     from fp4dispatch.kernels import target
     from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
     from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
@@ -123,12 +142,8 @@ def test_tma_gemv_grouped_every_config_exact_on_uneven_routings(t, e, n, k, rows
                                                                           device="cuda"))
     offs = offs_from_counts(counts)
     t = int(offs[-1])
-    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-    lin = torch.randint(0x28, 0x48, (t, k // 16), dtype=torch.uint8, device="cuda", generator=g)
-    sa = swizzle_grouped_scales(lin.view(torch.float8_e4m3fn), offs, grouped_scale_rows(t, e)).view(torch.uint8)
-    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-    sb = swizzle_expert_scales(torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, device="cuda",
-                                             generator=g).view(torch.float8_e4m3fn)).view(torch.uint8)
+    a, sa = _tma_tokens(offs, e, k, g)
+    b, sb = _tma_weights(e, n, k, g)
     cfgs = [TmaGemvGroupedConfig(mb, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True) for r, bw, st, c in
             TMA_GEMV_TILES for mb in (1, 2)]
     for alpha in (torch.rand(e, device="cuda", generator=g) - 0.5, torch.full((1,), -0.75, device="cuda")):
@@ -151,7 +166,6 @@ def test_tma_gemv_grouped_every_config_exact_on_uneven_routings(t, e, n, k, rows
 def test_tma_gemv_grouped_one_graph_replays_every_routing_with_the_eager_bits():
     """Captured once, the TMA-fed grouped GEMV gives every routing (top-k ones, all rows on one expert past its first
     32) the eager call's bits: it counts its items from offs on the GPU."""
-    from fp4dispatch.format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
     from fp4dispatch.kernels import target
     from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
     from fp4dispatch.kernels.heuristics import TMA_GEMV_TILES
@@ -162,19 +176,14 @@ def test_tma_gemv_grouped_one_graph_replays_every_routing_with_the_eager_bits():
     run = __import__("fp4dispatch.kernels.gemv.tma_warp_specialized_grouped", fromlist=["run"]).run
     e, n, k, t = 64, 256, 1024, 48
     g = torch.Generator(device="cuda").manual_seed(5)
-    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-    sb = swizzle_expert_scales(torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, device="cuda",
-                                             generator=g).view(torch.float8_e4m3fn)).view(torch.uint8)
+    b, sb = _tma_weights(e, n, k, g)
     alpha = torch.rand(e, device="cuda", generator=g)
     counts = [topk_counts(12, e, 4, seed=s, device="cuda") for s in range(3)]
     counts.append(torch.nn.functional.pad(torch.tensor([t], device="cuda"), (5, e - 6)))
     routings = []
     for c in counts:
         offs = offs_from_counts(c)
-        a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-        lin = torch.randint(0x28, 0x48, (t, k // 16), dtype=torch.uint8, device="cuda", generator=g)
-        sa = swizzle_grouped_scales(lin.view(torch.float8_e4m3fn), offs, grouped_scale_rows(t, e)).view(torch.uint8)
-        routings.append((a, sa, offs))
+        routings.append((*_tma_tokens(offs, e, k, g), offs))
     (r, bw, st, c), (r2, bw2, st2, c2) = TMA_GEMV_TILES
     for cfg in (TmaGemvGroupedConfig(2, r, bw, st, warps=4, ctas_per_sm=c, int8_dot=True),
                 TmaGemvGroupedConfig(1, r2, bw2, st2, warps=4, ctas_per_sm=c2, int8_dot=True)):

@@ -33,8 +33,8 @@ def triton_missing() -> str | None:
 def gluon_missing() -> str | None:
     """Why the Gluon kernels (``gemm.wgmma_warp_specialized``, ``gemm.wgmma_decode_warps``,
     ``gemv.tma_warp_specialized`` and its grouped form: TMA, mbarriers, async wgmma, warp specialization) cannot be
-    built with this Triton, or None. Gluon is experimental and its API moves between releases, so only the release the kernels were written
-    for counts (Triton 3.9, for one, refuses 64-bit TMA descriptors)."""
+    built with this Triton, or None. Gluon is experimental and its API moves between releases, so only the release
+    the kernels were written for counts (Triton 3.9, for one, refuses 64-bit TMA descriptors)."""
     try:
         import triton
 
