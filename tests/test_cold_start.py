@@ -248,6 +248,77 @@ def test_a_keys_compile_phase_says_how_long_its_first_runs_took_beside_the_trito
     assert line and float(line[2]) >= 0.2, caplog.text
 
 
+class _GatedFirstRun(FakeBackend):
+    """A library that compiles on its first run: that run waits for ``gate`` (set once the other candidates have
+    been checked and screened), or ``mutates`` an input, in the first run only."""
+
+    compiles_on_first_run = True
+
+    def __init__(self, name, order, gate=None, mutate_first=None, **kw):
+        super().__init__(name, **kw)
+        self.order, self.gate, self.mutate_first, self.first_done = order, gate, mutate_first, False
+
+    def run(self, problem, ops, config):
+        if not self.first_done:
+            self.first_done = True
+            self.order.append("first run starts")
+            if self.gate is not None:
+                self.gate.wait(10)
+            self.order.append("first run ends")
+            if self.mutate_first:
+                getattr(ops, self.mutate_first).zero_()
+            return
+        self.order.append(f"{self.name} runs")
+        super().run(problem, ops, config)
+
+
+class _Recording(FakeBackend):
+    def __init__(self, name, order, **kw):
+        super().__init__(name, **kw)
+        self.order = order
+
+    def run(self, problem, ops, config):
+        self.order.append(f"{self.name} runs")
+        super().run(problem, ops, config)
+
+
+def test_a_keys_other_candidates_are_checked_and_screened_while_a_library_compiles_on_its_first_run():
+    """A library's first run at a new shape is mostly its compiler: the tuner checks and screens the key's other
+    candidates meanwhile, and checks the library once that run is over. The first run has an ``out`` of its own, so
+    the checks beside it see only their own writes; the phases still add up to the key's wall time."""
+    import threading
+
+    order, gate = [], threading.Event()
+    lib = _GatedFirstRun("lib", order, gate, cost=2e-5)
+    other = _Recording("other", order, cost=1e-5, configs=[{"c": 1}, {"c": 2}])
+
+    def screen(fn):
+        order.append("screen")
+        gate.set()
+        return fake_do_bench(fn)
+
+    tuning = tune(problem(5), [lib, other], fake_do_bench, screen=screen, search=Search(keep=2, margin=1.0))
+    assert [t.backend for t in tuning.trials if t.ok] == ["other", "other", "lib"]
+    start, end = order.index("first run starts"), order.index("first run ends")
+    between = order[start + 1:end]
+    assert between[:2] == ["other runs", "other runs"] and "screen" in between  # both checks, then the screens
+    assert order.index("lib runs") > end  # its check waited for its first run
+    assert set(tuning.seconds) >= set(PHASES) and tuning.seconds["compile_first_runs"] > 0
+
+
+def test_a_first_run_that_changes_an_input_voids_the_checks_made_beside_it():
+    """A first run that writes an input the other candidates were checked on meanwhile: the input is put back and
+    they are checked again (each once in the outcome), so that the library's fault is not blamed on them, whether
+    the change was found after the first run or by a check beside it (which puts the input back itself)."""
+    order: list = []
+    lib = _GatedFirstRun("lib", order, mutate_first="b")
+    other = _Recording("other", order)
+    tuning = tune(problem(5), [lib, other], fake_do_bench)
+    assert sorted(t.backend for t in tuning.trials) == ["lib", "other"]
+    assert all(t.ok for t in tuning.trials), [t.reason for t in tuning.trials]
+    assert order.count("other runs") >= 3  # checked twice (before and after the input was put back), then timed
+
+
 def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch):
     from fp4dispatch.dispatch import warmup
 

@@ -290,17 +290,15 @@ def test_timer_knob(monkeypatch):
 def test_a_call_that_cannot_be_captured_is_timed_eagerly(monkeypatch):
     """A candidate whose capture is refused (the per-expert loop reads its routing on the host) gets its eager time,
     not a failure: the fallback once called a function torch does not have (``cudart().cudaGetLastError``)."""
-    import triton.testing
-
     from fp4dispatch.dispatch import timer
     from fp4dispatch.kernels import workspace
 
-    def refuse(fn, rep, return_mode):
+    def refuse(fn, rep):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     eager = []
     monkeypatch.setattr(workspace, "prepare_capture", lambda device: None)
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", refuse)
+    monkeypatch.setattr(timer, "_graph_replays", refuse)
     monkeypatch.setattr(timer, "default_do_bench", lambda fn, rep: eager.append(rep) or 0.25)
     assert timer.cuda_graph_do_bench(lambda: None) == 0.25
     assert eager == [timer.EAGER_REP_MS]
@@ -316,14 +314,12 @@ def test_the_cyclic_collector_is_paused_while_capturing_and_runs_after_a_refusal
     which would otherwise be freed inside a later capture)."""
     import gc
 
-    import triton.testing
-
     from fp4dispatch.dispatch import timer
     from fp4dispatch.kernels import workspace
 
     seen, collected = [], []
 
-    def capture(fn, rep, return_mode, refuse=False):
+    def capture(fn, rep, refuse=False):
         seen.append(gc.isenabled())
         if refuse:
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -334,10 +330,10 @@ def test_the_cyclic_collector_is_paused_while_capturing_and_runs_after_a_refusal
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
-        monkeypatch.setattr(triton.testing, "do_bench_cudagraph", capture)
+        monkeypatch.setattr(timer, "_graph_replays", capture)
         assert timer.cuda_graph_do_bench(lambda: None) == 0.5 and collected == []
         assert gc.isenabled() is enabled
-        monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda *a, **k: capture(*a, **k, refuse=True))
+        monkeypatch.setattr(timer, "_graph_replays", lambda *a, **k: capture(*a, **k, refuse=True))
         assert timer.cuda_graph_do_bench(lambda: None) == 0.25 and collected == [(1,)]
         assert gc.isenabled() is enabled and seen == [False, False]
     finally:

@@ -32,10 +32,13 @@ from fp4dispatch.problem import Problem
 
 phase, seen = ["ahead"], []
 knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(phase[0])
+from contextlib import contextmanager
 ahead = tuner.compile_ahead
+@contextmanager
 def marked(*args):
-    ahead(*args)
-    phase[0] = "check"
+    with ahead(*args) as first_runs:
+        phase[0] = "check"
+        yield first_runs
 tuner.compile_ahead = marked
 m, adt, backend = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
 b = {"fused": TritonFusedBackend, "w4a16": TritonW4A16Backend, "dequant": TritonDequantBackend}[backend]()
@@ -143,3 +146,42 @@ def test_a_kernel_handed_out_and_finished_by_another_thread_is_launched_without_
         worker.join()
         knobs.runtime.jit_cache_hook = hook
     assert compiled_in == ["hand-out"]
+
+
+def test_the_graph_timer_captures_while_another_thread_allocates_and_synchronizes(caplog):
+    """The tuner screens a key's candidates while a library's first run makes CUDA calls in another thread
+    (precompile.FirstRuns): the timer's capture is thread_local, so those calls neither fail nor void it, and the
+    candidate gets a graph time, not the eager fallback ("capture refused")."""
+    import logging
+    import threading
+
+    from fp4dispatch.dispatch.timer import cuda_graph_do_bench
+
+    stop, errors, rounds = threading.Event(), [], [0]
+
+    def busy():
+        size = 1 << 20
+        while not stop.is_set():
+            try:
+                x = torch.empty(size, device="cuda")  # a new size each round: a cudaMalloc, not the allocator's cache
+                x.fill_(1.0)
+                torch.cuda.current_stream().synchronize()
+                del x
+                torch.cuda.empty_cache()
+                size += 4096
+                rounds[0] += 1
+            except Exception as e:  # noqa: BLE001 - the assertion below reports it
+                errors.append(repr(e))
+                return
+
+    x = torch.zeros(1 << 22, device="cuda")
+    worker = threading.Thread(target=busy)
+    with caplog.at_level(logging.DEBUG, logger="fp4dispatch"):
+        worker.start()
+        try:
+            times = [cuda_graph_do_bench(lambda: x.add_(1.0), rep=5) for _ in range(5)]
+        finally:
+            stop.set()
+            worker.join()
+    assert errors == [] and rounds[0] > 0
+    assert "capture refused" not in caplog.text and all(0 < t < 1 for t in times), (times, caplog.text)

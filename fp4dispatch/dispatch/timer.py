@@ -66,7 +66,7 @@ def default_do_bench(fn: Callable[[], object], rep: int = EAGER_REP_MS) -> float
 
 
 def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> float:
-    """Median GPU time of ``fn`` in ms from CUDA-graph replays (``triton.testing.do_bench_cudagraph``).
+    """Median GPU time of ``fn`` in ms from CUDA-graph replays (``_graph_replays``).
 
     Small-M kernels last about as long as their launches from Python, so eager timings of them move with CPU load
     (the same config measured 25-47 us in one H200 run, 20 us in a graph every time) and rank configs by launch count
@@ -74,10 +74,6 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
     be captured is timed eagerly instead.
     """
     eager_rep = EAGER_REP_MS if rep >= GRAPH_REP_MS else rep  # the full timer falls back to the eager one
-    try:
-        from triton.testing import do_bench_cudagraph
-    except ImportError:
-        return default_do_bench(fn, rep=eager_rep)
     from ..kernels import workspace
 
     # the split-K counters of the capture stream exist before capture, as after fp4dispatch.warmup()
@@ -85,7 +81,7 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
     try:
         with warnings.catch_warnings(), _no_cyclic_gc():  # a refused capture ends an empty graph: torch warns of it
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+            return _graph_replays(fn, rep)
     except Exception as e:  # noqa: BLE001 - capture refused (a sync or an allocation pattern): time it eagerly
         log.debug("fp4dispatch: capture refused (%s: %s); timed eagerly", type(e).__name__, str(e)[:200])
         reset_cuda_error(torch.device("cuda"))
@@ -95,6 +91,38 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
     # collection takes a tenth of a second in a process that imported torch and Triton; this one, milliseconds).
     gc.collect(1)
     return default_do_bench(fn, rep=eager_rep)
+
+
+def _graph_replays(fn: Callable[[], object], rep: int, replays: int = 10) -> float:
+    """``triton.testing.do_bench_cudagraph``'s measurement: one call's time estimated from five eager ones, as many
+    calls as fill ``rep`` ms captured in one graph, the median of ``replays`` replays per call. Not that function
+    itself: it captures in torch's default ``global`` mode, under which a CUDA call that may synchronize (an
+    allocation, a module load) made by *another* thread during the capture fails and voids the capture. The tuner
+    checks and screens a key's Triton candidates while a library's first run compiles in a thread beside it
+    (precompile.py), and a caller may run threads of its own: this capture is ``thread_local``, which forbids such
+    calls to the capturing thread only. Waits on its own stream's events, not the device."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        fn()  # warm-up: compiles and loads what the capture must not
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        estimate = start.elapsed_time(end) / 5
+        n = max(1, int(rep / estimate)) if estimate > 0 else 1000
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for _ in range(n):
+                fn()
+        times = []
+        for _ in range(replays):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
 
 
 _gc_lock = threading.Lock()

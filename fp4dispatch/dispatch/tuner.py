@@ -27,7 +27,7 @@ from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
 from .precompile import compile_ahead
-from .verify import CheckCase, check_run, make_case, reset_cuda_error
+from .verify import INPUTS_CHANGED, CheckCase, check_run, make_case, reset_cuda_error
 
 __all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES",
            "COMPILE_PARTS"]
@@ -136,20 +136,19 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
     t1 = time.perf_counter()
     seconds["case"] = t1 - t0
     parts: dict[str, float] = {}
-    compile_ahead(problem, case, pairs, parts)
-    seconds["compile"] = time.perf_counter() - t1
-    # within compile: until the Triton configs were compiled, and until the first runs were over (they overlap)
-    seconds.update(zip(COMPILE_PARTS, (parts.get("triton", 0.0), parts.get("first_runs", 0.0))))
-    correct: list[tuple[Trial, Backend]] = []
-    for backend, cfg in pairs:
-        t = Trial(backend.name, cfg)
-        t0 = time.perf_counter()
-        t.reason = check_trial(backend, case, cfg)
-        t.check_s = time.perf_counter() - t0
-        seconds["check"] += t.check_s
-        trials.append(t)
-        if not t.reason:
-            correct.append((t, backend))
+
+    def check(group: list[tuple[Backend, Config]]) -> list[tuple[Trial, Backend]]:
+        ok = []
+        for backend, cfg in group:
+            t = Trial(backend.name, cfg)
+            t0 = time.perf_counter()
+            t.reason = check_trial(backend, case, cfg)
+            t.check_s = time.perf_counter() - t0
+            seconds["check"] += t.check_s
+            trials.append(t)
+            if not t.reason:
+                ok.append((t, backend))
+        return ok
 
     def run_timer(phase: str, timer: DoBench, group: list[tuple[Trial, Backend]]) -> None:
         t0 = time.perf_counter()
@@ -159,9 +158,37 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
                 reset_cuda_error(problem.device)
         seconds[phase] += time.perf_counter() - t0
 
+    screening = screen is not None and search.keep > 0
+    with compile_ahead(problem, case, pairs, parts) as first_runs:
+        seconds["compile"] = time.perf_counter() - t1  # until the Triton configs were compiled
+        late = [p for p in pairs if p[0].name in first_runs.names]
+        early = [p for p in pairs if p[0].name not in first_runs.names]
+        # checked and screened while the first runs of ``late``'s libraries compile
+        before = len(trials)
+        correct = check(early)
+        screening = screening and len(correct) + len(late) > 1
+        if screening:
+            run_timer("screen", screen, correct)
+        t2 = time.perf_counter()
+        changed = first_runs.wait()
+        seconds["compile"] += time.perf_counter() - t2
+        # a first run wrote an input that the early candidates ran on (found now, or by a check beside it, which put
+        # it back): their outcomes prove nothing
+        if changed or any(INPUTS_CHANGED in t.reason for t in trials[before:]):
+            log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
+                        problem, ", ".join(changed) or "(found by a check beside it)")
+            del trials[before:]
+            correct = check(early)
+            if screening:
+                run_timer("screen", screen, correct)
+    # within compile: until the Triton configs were compiled, and until the first runs were over (they overlap)
+    seconds.update(zip(COMPILE_PARTS, (parts.get("triton", 0.0), parts.get("first_runs", 0.0))))
+    more = check(late)
+    if screening:
+        run_timer("screen", screen, more)
+    correct += more
     final = correct
-    if screen is not None and search.keep and len(correct) > 1:
-        run_timer("screen", screen, correct)
+    if screening:
         ranked = sorted((p for p in correct if p[0].ok), key=lambda p: p[0].time_ms)
         best = ranked[0][0].time_ms if ranked else math.inf
         final = [p for p in ranked[:search.keep] if p[0].time_ms <= best * (1 + search.margin)]

@@ -23,7 +23,7 @@ from ..routing import check_routing
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
            "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E", "restore_inputs",
-           "make_case", "check_run", "reset_cuda_error"]
+           "make_case", "check_run", "reset_cuda_error", "INPUTS_CHANGED"]
 
 REL_TOL = 1e-2
 # Probe shapes: several M including non-powers of two; N and K fit every native kernel's alignment rules
@@ -35,6 +35,7 @@ PROBE_E = 4  # experts of a grouped probe: with a check routing, one of them has
 # Guard rows around a checked out: exact in bf16, fp16 and fp32, and no result of the check inputs is exactly it
 # by chance often enough to matter (a backend that writes there writes products, not this constant).
 SENTINEL = -1021.0
+INPUTS_CHANGED = "modified its input"  # how a check's reason begins when a run changed the inputs
 _E4M3_NAN, _E4M3_SUBNORMAL = 0x7F, 0x01
 
 
@@ -214,7 +215,7 @@ def _tampering(case: CheckCase, out_before: tuple) -> str | None:
         return "wrote outside out (into the rows just before or after it in the same buffer)"
     changed = restore_inputs(case)
     if changed:
-        return f"modified its input{'s' if len(changed) > 1 else ''} {', '.join(changed)} (inputs must stay as given)"
+        return f"{INPUTS_CHANGED}{'s' if len(changed) > 1 else ''} {', '.join(changed)} (inputs must stay as given)"
     return None
 
 
