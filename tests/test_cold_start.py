@@ -319,6 +319,17 @@ def test_a_first_run_that_changes_an_input_voids_the_checks_made_beside_it():
     assert order.count("other runs") >= 3  # checked twice (before and after the input was put back), then timed
 
 
+def test_a_candidate_that_changes_its_own_input_is_checked_once_when_no_first_run_ran_beside_it(caplog):
+    import logging
+
+    bad, good = FakeBackend("bad", mutates="b"), FakeBackend("good")
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        tuning = tune(problem(5), [bad, good], fake_do_bench)
+    reasons = {t.backend: t.reason for t in tuning.trials}
+    assert reasons["bad"].startswith("incorrect: modified its input b") and reasons["good"] == ""
+    assert bad.calls == 1 and "first run" not in caplog.text
+
+
 def test_compile_keys_counts_the_new_keys_it_compiled_for(tmp_path, monkeypatch):
     from fp4dispatch.dispatch import warmup
 

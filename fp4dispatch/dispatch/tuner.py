@@ -174,7 +174,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         seconds["compile"] += time.perf_counter() - t2
         # a first run wrote an input that the early candidates ran on (found now, or by a check beside it, which put
         # it back): their outcomes prove nothing
-        if changed or any(INPUTS_CHANGED in t.reason for t in trials[before:]):
+        if first_runs.names and (changed or any(INPUTS_CHANGED in t.reason for t in trials[before:])):
             log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
                         problem, ", ".join(changed) or "(found by a check beside it)")
             del trials[before:]
