@@ -299,9 +299,8 @@ def test_a_keys_other_candidates_are_checked_and_screened_while_a_library_compil
 
     tuning = tune(problem(5), [lib, other], fake_do_bench, screen=screen, search=Search(keep=2, margin=1.0))
     assert [t.backend for t in tuning.trials if t.ok] == ["other", "other", "lib"]
-    start, end = order.index("first run starts"), order.index("first run ends")
-    between = order[start + 1:end]
-    assert between[:2] == ["other runs", "other runs"] and "screen" in between  # both checks, then the screens
+    end = order.index("first run ends")  # its thread may start after the checks began: only its end is ordered
+    assert order[:end].count("other runs") >= 2 and "screen" in order[:end]  # both checks and a screen before it
     assert order.index("lib runs") > end  # its check waited for its first run
     assert set(tuning.seconds) >= set(PHASES) and tuning.seconds["compile_first_runs"] > 0
 
