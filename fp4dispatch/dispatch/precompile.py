@@ -162,9 +162,9 @@ def inner_jobs(backends, problem: Problem, seen: set | None = None) -> list[tupl
 
 class FirstRuns:
     """One key's first runs (``compile_ahead``), each started in a thread of its own when this is made: ``names`` are
-    their backends, whose checks must wait for ``wait``. They run on the key's check inputs with an ``out`` of their own,
-    so that the key's other candidates can be checked and screened on the same case meanwhile (their CUDA calls do
-    not spoil the screen timer's captures: ``timer._graph_replays``). ``wait()`` returns once they are over, a CUDA
+    their backends, whose checks must wait for ``wait``. They run on the key's check inputs with an ``out`` of their
+    own, so that the key's other candidates can be checked and screened on the same case meanwhile (their CUDA calls
+    do not spoil the screen timer's captures: ``timer._graph_replays``). ``wait()`` returns once they are over, a CUDA
     error they left cleared and any input they changed put back: the names of those inputs (the outcomes of
     whatever ran on the case meanwhile then prove nothing). ``seconds["first_runs"]``, if given: from their start
     until the last one ended."""
