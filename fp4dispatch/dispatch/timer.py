@@ -96,8 +96,8 @@ def cuda_graph_do_bench(fn: Callable[[], object], rep: int = GRAPH_REP_MS) -> fl
 def _graph_replays(fn: Callable[[], object], rep: int, replays: int = 10) -> float:
     """``triton.testing.do_bench_cudagraph``'s measurement: one call's time estimated from five eager ones, as many
     calls as fill ``rep`` ms captured in one graph, the median of ``replays`` replays per call. Not that function
-    itself: it captures in torch's default ``global`` mode, under which a CUDA call that may synchronize (an
-    allocation, a module load) made by *another* thread during the capture fails and voids the capture. The tuner
+    itself: it captures in torch's default ``global`` mode, under which a CUDA call that may synchronize (a
+    ``cudaMalloc``, say) made by *another* thread during the capture fails and voids the capture. The tuner
     checks and screens a key's Triton candidates while a library's first run compiles in a thread beside it
     (precompile.py), and a caller may run threads of its own: this capture is ``thread_local``, which forbids such
     calls to the capturing thread only. Waits on its own stream's events, not the device."""
