@@ -945,6 +945,72 @@ def test_launch_inside_compiles_ahead_collects_what_it_hands_out_and_finish_wait
     assert finished == [(p, True)]
 
 
+def test_a_keys_candidates_come_back_in_the_order_their_compiles_end_and_launch_in_this_thread(monkeypatch):
+    """``TritonCompiles`` hands every config's compile out at once, then gives the configs back as their compiles
+    end (the tuner checks and screens each while the others still compile): a config compiled first comes first
+    whatever its place in the list, the next waits for its compile, and each is put in Triton's cache (``finish``)
+    before it is given. Meanwhile launches in this thread run again (a kernel still compiling would be waited for)."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from fp4dispatch.dispatch.key_compiles import TritonCompiles
+
+    monkeypatch.setattr(runtime, "jit_interpreted", lambda: False)
+    monkeypatch.setattr(runtime, "can_hand_out", lambda: True)
+    monkeypatch.setattr(runtime, "_fast", False)
+    finished = []
+
+    class Placeholder:  # Triton's placeholder of a compile handed out: its future, result() waits for it
+        def __init__(self):
+            self.future = Future()
+
+        def result(self, ignore_errors=False):
+            finished.append(self)
+            return self.future.result()
+
+    class Jit:
+        def __init__(self):
+            self.placeholder, self.launched = Placeholder(), 0
+
+        def warmup(self, *args, grid, **kwargs):
+            return self.placeholder
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: setattr(self, "launched", self.launched + 1)
+
+    class Ahead(FakeBackend):
+        compiles_ahead = True
+
+        def run(self, problem, ops, config):
+            runtime.launch(config["kernel"], (1,), 0)
+
+    ka, kb = Jit(), Jit()
+    a = Ahead("a", configs=[{"kernel": ka}, {"kernel": kb}])
+    p = problem(1)
+    pairs = [(a, {"kernel": ka}), (a, {"kernel": kb})]
+    compiles = TritonCompiles([(p, lambda: None, pairs)])
+    try:
+        assert not runtime.compiling_ahead() and ka.launched == kb.launched == 0 and not finished
+        kb.placeholder.future.set_result("kernel b")
+        given = compiles.in_order(p, pairs)
+        assert next(given) is pairs[1] and finished == [kb.placeholder]
+        set_at = []
+
+        def compile_a():
+            time.sleep(0.05)
+            set_at.append(time.perf_counter())
+            ka.placeholder.future.set_result("kernel a")
+
+        threading.Thread(target=compile_a).start()
+        assert next(given) is pairs[0] and time.perf_counter() >= set_at[0] and finished[-1] is ka.placeholder
+        assert list(given) == [] and compiles.compiled_s is not None
+        runtime.launch(ka, (1,), 0)  # this thread launches again
+        assert ka.launched == 1
+    finally:
+        compiles.close()
+
+
 def test_the_expert_loops_dense_kernels_compile_ahead_before_its_keys_own_once_across_keys(monkeypatch):
     """The per-expert loop decides each expert's dense call by priority (the first config of each backend), one new
     M bucket after another inside its check: those configs are compiled ahead with the other candidates' kernels,

@@ -1,6 +1,7 @@
-"""GPU test of the tuner's compile-ahead phase (issue 34): in a fresh process with an empty Triton cache, every
-Triton kernel of a key's candidates is compiled in the compile phase, none in the checks, and every candidate still
-computes its check right (the checks and timings run the kernels compiled ahead); many keys' kernels are handed out
+"""GPU test of the tuner's compile-ahead phase (issue 34): in a fresh process with an empty Triton cache, the compile
+of every Triton kernel of a key's candidates is handed out before the checks, none started by a check (each
+candidate is checked once its own compiles are over, while the others' go on), and every candidate still computes
+its check right (the checks and timings run the kernels compiled ahead); many keys' kernels are handed out
 at once and the keys decided while they compile."""
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ from fp4dispatch.dispatch import tuner
 from fp4dispatch.problem import Problem
 
 phase, seen = ["ahead"], []
-knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(phase[0])
+# a compile starts (handed out ahead, or by a launch that finds no kernel): the checks must start none
+knobs.runtime.jit_cache_hook = lambda **kw: seen.append(phase[0])
 from contextlib import contextmanager
 ahead = tuner.compile_ahead
 @contextmanager
 def marked(*args):
-    with ahead(*args) as first_runs:
+    with ahead(*args) as handed_out:
         phase[0] = "check"
-        yield first_runs
+        yield handed_out
 tuner.compile_ahead = marked
 m, adt, backend = int(sys.argv[1]), getattr(torch, sys.argv[2]), sys.argv[3]
 b = {"fused": TritonFusedBackend, "w4a16": TritonW4A16Backend, "dequant": TritonDequantBackend}[backend]()
@@ -150,7 +152,7 @@ def test_a_kernel_handed_out_and_finished_by_another_thread_is_launched_without_
 
 def test_the_graph_timer_captures_while_another_thread_allocates_and_synchronizes(caplog):
     """The tuner screens a key's candidates while a library's first run makes CUDA calls in another thread
-    (precompile.FirstRuns): the timer's capture is thread_local, so those calls neither fail nor void it, and the
+    (key_compiles.FirstRuns): the timer's capture is thread_local, so those calls neither fail nor void it, and the
     candidate gets a graph time, not the eager fallback ("capture refused")."""
     import logging
     import threading

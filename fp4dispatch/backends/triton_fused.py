@@ -24,7 +24,7 @@ class TritonFusedBackend(BaseBackend):
 
     name = "triton:fused"
     risky = False
-    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (tuner.compile_ahead)
+    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (key_compiles.py)
 
     def unavailable(self, device: torch.device) -> str | None:
         return device_problem(device)

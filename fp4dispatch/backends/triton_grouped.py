@@ -23,7 +23,7 @@ class TritonGroupedBackend(BaseBackend):
 
     name = "triton:grouped"
     risky = False
-    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (tuner.compile_ahead)
+    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (key_compiles.py)
     ops = ("grouped", "w4a16_grouped")
 
     def unavailable(self, device: torch.device) -> str | None:

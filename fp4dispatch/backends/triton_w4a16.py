@@ -21,7 +21,7 @@ class TritonW4A16Backend(BaseBackend):
 
     name = "triton:w4a16"
     risky = False
-    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (tuner.compile_ahead)
+    compiles_ahead = True  # its kernels are Triton's: the tuner compiles its configs in parallel (key_compiles.py)
     ops = ("w4a16",)
 
     def unavailable(self, device: torch.device) -> str | None:

@@ -10,8 +10,8 @@ that runs other backends (``inner_problems``: the per-expert loop of ``fp4_group
 by priority inside its check, one new M bucket after another) has their first configs compiled the same way, at
 each dense problem it may call. A run that raises here raises again in its check, which reports it.
 
-``compile_ahead`` does this for one key (the tuner's compile phase; its first runs go on while the tuner checks and
-screens the key's other candidates); ``compile_keys_ahead`` for many keys at once
+``key_compiles.compile_ahead`` does this for one key (the tuner's compile phase, beside the key's checks);
+``compile_keys_ahead`` for many keys at once
 (``Dispatcher.compile_keys``: ``warmup`` and ``python -m fp4dispatch.tune``), so that a model's keys compile together
 and are then timed one by one; ``compiling_keys`` does that while its body times the first keys.
 """
@@ -30,9 +30,9 @@ import torch
 from ..backends.base import Backend, Config, config_id
 from ..errors import describe_exception
 from ..problem import Problem
-from .verify import CheckCase, make_case, reset_cuda_error, restore_inputs
+from .verify import make_case, reset_cuda_error
 
-__all__ = ["compile_ahead", "FirstRuns", "compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
+__all__ = ["compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
            "first_run_jobs", "inner_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
@@ -60,7 +60,7 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
 def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> float:
     """One first run; returns when it ended (``time.perf_counter()``). Its operands' making and its run are logged
     (DEBUG) with their seconds: what a cold tune waits for in a library's first runs. It waits for its own stream, not
-    the device: the tuner may be capturing a graph in another thread meanwhile (``FirstRuns``)."""
+    the device: the tuner may be capturing a graph in another thread meanwhile (``key_compiles.FirstRuns``)."""
     t0 = time.perf_counter()
     with _on(problem.device):
         try:
@@ -158,70 +158,6 @@ def inner_jobs(backends, problem: Problem, seen: set | None = None) -> list[tupl
             if pairs:
                 jobs.append((p, lambda p=p: scratch_ops(p), pairs))
     return jobs
-
-
-class FirstRuns:
-    """One key's first runs (``compile_ahead``), each started in a thread of its own when this is made: ``names`` are
-    their backends, whose checks must wait for ``wait``. They run on the key's check inputs with an ``out`` of their
-    own, so that the key's other candidates can be checked and screened on the same case meanwhile (their CUDA calls
-    do not spoil the screen timer's captures: ``timer._graph_replays``). ``wait()`` returns once they are over, a CUDA
-    error they left cleared and any input they changed put back: the names of those inputs (the outcomes of
-    whatever ran on the case meanwhile then prove nothing). ``seconds["first_runs"]``, if given: from their start
-    until the last one ended."""
-
-    def __init__(self, case: CheckCase, first: list[tuple[Backend, Config]], seconds: dict | None = None):
-        self.case, self.seconds, self.names = case, seconds, frozenset(b.name for b, _ in first)
-        self._start = time.perf_counter()
-        self._changed: list[str] | None = None
-        self._pool = ThreadPoolExecutor(len(first), thread_name_prefix="fp4dispatch-first-run") if first else None
-        # the case's inputs, an out of their own
-        own = case.ops._replace(out=torch.empty_like(case.ops.out)) if first else None
-        self._futures = [self._pool.submit(_first_run, case.problem, lambda: own, pair) for pair in first]
-
-    def wait(self) -> list[str]:
-        if self._changed is not None:
-            return []
-        try:
-            ends = [f.result() for f in self._futures]
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-        if self.seconds is not None:
-            self.seconds["first_runs"] = max(ends, default=self._start) - self._start
-        self._changed = []
-        if self._futures:
-            reset_cuda_error(self.case.problem.device)
-            self._changed = restore_inputs(self.case)
-        return self._changed
-
-
-@contextmanager
-def compile_ahead(problem: Problem, case: CheckCase, pairs: list[tuple[Backend, Config]],
-                  seconds: dict | None = None):
-    """One key: its Triton configs on copies of the case's operands and the dense configs of its loop
-    (``inner_jobs``) on scratch operands, compiled when the body starts; its first-run libraries, one run each, still
-    running in the body, which gets their :class:`FirstRuns` (leaving waits for them). ``seconds``: as
-    ``compile_together``'s, with ``first_runs`` from ``FirstRuns``."""
-    ahead, first = _split(pairs)
-    if problem.device.type != "cuda":  # Triton compiles ahead for CUDA only; the interpreter compiles nothing
-        ahead = []
-    inner = inner_jobs(dict.fromkeys(b for b, _ in pairs), problem) if problem.device.type == "cuda" else []
-
-    def copies():
-        ops = case.ops
-        return ops._replace(**{f: t.clone() for f, t in zip(ops._fields, ops) if f != "out"},
-                            out=case.frame.clone()[1:problem.m + 1])
-
-    runs = FirstRuns(case, first, seconds)
-    try:
-        if ahead or inner:
-            try:
-                compile_together(inner + ([(problem, copies, ahead)] if ahead else []), [], seconds=seconds)
-            finally:
-                reset_cuda_error(problem.device)
-        yield runs
-    finally:
-        runs.wait()
 
 
 def compile_keys_ahead(jobs: list[tuple[Problem, list[Backend]]], handed_out: Callable[[], None] | None = None,

@@ -99,7 +99,7 @@ def _graph_replays(fn: Callable[[], object], rep: int, replays: int = 10) -> flo
     itself: it captures in torch's default ``global`` mode, under which a CUDA call that may synchronize (a
     ``cudaMalloc``, say) made by *another* thread during the capture fails and voids the capture. The tuner
     checks and screens a key's Triton candidates while a library's first run compiles in a thread beside it
-    (precompile.py), and a caller may run threads of its own: this capture is ``thread_local``, which forbids such
+    (key_compiles.py), and a caller may run threads of its own: this capture is ``thread_local``, which forbids such
     calls to the capturing thread only. Waits on its own stream's events, not the device."""
     with torch.cuda.stream(torch.cuda.Stream()):
         fn()  # warm-up: compiles and loads what the capture must not

@@ -6,7 +6,8 @@ proven right on them. The phases, each timed into ``Tuning.seconds`` (docs/tunin
 
 1. ``case``: the hostile inputs and their exact result;
 2. ``compile``: the candidates' kernels compiled at once instead of one after another in the checks
-   (``precompile.compile_ahead``);
+   (``key_compiles.compile_ahead``); what the key waited for, since each candidate is checked and screened as soon
+   as its own compiles are over, while the rest compile;
 3. ``check``: each candidate once against the exact result;
 4. ``screen``: with a ``screen`` timer, each correct candidate timed briefly; only the ``Search.keep`` fastest, and of
    those only the ones within ``Search.margin`` of the fastest, go on to
@@ -26,7 +27,7 @@ from ..errors import InvalidInputError, describe_exception
 from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
-from .precompile import compile_ahead
+from .key_compiles import compile_ahead
 from .verify import INPUTS_CHANGED, CheckCase, check_run, make_case, reset_cuda_error
 
 __all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES",
@@ -159,28 +160,36 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         seconds[phase] += time.perf_counter() - t0
 
     screening = screen is not None and search.keep > 0
-    with compile_ahead(problem, case, pairs, parts) as first_runs:
-        seconds["compile"] = time.perf_counter() - t1  # until the Triton configs were compiled
-        late = [p for p in pairs if p[0].name in first_runs.names]
-        early = [p for p in pairs if p[0].name not in first_runs.names]
-        # checked and screened while the first runs of ``late``'s libraries compile
+
+    def check_and_screen(group, late: list) -> list[tuple[Trial, Backend]]:
+        # each candidate screened once it is checked and correct, as soon as there are two to rank (with ``late``)
+        ok, screened = [], 0
+        for pair in group:
+            ok += check([pair])
+            if screening and len(ok) + len(late) > 1:
+                run_timer("screen", screen, ok[screened:])
+                screened = len(ok)
+        return ok
+
+    with compile_ahead(problem, case, pairs, parts) as ahead:
+        seconds["compile"] = time.perf_counter() - t1  # handing the Triton compiles out
+        late = [p for p in pairs if p[0].name in ahead.first_runs.names]
+        early = [p for p in pairs if p[0].name not in ahead.first_runs.names]
+        # each checked and screened as soon as its compiles are over, while the others' and the first runs of
+        # ``late``'s libraries go on
         before = len(trials)
-        correct = check(early)
-        screening = screening and len(correct) + len(late) > 1
-        if screening:
-            run_timer("screen", screen, correct)
+        correct = check_and_screen(ahead.triton.in_order(problem, early), late)
         t2 = time.perf_counter()
-        changed = first_runs.wait()
-        seconds["compile"] += time.perf_counter() - t2
+        changed = ahead.first_runs.wait()
+        seconds["compile"] += ahead.triton.waited + time.perf_counter() - t2
         # a first run wrote an input that the early candidates ran on (found now, or by a check beside it, which put
         # it back): their outcomes prove nothing
-        if first_runs.names and (changed or any(INPUTS_CHANGED in t.reason for t in trials[before:])):
+        if ahead.first_runs.names and (changed or any(INPUTS_CHANGED in t.reason for t in trials[before:])):
             log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
                         problem, ", ".join(changed) or "(found by a check beside it)")
             del trials[before:]
-            correct = check(early)
-            if screening:
-                run_timer("screen", screen, correct)
+            correct = check_and_screen(early, late)
+    screening = screening and len(correct) + len(late) > 1
     # within compile: until the Triton configs were compiled, and until the first runs were over (they overlap)
     seconds.update(zip(COMPILE_PARTS, (parts.get("triton", 0.0), parts.get("first_runs", 0.0))))
     more = check(late)

@@ -30,7 +30,7 @@ from .cache_keys import settle
 
 __all__ = ["interpreting", "jit_interpreted", "cuda_index", "cdiv", "num_sms", "k_split", "pdl", "register_cap",
            "launch", "tma_desc", "Address", "recording", "note_buffer", "launch_hooks_set",
-           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "finish",
+           "raw_stream", "capturing", "direct_launcher", "compiling_ahead", "compiles_ahead", "pending", "finish",
            "can_hand_out"]
 
 log = logging.getLogger("fp4dispatch")
@@ -241,6 +241,14 @@ class compiles_ahead:
         _tls.handed = []
         return _tls.handed
 
+    def launching(self) -> None:
+        """From now on ``launch`` in this thread launches again, inside the context: a kernel whose compile is still
+        pending is waited for first (Triton's async mode, on until the context ends, hands that launch the pending
+        compile, not a new one). For a caller that checks each candidate as soon as its own compiles end
+        (``precompile.TritonCompiles``)."""
+        if self.active:
+            _tls.ahead, _tls.handed = False, None
+
     def __exit__(self, *exc) -> None:
         if not self.active:
             return
@@ -262,6 +270,13 @@ def _hand_out(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     handed = getattr(_tls, "handed", None)
     if handed is not None and _placeholder(kernel):
         handed.append(kernel)
+
+
+def pending(handed: list) -> list:
+    """The ``concurrent.futures.Future`` of each compile in ``handed`` that is still running (read from the
+    placeholder's own attributes: a later Triton's placeholder resolves any other attribute by waiting)."""
+    futures = (vars(kernel).get("future") for kernel in handed)
+    return [f for f in futures if f is not None and not f.done()]
 
 
 def finish(handed: list) -> None:
