@@ -1007,6 +1007,10 @@ def test_a_keys_candidates_come_back_in_the_order_their_compiles_end_and_launch_
         assert list(given) == [] and compiles.compiled_s is not None
         runtime.launch(ka, (1,), 0)  # this thread launches again
         assert ka.launched == 1
+        with runtime.compiles_ahead(2) as inner:  # a probe inside a check: launches as the outer one's do
+            assert not inner.active and not runtime.compiling_ahead()
+            runtime.launch(kb, (1,), 0)
+        assert kb.launched == 1
     finally:
         compiles.close()
 

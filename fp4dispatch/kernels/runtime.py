@@ -216,7 +216,7 @@ class compiles_ahead:
     a launch would wait on. ``collect`` and ``finish`` wait for some compiles earlier, in the handing-out thread, so
     that another thread can launch those kernels while the rest still compile (``precompile.compiling_keys``).
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
-    async compile; or with no ``workers``. Callers run each candidate once inside, on operands whose values do not
+    async compile; or with no ``workers``; or inside another one in this thread. Callers run each candidate once inside, on operands whose values do not
     matter."""
 
     def __init__(self, workers: int, processes=None):
@@ -225,7 +225,10 @@ class compiles_ahead:
     def __enter__(self) -> "compiles_ahead":
         if self.workers < 1 or compiling_ahead() or not can_hand_out():
             return self
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+
+        if active_mode.get() is not None:  # an outer context that is ``launching`` (a probe inside a check): its mode
+            return self  # serves this one's launches, which wait for their compiles (Triton allows one mode at once)
 
         from .compile_processes import CompileExecutor
 
