@@ -210,7 +210,7 @@ def test_compile_keys_does_nothing_without_cuda_and_decides_nothing(tmp_path):
 
 
 def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library():
-    from fp4dispatch.dispatch.precompile import _split
+    from fp4dispatch.dispatch.precompile import split_pairs
 
     class Ahead(FakeBackend):
         compiles_ahead = True
@@ -219,7 +219,7 @@ def test_precompile_splits_compile_ahead_configs_from_one_first_run_per_library(
         compiles_on_first_run = True
 
     a, f, plain = Ahead("a"), FirstRun("f"), FakeBackend("plain")
-    ahead, first = _split([(a, {"x": 1}), (a, {"x": 2}), (f, {"y": 1}), (f, {"y": 2}), (plain, {})])
+    ahead, first = split_pairs([(a, {"x": 1}), (a, {"x": 2}), (f, {"y": 1}), (f, {"y": 2}), (plain, {})])
     assert ahead == [(a, {"x": 1}), (a, {"x": 2})] and first == [(f, {"y": 1})]
 
 
@@ -442,7 +442,7 @@ def test_first_runs_make_their_operands_in_their_threads_and_survive_a_failed_on
 
     monkeypatch.setattr(precompile, "scratch_ops", scratch)
     monkeypatch.setattr(precompile, "reset_cuda_error", lambda dev: None)
-    monkeypatch.setattr(precompile, "_on", lambda dev: nullcontext())  # no CUDA device to make current here
+    monkeypatch.setattr(precompile, "on_device", lambda dev: nullcontext())  # no CUDA device to make current here
     gpu = torch.device("cuda", 0)
     lib = Library("lib")
     precompile.compile_keys_ahead([(problem(m)._replace(device=gpu), [lib]) for m in (1, 16, 128)])
@@ -751,11 +751,11 @@ def _compiling_setup(monkeypatch, events: list) -> list:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
 
     @contextmanager
-    def on(device):  # precompile._on: the worker thread makes each problem's device current
+    def on(device):  # precompile.on_device: the worker thread makes each problem's device current
         events.append(("device", str(device)))
         yield
 
-    monkeypatch.setattr(precompile, "_on", on)
+    monkeypatch.setattr(precompile, "on_device", on)
     return [(problem(m)._replace(device=torch.device("cuda", i)), [Ahead("a", configs=configs(1.0, 2.0)),
                                                                    Library("lib")])
             for i, m in enumerate((1, 16))]
@@ -1056,7 +1056,7 @@ def test_dequant_matmul_hands_its_dequantize_out_inside_compiles_ahead(monkeypat
     (A's with alpha folded in where asked) and launches none, and its GEMM runs on the scratch. Its weight-keeping
     form does not: that run would keep a copy the dequantize never wrote."""
     from fp4dispatch.backends.triton_dequant import TritonDequantBackend
-    from fp4dispatch.dispatch.precompile import _split
+    from fp4dispatch.dispatch.precompile import split_pairs
     from fp4dispatch.kernels import _dequant
     from fp4dispatch.problem import Operands
     from fp4dispatch.testing import make_nvfp4_inputs
@@ -1072,4 +1072,5 @@ def test_dequant_matmul_hands_its_dequantize_out_inside_compiles_ahead(monkeypat
     backend, kept = TritonDequantBackend(), TritonDequantBackend(cache_weight=True)
     backend.run(p, Operands(a, b, sa, sb, al, torch.empty(4, 64, dtype=torch.bfloat16)), {"alpha": alpha})
     assert handed == [(_dequant.dequant_kernel, alpha == "fold"), (_dequant.dequant_kernel, False)]
-    assert _split([(backend, {"alpha": alpha}), (kept, {"alpha": "epilogue"})]) == ([(backend, {"alpha": alpha})], [])
+    ahead, first = split_pairs([(backend, {"alpha": alpha}), (kept, {"alpha": "epilogue"})])
+    assert ahead == [(backend, {"alpha": alpha})] and first == []

@@ -19,7 +19,7 @@ import torch
 from ..backends.base import Backend, Config, config_id
 from ..kernels import runtime
 from ..problem import Problem
-from .precompile import _first_run, _on, _runs, _split, _workers, inner_jobs
+from .precompile import compile_workers, first_run, inner_jobs, on_device, run_pairs, split_pairs
 from .verify import CheckCase, reset_cuda_error, restore_inputs
 
 __all__ = ["compile_ahead", "KeyAhead", "TritonCompiles", "FirstRuns"]
@@ -39,15 +39,15 @@ class TritonCompiles:
     def __init__(self, jobs: list[tuple[Problem, Callable[[], object], list[Pair]]]):
         self.waited, self.compiled_s, self._start = 0.0, None, time.perf_counter()
         self._handed: dict[tuple, list] = {}
-        self._ctx = runtime.compiles_ahead(_workers() if jobs else 0)
+        self._ctx = runtime.compiles_ahead(compile_workers() if jobs else 0)
         self._ctx.__enter__()
         try:
             for problem, make_ops, pairs in jobs if self._ctx.active else ():
-                with _on(problem.device):
+                with on_device(problem.device):
                     ops = make_ops()
                     for b, cfg in pairs:
                         handed = self._ctx.collect()
-                        _runs(problem, ops, [(b, cfg)])
+                        run_pairs(problem, ops, [(b, cfg)])
                         self._handed.setdefault((problem.key, b.name, config_id(cfg)), []).extend(handed)
             self._ctx.launching()
         except BaseException:
@@ -96,7 +96,7 @@ class FirstRuns:
         self._pool = ThreadPoolExecutor(len(first), thread_name_prefix="fp4dispatch-first-run") if first else None
         # the case's inputs, an out of their own
         own = case.ops._replace(out=torch.empty_like(case.ops.out)) if first else None
-        self._futures = [self._pool.submit(_first_run, case.problem, lambda: own, pair) for pair in first]
+        self._futures = [self._pool.submit(first_run, case.problem, lambda: own, pair) for pair in first]
 
     def wait(self) -> list[str]:
         if self._changed is not None:
@@ -129,7 +129,7 @@ def compile_ahead(problem: Problem, case: CheckCase, pairs: list[Pair], seconds:
     the loop's first, whose kernels then compile first); its first-run libraries, one run each, running in the body
     (``FirstRuns``). Leaving waits for both. ``seconds`` (if given) gets ``triton`` (``TritonCompiles.compiled_s``)
     and ``first_runs``."""
-    ahead, first = _split(pairs)
+    ahead, first = split_pairs(pairs)
     jobs = []
     if problem.device.type == "cuda":  # Triton compiles ahead for CUDA only; the interpreter compiles nothing
         ops = case.ops

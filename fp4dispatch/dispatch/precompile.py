@@ -32,24 +32,24 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .verify import make_case, reset_cuda_error
 
-__all__ = ["compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together",
-           "first_run_jobs", "inner_jobs", "scratch_ops", "FIRST_RUN_THREADS"]
+__all__ = ["compile_keys_ahead", "compiling_keys", "KeyCompiles", "compile_together", "first_run_jobs", "inner_jobs",
+           "scratch_ops", "split_pairs", "run_pairs", "first_run", "on_device", "compile_workers", "FIRST_RUN_THREADS"]
 
 log = logging.getLogger("fp4dispatch")
 FIRST_RUN_THREADS = 8  # first runs at once (each compiles its unit's few kernels in parallel already)
 
 
-def _workers() -> int:
+def compile_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 16))
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     """``device`` made current in this thread: a thread starts on CUDA device 0, and Triton compiles and caches a
     kernel for the current device."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
+def run_pairs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
     for b, cfg in pairs:
         try:
             b.run(problem, ops, cfg)
@@ -57,19 +57,19 @@ def _runs(problem: Problem, ops, pairs: list[tuple[Backend, Config]]) -> None:
             log.debug("precompile %s[%s] for %s: %s", b.name, config_id(cfg), problem, describe_exception(e))
 
 
-def _first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> float:
+def first_run(problem: Problem, make_ops: Callable[[], object], pair: tuple[Backend, Config]) -> float:
     """One first run; returns when it ended (``time.perf_counter()``). Its operands' making and its run are logged
     (DEBUG) with their seconds: what a cold tune waits for in a library's first runs. It waits for its own stream, not
     the device: the tuner may be capturing a graph in another thread meanwhile (``key_compiles.FirstRuns``)."""
     t0 = time.perf_counter()
-    with _on(problem.device):
+    with on_device(problem.device):
         try:
             ops = make_ops()  # here, not when listed: only the units running now hold operands (large shapes' are big)
         except Exception as e:  # noqa: BLE001 - out of memory, say: its check runs it again and reports it
             log.debug("precompile %s for %s: %s", pair[0].name, problem, describe_exception(e))
             return time.perf_counter()
         t1 = time.perf_counter()
-        _runs(problem, ops, [pair])
+        run_pairs(problem, ops, [pair])
         try:
             if problem.device.type == "cuda":
                 torch.cuda.current_stream(problem.device).synchronize()
@@ -96,14 +96,14 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
 
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(FIRST_RUN_THREADS, thread_name_prefix="fp4dispatch-first-run") if first else None
-    futures = [pool.submit(_first_run, *job) for job in first] if pool else []
+    futures = [pool.submit(first_run, *job) for job in first] if pool else []
     try:
-        with runtime.compiles_ahead(_workers() if ahead else 0, processes) as ctx:
+        with runtime.compiles_ahead(compile_workers() if ahead else 0, processes) as ctx:
             handed = []
             for problem, make_ops, pairs in ahead if ctx.active else ():
                 handed.append((problem, ctx.collect()))
-                with _on(problem.device):
-                    _runs(problem, make_ops(), pairs)
+                with on_device(problem.device):
+                    run_pairs(problem, make_ops(), pairs)
             if handed_out is not None:
                 for f in futures:
                     f.result()
@@ -123,7 +123,7 @@ def compile_together(ahead: list[tuple[Problem, Callable[[], object], list]],
             pool.shutdown()
 
 
-def _split(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
+def split_pairs(pairs: list[tuple[Backend, Config]]) -> tuple[list, list]:
     """(the pairs whose backend compiles ahead, the first pair of each backend that compiles on its first run)"""
     ahead = [(b, c) for b, c in pairs if getattr(b, "compiles_ahead", False)]
     first, seen = [], set()

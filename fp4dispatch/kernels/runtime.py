@@ -216,8 +216,8 @@ class compiles_ahead:
     a launch would wait on. ``collect`` and ``finish`` wait for some compiles earlier, in the handing-out thread, so
     that another thread can launch those kernels while the rest still compile (``precompile.compiling_keys``).
     ``active`` is False (and the context does nothing) where this cannot work: the interpreter, or a Triton without
-    async compile; or with no ``workers``; or inside another one in this thread. Callers run each candidate once inside, on operands whose values do not
-    matter."""
+    async compile; or with no ``workers``; or inside another one in this thread. Callers run each candidate once
+    inside, on operands whose values do not matter."""
 
     def __init__(self, workers: int, processes=None):
         self.workers, self.processes, self.active, self._mode, self._pool = workers, processes, False, None, None
