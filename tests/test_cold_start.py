@@ -305,6 +305,43 @@ def test_a_keys_other_candidates_are_checked_and_screened_while_a_library_compil
     assert set(tuning.seconds) >= set(PHASES) and tuning.seconds["compile_first_runs"] > 0
 
 
+def test_an_eager_screen_waits_until_the_keys_first_runs_are_over(monkeypatch, tmp_path):
+    """An eager timer measures host time too, which compile threads and a library's compiler processes slow down:
+    with ``screen_beside_compiles=False`` the candidates are still checked beside a first run, but screened only once
+    it is over. The dispatcher asks for that under ``FP4DISPATCH_TIMER=eager``."""
+    import threading
+
+    from fp4dispatch.dispatch import key_tuning
+
+    order, gate = [], threading.Event()
+    lib = _GatedFirstRun("lib", order, gate, cost=2e-5)
+
+    class Opening(_Recording):  # the check of its second config lets the first run end
+        def run(self, problem, ops, config):
+            super().run(problem, ops, config)
+            if config == {"c": 2}:
+                gate.set()
+
+    other = Opening("other", order, cost=1e-5, configs=[{"c": 1}, {"c": 2}])
+
+    def screen(fn):
+        order.append("screen")
+        return fake_do_bench(fn)
+
+    tuning = tune(problem(5), [lib, other], fake_do_bench, screen=screen, search=Search(keep=2, margin=1.0),
+                  screen_beside_compiles=False)
+    assert [t.backend for t in tuning.trials if t.ok] == ["other", "other", "lib"]
+    end = order.index("first run ends")
+    assert "screen" not in order[:end] and order.count("screen") == 3 and "other runs" in order[:end]
+    asked = []
+    monkeypatch.setattr(key_tuning, "tune", lambda *a, **k: asked.append(k["screen_beside_compiles"]) or tune(*a, **k))
+    for timer in ("eager", "graph"):
+        monkeypatch.setenv("FP4DISPATCH_TIMER", timer)
+        Dispatcher([FakeBackend("fake", cost=1e-5)], cache_dir=tmp_path / timer, do_bench=fake_do_bench,
+                   screen_bench=fake_do_bench).choose(problem(16))
+    assert asked == [False, True]
+
+
 def test_a_first_run_that_changes_an_input_voids_the_checks_made_beside_it():
     """A first run that writes an input the other candidates were checked on meanwhile: the input is put back and
     they are checked again (each once in the outcome), so that the library's fault is not blamed on them, whether

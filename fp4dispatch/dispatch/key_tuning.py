@@ -114,9 +114,12 @@ class KeyTuning:
         if self.settings.search == "fast":
             only, sources = neighbour_picks(key, decisions, offered_configs(candidates, problem))
         search, screen = self._rule(problem)
-        tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None)
+        beside = self.settings.timer == "graph"  # an eager screen waits for the key's compiles (tuner.tune)
+        tuning = tune(problem, candidates, timer, screen=screen, search=search, only=only or None,
+                      screen_beside_compiles=beside)
         if only and not all(t.ok for t in tuning.trials):  # a neighbours' pick fails here: every candidate
-            tuning, sources = tune(problem, candidates, timer, screen=screen, search=search), []
+            tuning, sources = tune(problem, candidates, timer, screen=screen, search=search,
+                                   screen_beside_compiles=beside), []
         return tuning, tuple(sources)
 
     def _settle(self, key: tuple, problem: Problem, tuning: Tuning, reasons: dict[str, str],

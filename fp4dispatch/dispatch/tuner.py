@@ -116,9 +116,13 @@ def _bench(do_bench: DoBench, fn) -> tuple[float, str]:
 
 
 def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7, *,
-         screen: DoBench | None = None, search: Search = Search(), only: set | None = None) -> Tuning:
+         screen: DoBench | None = None, search: Search = Search(), only: set | None = None,
+         screen_beside_compiles: bool = True) -> Tuning:
     """Every candidate x config checked; the correct ones timed (screened first when ``screen`` is given and
-    ``search.keep`` > 0). ``only``: the (backend name, config id) pairs to try, the rest left out."""
+    ``search.keep`` > 0). ``only``: the (backend name, config id) pairs to try, the rest left out.
+    ``screen_beside_compiles``: each candidate is screened as soon as it is checked, while the key's other compiles
+    and first runs go on (a timer of GPU time: graph replays); False screens only once they are over (a timer of
+    host time too: eager launches slow down beside compile threads and compiler processes, and would be mis-ranked)."""
     seconds = dict.fromkeys(PHASES, 0.0)
     t0 = time.perf_counter()
     case = make_case(problem, seed, reference_mm)
@@ -166,7 +170,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         ok, screened = [], 0
         for pair in group:
             ok += check([pair])
-            if screening and len(ok) + len(late) > 1:
+            if screening and screen_beside_compiles and len(ok) + len(late) > 1:
                 run_timer("screen", screen, ok[screened:])
                 screened = len(ok)
         return ok
@@ -190,6 +194,8 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
             del trials[before:]
             correct = check_and_screen(early, late)
     screening = screening and len(correct) + len(late) > 1
+    if screening and not screen_beside_compiles:
+        run_timer("screen", screen, correct)
     # within compile: until the Triton configs were compiled, and until the first runs were over (they overlap)
     seconds.update(zip(COMPILE_PARTS, (parts.get("triton", 0.0), parts.get("first_runs", 0.0))))
     more = check(late)
