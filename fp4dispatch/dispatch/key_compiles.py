@@ -65,7 +65,7 @@ class TritonCompiles:
             i = next((i for i in left if not runtime.pending(kernels[i])), None)
             t = time.perf_counter()
             if i is None:
-                wait([f for i in left for f in runtime.pending(kernels[i])], return_when=FIRST_COMPLETED)
+                wait([f for j in left for f in runtime.pending(kernels[j])], return_when=FIRST_COMPLETED)
             else:
                 left.remove(i)
                 runtime.finish(kernels[i])  # into Triton's cache (and the post-compile hooks), in this thread
