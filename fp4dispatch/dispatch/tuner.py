@@ -165,7 +165,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
 
     screening = screen is not None and search.keep > 0
 
-    def check_and_screen(group, late: list) -> list[tuple[Trial, Backend]]:
+    def check_and_screen(group) -> list[tuple[Trial, Backend]]:
         # each candidate screened once it is checked and correct, as soon as there are two to rank (with ``late``)
         ok, screened = [], 0
         for pair in group:
@@ -182,7 +182,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         # each checked and screened as soon as its compiles are over, while the others' and the first runs of
         # ``late``'s libraries go on
         before = len(trials)
-        correct = check_and_screen(ahead.triton.in_order(problem, early), late)
+        correct = check_and_screen(ahead.triton.in_order(problem, early))
         t2 = time.perf_counter()
         changed = ahead.first_runs.wait()
         seconds["compile"] += ahead.triton.waited + time.perf_counter() - t2
@@ -192,7 +192,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
             log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
                         problem, ", ".join(changed) or "(found by a check beside it)")
             del trials[before:]
-            correct = check_and_screen(early, late)
+            correct = check_and_screen(early)
     screening = screening and len(correct) + len(late) > 1
     if screening and not screen_beside_compiles:
         run_timer("screen", screen, correct)

@@ -223,12 +223,14 @@ class compiles_ahead:
         self.workers, self.processes, self.active, self._mode, self._pool = workers, processes, False, None, None
 
     def __enter__(self) -> "compiles_ahead":
-        if self.workers < 1 or compiling_ahead() or not can_hand_out():
+        if self.workers < 1 or not can_hand_out():
             return self
         from triton.runtime._async_compile import AsyncCompileMode, active_mode
 
-        if active_mode.get() is not None:  # an outer context that is ``launching`` (a probe inside a check): its mode
-            return self  # serves this one's launches, which wait for their compiles (Triton allows one mode at once)
+        # inside another one in this thread (handing out, or ``launching``: a probe inside a check), whose async mode
+        # serves this one's launches; Triton allows one mode at a time
+        if active_mode.get() is not None:
+            return self
 
         from .compile_processes import CompileExecutor
 
@@ -248,7 +250,7 @@ class compiles_ahead:
         """From now on ``launch`` in this thread launches again, inside the context: a kernel whose compile is still
         pending is waited for first (Triton's async mode, on until the context ends, hands that launch the pending
         compile, not a new one). For a caller that checks each candidate as soon as its own compiles end
-        (``precompile.TritonCompiles``)."""
+        (``key_compiles.TritonCompiles``)."""
         if self.active:
             _tls.ahead, _tls.handed = False, None
 
