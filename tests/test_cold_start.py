@@ -355,6 +355,20 @@ def test_a_first_run_that_changes_an_input_voids_the_checks_made_beside_it():
     assert order.count("other runs") >= 3  # checked twice (before and after the input was put back), then timed
 
 
+def test_a_check_records_each_input_it_put_back_on_the_case():
+    """What the tuner reads to learn that a run beside the first runs changed an input: ``case.restored``, one name
+    per finding, not the wording of the check's reason."""
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.dispatch.verify import check_run, make_case
+
+    case = make_case(problem(5), 3, reference_mm)
+    assert case.restored == [] and check_run(FakeBackend("good"), case, {}) is None and case.restored == []
+    for expected in (["b"], ["b", "b"]):
+        kind, reason = check_run(FakeBackend("bad", mutates="b"), case, {})
+        assert kind == "incorrect" and reason.startswith("modified its input b ") and case.restored == expected
+        assert torch.equal(case.ops.b, case.pristine[1])  # put back for the next candidate
+
+
 def test_a_candidate_that_changes_its_own_input_is_checked_once_when_no_first_run_ran_beside_it(caplog):
     import logging
 

@@ -28,7 +28,7 @@ from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
 from .key_compiles import compile_ahead
-from .verify import INPUTS_CHANGED, CheckCase, check_run, make_case, reset_cuda_error
+from .verify import CheckCase, check_run, make_case, reset_cuda_error
 
 __all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES",
            "COMPILE_PARTS"]
@@ -175,6 +175,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
                 screened = len(ok)
         return ok
 
+    found = len(case.restored)  # inputs a run changed, so far
     with compile_ahead(problem, case, pairs, parts) as ahead:
         seconds["compile"] = time.perf_counter() - t1  # handing the Triton compiles out
         late = [p for p in pairs if p[0].name in ahead.first_runs.names]
@@ -188,7 +189,7 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         seconds["compile"] += ahead.triton.waited + time.perf_counter() - t2
         # a first run wrote an input that the early candidates ran on (found now, or by a check beside it, which put
         # it back): their outcomes prove nothing
-        if ahead.first_runs.names and (changed or any(INPUTS_CHANGED in t.reason for t in trials[before:])):
+        if ahead.first_runs.names and len(case.restored) > found:
             log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
                         problem, ", ".join(changed) or "(found by a check beside it)")
             del trials[before:]

@@ -11,7 +11,7 @@ negative alpha, a zero, a subnormal and a NaN block scale. It then rejects, as d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,7 @@ from ..routing import check_routing
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
            "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E", "restore_inputs",
-           "make_case", "check_run", "reset_cuda_error", "INPUTS_CHANGED"]
+           "make_case", "check_run", "reset_cuda_error"]
 
 REL_TOL = 1e-2
 # Probe shapes: several M including non-powers of two; N and K fit every native kernel's alignment rules
@@ -35,7 +35,6 @@ PROBE_E = 4  # experts of a grouped probe: with a check routing, one of them has
 # Guard rows around a checked out: exact in bf16, fp16 and fp32, and no result of the check inputs is exactly it
 # by chance often enough to matter (a backend that writes there writes products, not this constant).
 SENTINEL = -1021.0
-INPUTS_CHANGED = "modified its input"  # how a check's reason begins when a run changed the inputs
 _E4M3_NAN, _E4M3_SUBNORMAL = 0x7F, 0x01
 
 
@@ -155,13 +154,15 @@ def reset_cuda_error(device: torch.device) -> None:
 @dataclass
 class CheckCase:
     """One problem's check inputs: ``ops`` go to backends (``ops.out`` is rows 1..M of ``frame``), ``pristine`` are
-    copies no backend sees, ``ref`` the exact float32 result."""
+    copies no backend sees, ``ref`` the exact float32 result. ``restored``: each input that a run on the case was
+    found to have changed, and that ``restore_inputs`` put back, in the order found (one name per finding)."""
 
     problem: Problem
     ops: Operands
     pristine: tuple[torch.Tensor, ...]
     frame: torch.Tensor
     ref: torch.Tensor
+    restored: list[str] = field(default_factory=list)
 
 
 _INPUTS = ("a", "b", "a_scale", "b_scale", "alpha")
@@ -196,11 +197,13 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def restore_inputs(case: CheckCase) -> list[str]:
-    """Put back every input of ``case`` that differs from its pristine copy; their names."""
+    """Put back every input of ``case`` that differs from its pristine copy; their names (also added to
+    ``case.restored``)."""
     changed = [name for (name, t), p in zip(_inputs(case.ops), case.pristine) if not _same_bytes(t, p)]
     for (name, t), p in zip(_inputs(case.ops), case.pristine):
         if name in changed:
             t.copy_(p)
+    case.restored += changed
     return changed
 
 
@@ -215,7 +218,7 @@ def _tampering(case: CheckCase, out_before: tuple) -> str | None:
         return "wrote outside out (into the rows just before or after it in the same buffer)"
     changed = restore_inputs(case)
     if changed:
-        return f"{INPUTS_CHANGED}{'s' if len(changed) > 1 else ''} {', '.join(changed)} (inputs must stay as given)"
+        return f"modified its input{'s' if len(changed) > 1 else ''} {', '.join(changed)} (inputs must stay as given)"
     return None
 
 
