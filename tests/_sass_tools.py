@@ -158,6 +158,17 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | 
                         warps, div16, out, **opts)
 
 
+def bank_conflicts(reg_layout, shared_layout, shape: list, bits: int) -> int:
+    """Gluon's count of the excess shared-memory accesses per wavefront (``gl.bank_conflicts``) of a load of ``shape``
+    elements of ``bits`` bits laid out as ``shared_layout`` into ``reg_layout``; no kernel is built."""
+    from triton._C.libtriton import gluon_ir, ir
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    b = gluon_ir.GluonOpBuilder(ctx)
+    return b.get_shared_bank_conflicts(reg_layout._to_ir(b), shared_layout._to_ir(b), list(shape), bits)
+
+
 def desc_types(BN: int, BM: int, BKB: int, dt: torch.dtype = torch.float16) -> tuple[str, str]:
     """The argument types of the (words, 16-bit operand of dtype ``dt``) TMA descriptors of these tiles, for
     ``build``."""
