@@ -78,16 +78,13 @@ def test_sass_race_flags_the_rolled_loop():
     assert race.races(built["sass"])  # one group in flight while the next step decodes into the same registers
 
 
-# the grouped GEMV as heuristics._tma_gemv_grouped offers it: int8 dot products, the 3-CTA tile at 1 row
 @pytest.mark.parametrize("tile", TMA_GEMV_TILES, ids=[f"R{t[0]}-BW{t[1]}" for t in TMA_GEMV_TILES])
-def test_tma_gemv_and_decode_warps_read_words_and_activations_from_shared_memory_without_bank_conflicts(tile):
+def test_tma_gemv_reads_its_words_and_activations_from_shared_memory_without_bank_conflicts(tile):
     """Gluon's own count of the excess accesses per wavefront (``gl.bank_conflicts``) of the loads that carry the
-    most bytes: the TMA GEMV's weight words and activation words (read alike by every thread of a row), and the
-    decode warps' scale bytes (their permuted view). The TMA GEMV's scale bytes and the two wgmma GEMMs' word reads
-    do conflict (docs/kernels.md says by how much): not pinned here."""
+    most bytes: the weight words and the activation words (read alike by every thread of a row). Its scale bytes and
+    the two wgmma GEMMs' word reads do conflict (docs/kernels.md says by how much): not pinned here."""
     from triton.experimental.gluon import language as gl
 
-    from fp4dispatch.kernels.gemm.wgmma_decode_warps import scale_layout
     from fp4dispatch.kernels.gemv.tma_warp_specialized import plain, word_layout
 
     race = _tools()
@@ -95,12 +92,22 @@ def test_tma_gemv_and_decode_warps_read_words_and_activations_from_shared_memory
     lw = word_layout(bw, 4)
     assert race.bank_conflicts(lw, plain(4), [4, r, bw // 4, 4], 64) == 0
     assert race.bank_conflicts(gl.SliceLayout(0, gl.SliceLayout(1, lw)), plain(2), [bw // 4, 4], 64) == 0
+
+
+def test_decode_warps_read_their_scale_bytes_from_shared_memory_without_bank_conflicts():
+    """The same count for the decode warps' scale bytes, through their permuted view."""
+    from triton.experimental.gluon import language as gl
+
+    from fp4dispatch.kernels.gemm.wgmma_decode_warps import scale_layout
+
+    race = _tools()
     q = DECODE_WARPS.block_n // 4  # its scale box [BKB/4, R, 4, 4] read as [4, R, BKB/4, 4]
     scales = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 0, 1, 2])
     assert race.bank_conflicts(scale_layout(4 * q, DECODE_WARPS.k_blocks), scales,
                                [4, q, DECODE_WARPS.k_blocks // 4, 4], 8) == 0
 
 
+# the grouped GEMV as heuristics._tma_gemv_grouped offers it: int8 dot products, the 3-CTA tile at 1 row
 _GVWS_BUILDS = [(tile, mb, dp, False) for tile in TMA_GEMV_TILES for mb in (1, 2) for dp in (True, False)] + [
     (TMA_GEMV_TILES[0], 2, True, True), (TMA_GEMV_TILES[0], 1, True, True), (TMA_GEMV_TILES[1], 1, True, True)]
 

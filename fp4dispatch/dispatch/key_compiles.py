@@ -85,22 +85,22 @@ class FirstRuns:
     their backends, whose checks must wait for ``wait``. They run on the key's check inputs with an ``out`` of their
     own, so that the key's other candidates can be checked and screened on the same case meanwhile (their CUDA calls
     do not spoil the screen timer's captures: ``timer._graph_replays``). ``wait()`` returns once they are over, a CUDA
-    error they left cleared and any input they changed put back: the names of those inputs (the outcomes of
-    whatever ran on the case meanwhile then prove nothing). ``seconds["first_runs"]``, if given: from their start
-    until the last one ended."""
+    error they left cleared and any input they changed put back (``restore_inputs`` records it in ``case.restored``:
+    the outcomes of whatever ran on the case meanwhile then prove nothing); a second call returns at once.
+    ``seconds["first_runs"]``, if given: from their start until the last one ended."""
 
     def __init__(self, case: CheckCase, first: list[Pair], seconds: dict | None = None):
         self.case, self.seconds, self.names = case, seconds, frozenset(b.name for b, _ in first)
-        self._start = time.perf_counter()
-        self._changed: list[str] | None = None
+        self._start, self._waited = time.perf_counter(), False
         self._pool = ThreadPoolExecutor(len(first), thread_name_prefix="fp4dispatch-first-run") if first else None
         # the case's inputs, an out of their own
         own = case.ops._replace(out=torch.empty_like(case.ops.out)) if first else None
         self._futures = [self._pool.submit(first_run, case.problem, lambda: own, pair) for pair in first]
 
-    def wait(self) -> list[str]:
-        if self._changed is not None:
-            return []
+    def wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
         try:
             ends = [f.result() for f in self._futures]
         finally:
@@ -108,11 +108,9 @@ class FirstRuns:
                 self._pool.shutdown()
         if self.seconds is not None:
             self.seconds["first_runs"] = max(ends, default=self._start) - self._start
-        self._changed = []
         if self._futures:
             reset_cuda_error(self.case.problem.device)
-            self._changed = restore_inputs(self.case)
-        return self._changed
+            restore_inputs(self.case)
 
 
 class KeyAhead(NamedTuple):

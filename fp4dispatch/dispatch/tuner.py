@@ -175,7 +175,6 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
                 screened = len(ok)
         return ok
 
-    found = len(case.restored)  # inputs a run changed, so far
     with compile_ahead(problem, case, pairs, parts) as ahead:
         seconds["compile"] = time.perf_counter() - t1  # handing the Triton compiles out
         late = [p for p in pairs if p[0].name in ahead.first_runs.names]
@@ -185,13 +184,13 @@ def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: i
         before = len(trials)
         correct = check_and_screen(ahead.triton.in_order(problem, early))
         t2 = time.perf_counter()
-        changed = ahead.first_runs.wait()
+        ahead.first_runs.wait()
         seconds["compile"] += ahead.triton.waited + time.perf_counter() - t2
         # a first run wrote an input that the early candidates ran on (found now, or by a check beside it, which put
         # it back): their outcomes prove nothing
-        if ahead.first_runs.names and len(case.restored) > found:
+        if ahead.first_runs.names and case.restored:  # (the case is this key's own: nothing was restored before)
             log.warning("fp4dispatch: a first run on %s changed its inputs %s; checking the other candidates again",
-                        problem, ", ".join(changed) or "(found by a check beside it)")
+                        problem, ", ".join(dict.fromkeys(case.restored)))
             del trials[before:]
             correct = check_and_screen(early)
     screening = screening and len(correct) + len(late) > 1
