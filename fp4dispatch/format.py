@@ -122,12 +122,16 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tens
 # quantize / dequantize
 # ---------------------------------------------------------------------------------------------------------------
 def default_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """``448*6/amax(x)`` as a float32 1-element tensor (1.0 for an all-zero or empty x)."""
+    """``448*6/amax`` over x's finite values, as a float32 1-element tensor; 1.0 where that is not a finite positive
+    number (x empty, all zero or not finite, or its amax so small that the quotient overflows). A NaN or inf is left
+    out so that it spoils only its own 16-value block (through that block's scale), not the whole tensor: with it in
+    the amax, gs would be 1.0 (NaN: the blocks of small values then get zero scales) or 0 (inf: every value NaN)."""
     if x.numel() == 0:
         return torch.ones(1, dtype=torch.float32, device=x.device)
-    amax = x.detach().abs().amax().float()
+    a = x.detach().abs()
+    amax = torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax().float()
     gs = (E4M3_MAX * E2M1_MAX) / amax
-    return torch.where(amax > 0, gs, torch.ones_like(gs)).reshape(1)
+    return torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs)).reshape(1)
 
 
 def _round_e2m1_codes(v: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,33 @@ def test_dequantize_to_16_bit_is_exact(dtype):
     assert torch.equal(dequantize_nvfp4(packed, scale, dtype=dtype).float(), dequantize_nvfp4(packed, scale))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_inf_spoils_only_its_own_block(bad):
+    """The global scale comes from the finite values, so every other block quantizes as if the bad value were 0: one
+    bad token of a batch leaves the other rows' codes and scales alone (with it in the amax, gs was 1.0 for a NaN,
+    which zeroed the scales of small blocks, or 0 for an inf, which made every value NaN)."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x[1, 20] = bad
+    clean = x.clone()
+    clean[1, 20] = 0
+    q, s, g = quantize_nvfp4(x, scale_layout="linear")
+    q0, s0, g0 = quantize_nvfp4(clean, scale_layout="linear")
+    assert torch.equal(g, g0) and 0 < g.item() < float("inf")
+    other = torch.ones(4, 4, dtype=torch.bool)
+    other[1, 1] = False  # the bad value's block (k 16..31 of row 1)
+    assert torch.equal(s.view(torch.uint8)[other], s0.view(torch.uint8)[other])
+    assert torch.equal(q.view(4, 4, 8)[other], q0.view(4, 4, 8)[other])
+    out = dequantize_nvfp4(q, s, g, scale_layout="linear")
+    assert torch.isfinite(out[[0, 2, 3]]).all() and (out[[0, 2, 3]] != 0).any()
+
+
+def test_a_global_scale_that_would_overflow_is_one():
+    """An amax below about 8e-36 makes 448*6/amax overflow float32: gs is then 1.0, never inf (which gave zero blocks
+    NaN scales)."""
+    q, s, g = quantize_nvfp4(torch.full((2, 32), 1e-37))
+    assert g.item() == 1.0 and not torch.isnan(dequantize_nvfp4(q, s, g)).any()
+
+
 def test_nan_scale_propagates():
     x = torch.randn(2, 32)
     packed, scale, gs = quantize_nvfp4(x, scale_layout="linear")

@@ -132,7 +132,7 @@ res["quant_dynamic"] = []
 small_limit = tq._SMALL_AMAX_ELEMENTS
 for m, k in [(1, 16), (130, 272)]:
     for dt in (torch.float32, torch.bfloat16, torch.float16):
-        for case in ("rand", "nan", "zero", "inf", "tiny"):
+        for case in ("rand", "nan", "zero", "inf", "tiny", "overflow"):
             x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(dt)
             if case == "nan":
                 x[m // 2, k // 3] = float("nan")
@@ -142,6 +142,8 @@ for m, k in [(1, 16), (130, 272)]:
                 x[0, 0] = float("inf")
             elif case == "tiny" and dt == torch.float32:
                 x = x * 1e-30
+            elif case == "overflow" and dt == torch.float32:  # 2688 / amax overflows: gs 1.0
+                x = x * 1e-37
             g0 = default_global_scale(x)
             p0, s0 = _quantize_torch(x, g0)
             # small inputs: the quantize kernel reduces the amax kernel's partial maxima; larger (limit 0 here):
@@ -534,7 +536,7 @@ def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):
 
 def test_dynamic_quantize_is_two_launches_with_the_reference_bits(child):
     rows = child["quant_dynamic"]
-    assert {r["case"] for r in rows} == {"rand", "nan", "zero", "inf", "tiny"} and len(rows) == 120
+    assert {r["case"] for r in rows} == {"rand", "nan", "zero", "inf", "tiny", "overflow"} and len(rows) == 144
     assert {r["limit"] for r in rows} == {None, 0}
     bad = [r for r in rows if not (r["same"] and r["same_gs"])]
     assert not bad, bad[:3]

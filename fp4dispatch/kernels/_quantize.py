@@ -46,12 +46,13 @@ def max_keeping_nan(v, axis: tl.constexpr):
 
 @triton.jit
 def scale_from_parts(part_ptr, nparts, PARTS: tl.constexpr):
-    """The global scale from ``amax_scale_kernel``'s ``nparts`` partial maxima (PARTS >= nparts, a power of two):
-    ``reciprocal(amax) * 2688`` (torch's ``2688 / t`` is that product), or 1.0 where amax is not > 0 (NaN, zero).
-    Loaded past L1 (``.cg``): other programs of the same launch may just have written them."""
+    """The global scale from ``amax_scale_kernel``'s ``nparts`` partial maxima of the finite values (PARTS >= nparts,
+    a power of two): ``reciprocal(amax) * 2688`` (torch's ``2688 / t`` is that product), or 1.0 where that is not a
+    finite positive number. Loaded past L1 (``.cg``): other programs of the same launch may just have written them."""
     i = tl.arange(0, PARTS)
-    amax = max_keeping_nan(tl.load(part_ptr + i, mask=i < nparts, other=0.0, cache_modifier=".cg"), 0)
-    return tl.where(amax > 0, tl.math.div_rn(1.0, amax) * 2688.0, 1.0)
+    amax = tl.max(tl.load(part_ptr + i, mask=i < nparts, other=0.0, cache_modifier=".cg"), 0)
+    gs = tl.math.div_rn(1.0, amax) * 2688.0
+    return tl.where((amax > 0) & (gs < float("inf")), gs, 1.0)
 
 
 @triton.jit
@@ -107,8 +108,8 @@ def quant_kernel(x_ptr, gs_ptr, part_ptr, NPARTS, p_ptr, s_ptr, M, K, KB, CB, RP
 @triton.jit
 def amax_scale_kernel(x_ptr, part_ptr, cnt_ptr, gs_ptr, N, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                       FINISH: tl.constexpr):
-    """``format.default_global_scale`` on the device, bit for bit: amax(|x|) (NaN if x holds a NaN), then
-    ``scale_from_parts``. Each program stores the max of its strided chunks in part_ptr; with FINISH the program that
+    """``format.default_global_scale`` on the device, bit for bit: the amax of x's finite values (a NaN or inf counts
+    as 0), then ``scale_from_parts``. Each program stores the max of its strided chunks in part_ptr; with FINISH the program that
     arrives last (cnt_ptr counts, starting at zero) writes gs from them and sets the counter back to zero for the next
     launch (without, ``quant_kernel`` does)."""
     pid = tl.program_id(0)
@@ -116,9 +117,9 @@ def amax_scale_kernel(x_ptr, part_ptr, cnt_ptr, gs_ptr, N, BLOCK: tl.constexpr, 
     m = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(pid * BLOCK, N, progs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        m = tl.maximum(m, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-    tl.store(part_ptr + pid, max_keeping_nan(m, 0))
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+        m = tl.maximum(m, tl.where(a < float("inf"), a, 0.0))  # NaN < inf is false too
+    tl.store(part_ptr + pid, tl.max(m, 0))
     if FINISH:
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
