@@ -24,8 +24,8 @@ def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_
         return dispatcher.execute(*hit)
     # 1. validate: every contract error is raised here, naming argument, expected, got and the fix
     problem, ops = check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
-    if problem.m == 0:
-        return ops.out
+    if not (problem.m and problem.n):  # an empty [M, N]: nothing to decide (a backend's name is still checked)
+        return dispatcher.empty(problem, ops, backend)
     # 2. decide: one dict lookup once this (device, M bucket, N, K, out_dtype) is decided; the first call of a key
     #    probes the device (once) and tunes the key, both remembered on disk
     choice = dispatcher.choose(problem, backend)

@@ -71,10 +71,45 @@ def test_float4_and_uint8_views_accepted():
     assert torch.equal(x, y)
 
 
-def test_m_zero_returns_empty():
-    a, b, sa, sb, alpha = _inputs(m=0)
-    out = fp4_mm(a, b, sa, sb, alpha)
-    assert out.shape == (0, 40) and out.dtype == torch.bfloat16
+def _empty_call(op, m, n, k=64, e=3):
+    """``op``'s arguments for an [m, n] result (the grouped ops: E=e experts, every row on the last)."""
+    from fp4dispatch.format_grouped import swizzle_expert_scales, swizzle_grouped_scales
+
+    a, b, sa, sb, alpha = make_nvfp4_inputs(m, n, k)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    if op == "fp4_mm":
+        return fp4dispatch.fp4_mm, (a, b, sa, sb, alpha)
+    if op == "w4a16_mm":
+        return fp4dispatch.w4a16_mm, (x, b, sb, alpha)
+    offs = torch.tensor([0] * (e - 1) + [m], dtype=torch.int32)
+    bs = b.unsqueeze(0).expand(e, -1, -1).contiguous()
+    sbs = swizzle_expert_scales(torch.ones(e, n, k // 16, dtype=torch.float8_e4m3fn))
+    if op == "fp4_grouped_mm":
+        sas = swizzle_grouped_scales(torch.ones(m, k // 16, dtype=torch.float8_e4m3fn), offs)
+        return fp4dispatch.fp4_grouped_mm, (a, bs, sas, sbs, alpha, offs)
+    return fp4dispatch.w4a16_grouped_mm, (x, bs, sbs, alpha, offs)
+
+
+@pytest.mark.parametrize("op", ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm"])
+@pytest.mark.parametrize("m, n", [(0, 40), (4, 0), (0, 0)])
+def test_an_empty_m_or_n_returns_empty_and_still_checks_the_backend_name(monkeypatch, op, m, n):
+    fn, args = _empty_call(op, m, n)
+    out = fn(*args)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    given = torch.empty(m, n, dtype=torch.float32)
+    assert fn(*args, out_dtype=torch.float32, out=given) is given
+    assert fn(*args, backend="reference").shape == (m, n)
+    assert fp4dispatch.get_dispatcher()._states == {}  # nothing to compute: nothing probed or decided
+    with pytest.raises(InvalidInputError, match=rf"^{op}: backend must be one of \[.*'reference'.*\]; got 'refrence'$"):
+        fn(*args, backend="refrence")
+    other = "triton:grouped" if op in ("fp4_mm", "w4a16_mm") else "triton:w4a16"
+    with pytest.raises(InvalidInputError, match=rf"^{op}: backend '{other}' computes .* only; pass one of \["):
+        fn(*args, backend=other)
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "garbage")
+    fp4dispatch.set_dispatcher(None)
+    with pytest.raises(InvalidInputError, match=rf"^{op}: FP4DISPATCH_BACKEND must be one of \[.*\]; got 'garbage'. "
+                                                r"Fix or unset the variable$"):
+        fn(*args)
 
 
 def test_nan_scale_gives_nan_rows_and_columns_only():

@@ -124,11 +124,19 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         """A call the memo did not know, given validate's ``(problem, ops)`` and the call's tensors as passed (out
         last; ``CallMemo.remember``): decided (and remembered), then run. api.run_fp4_mm spells these steps out."""
         problem, ops = checked
-        if problem.m == 0:
-            return ops.out
+        if not (problem.m and problem.n):
+            return self.empty(problem, ops, backend)
         choice = self.choose(problem, backend)
         self.memo.remember(args, out_dtype, scale_layout, backend, choice, problem, ops, check_offs)
         return self.execute(choice, problem, ops)
+
+    def empty(self, problem: Problem, ops: Operands, backend: str | None) -> torch.Tensor:
+        """The result of a call with M = 0 or N = 0: its validated ``out``, which has no element to write. Nothing is
+        decided or probed (no backend need run, and a check on an empty problem proves nothing), but a ``backend=`` or
+        ``FP4DISPATCH_BACKEND`` that no call could take is refused as on any other call."""
+        if backend is not None or self._forced is not None:
+            self.named_backend(backend, problem)
+        return ops.out
 
     def fp4_grouped_mm(self, a, b, a_scale, b_scale, alpha, offs, *, out_dtype=torch.bfloat16, out=None,
                        scale_layout="swizzled", backend=None, check_offs=True) -> torch.Tensor:

@@ -4,7 +4,7 @@ met for the first time during CUDA-graph capture, when nothing may probe, tune o
 ``_warn``."""
 from __future__ import annotations
 
-from ..backends.base import backend_ops, computes
+from ..backends.base import Backend, backend_ops, computes
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError
 from ..problem import Problem
 from .choice import Choice
@@ -36,15 +36,15 @@ class UntunedChoices:
                    problem.m, c.backend.name)
         return c
 
-    def _named_choice(self, name: str | None, problem: Problem) -> Choice | None:
-        nk = (name or self._forced, *problem.key)
-        c = self._named.get(nk)
-        if c is not None:
-            return c
-        b = self._by_name.get(nk[0])
+    def named_backend(self, name: str | None, problem: Problem) -> Backend | None:
+        """The backend that ``name`` (None: ``FP4DISPATCH_BACKEND``) forces on ``problem``'s op, or None where the
+        variable's backend computes other ops only (those calls are decided as usual). An unknown name, or a
+        ``backend=`` of another op, is the caller's mistake: InvalidInputError. Nothing is probed."""
+        given = name or self._forced
+        b = self._by_name.get(given)
         if b is None:
             what = "backend" if name is not None else "FP4DISPATCH_BACKEND"
-            raise InvalidInputError(f"{problem.call}: {what} must be one of {sorted(self._by_name)}; got {nk[0]!r}"
+            raise InvalidInputError(f"{problem.call}: {what} must be one of {sorted(self._by_name)}; got {given!r}"
                                     + ("" if name is not None else ". Fix or unset the variable"))
         if not computes(b, problem.op):
             if name is None:  # FP4DISPATCH_BACKEND forces the ops its backend computes; others are decided as usual
@@ -52,6 +52,16 @@ class UntunedChoices:
             ok = sorted(x.name for x in self.backends if computes(x, problem.op))
             raise InvalidInputError(f"{problem.call}: backend {b.name!r} computes {' and '.join(backend_ops(b))} "
                                     f"only; pass one of {ok} or none")
+        return b
+
+    def _named_choice(self, name: str | None, problem: Problem) -> Choice | None:
+        nk = (name or self._forced, *problem.key)
+        c = self._named.get(nk)
+        if c is not None:
+            return c
+        b = self.named_backend(name, problem)
+        if b is None:
+            return None
         with self._lock:
             v = self._state(problem.device, problem.op)[1][b.name]
         if v.status != "ok":
