@@ -7,7 +7,9 @@ import threading
 
 import torch
 
-from .validate import check_fp4_mm_args
+from .validate import check_alpha, check_fp4_mm_args, check_w4a16_mm_args
+
+_F32_MAX = torch.finfo(torch.float32).max
 
 __all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm", "get_dispatcher", "set_dispatcher",
            "run_fp4_mm"]
@@ -101,12 +103,7 @@ def w4a16_mm(
         [M, N] tensor of ``out_dtype`` (``out`` itself when given).
     """
     if torch.compiler.is_compiling():
-        if isinstance(alpha, (float, int)) and not isinstance(alpha, bool):  # the op's alpha is a Tensor?
-            alpha = torch.full((1,), float(alpha), dtype=torch.float32, device=a.device)
-        if out is None:
-            return torch.ops.fp4dispatch.w4a16_mm(a, b, b_scale, alpha, out_dtype, scale_layout, backend)
-        torch.ops.fp4dispatch.w4a16_mm_out(a, b, b_scale, alpha, out, scale_layout, backend)
-        return out
+        return _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
     d = _default if _default is not None else get_dispatcher()
     return d.w4a16_mm(a, b, b_scale, alpha, out_dtype=out_dtype, out=out, scale_layout=scale_layout, backend=backend)
 
@@ -213,6 +210,32 @@ def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend
         check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
     torch.ops.fp4dispatch.fp4_mm_out(a, b, a_scale, b_scale, at, av, out, scale_layout, backend)
     return out
+
+
+def _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:
+    """``w4a16_mm``'s arguments -> its custom op. The op's alpha is a tensor or None, and its out variant takes the
+    out dtype from ``out``: what it cannot carry or would not see (another alpha, a float past float32, an ``out`` of
+    another dtype than the call's) fails here, at trace time, with eager's message."""
+    if not isinstance(a, torch.Tensor):
+        check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)  # raises eager's message
+    al = _traced_alpha(alpha, a, "w4a16_mm")
+    if out is None:
+        return torch.ops.fp4dispatch.w4a16_mm(a, b, b_scale, al, out_dtype, scale_layout, backend)
+    if not isinstance(out, torch.Tensor) or out.dtype != (a.dtype if out_dtype is None else out_dtype):
+        check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)  # raises eager's message
+    torch.ops.fp4dispatch.w4a16_mm_out(a, b, b_scale, al, out, scale_layout, backend)
+    return out
+
+
+def _traced_alpha(alpha, a: torch.Tensor, call: str) -> torch.Tensor | None:
+    """A traced call's alpha as its custom op takes it, a tensor (None stays None): a Python number that fits float32
+    becomes a float32 tensor on ``a``'s device; anything else goes through eager's check, which raises its message
+    (a bool, a str, a number past float32) or makes the tensor of what eager takes (NaN, inf, a NumPy number)."""
+    if alpha is None or isinstance(alpha, torch.Tensor):
+        return alpha
+    if isinstance(alpha, (float, int)) and not isinstance(alpha, bool) and abs(alpha) <= _F32_MAX:
+        return torch.full((1,), float(alpha), dtype=torch.float32, device=a.device)
+    return check_alpha(alpha, a.device, call)
 
 
 def get_dispatcher():

@@ -14,7 +14,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, swizzle_scales, swizzled_scale_shape
 from .problem import OUT_DTYPES, Operands, Problem
 
-__all__ = ["check_fp4_mm_args", "check_w4a16_mm_args"]
+__all__ = ["check_fp4_mm_args", "check_w4a16_mm_args", "check_alpha"]
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 
@@ -127,6 +127,15 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
     if alpha.device != device:
         raise _fail(f"alpha must be on {device} like a; got alpha.device={alpha.device}")
     return alpha
+
+
+def check_alpha(alpha: object, device: torch.device, call: str) -> torch.Tensor:
+    """``alpha`` checked as ``call`` checks it (its messages begin ``call:``) and made a float32 tensor on ``device``:
+    what a traced call runs before its custom op, whose schema cannot carry a Python alpha."""
+    try:
+        return _check_alpha(alpha, device)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{call}: " + str(e).removeprefix("fp4_mm: ")) from None
 
 
 _U8, _E4M3, _F32 = torch.uint8, torch.float8_e4m3fn, torch.float32

@@ -197,6 +197,36 @@ def test_w4a16_mm_compiles_fullgraph_with_a_tensor_or_a_python_float_alpha(tmp_p
         fp4dispatch.set_dispatcher(None)
 
 
+TRACED_ERRORS = [
+    ("out-vs-out_dtype", {"out_dtype": torch.float16, "out": "f32"},
+     r"w4a16_mm: out must be a contiguous \[M, N\]=\(3, 64\) tensor of dtype torch.float16 on cpu; got shape=\(3, "
+     r"64\), dtype=torch.float32.* or pass out_dtype"),
+    ("out-vs-a-dtype", {"out": "f32"},
+     r"w4a16_mm: out must be a contiguous \[M, N\]=\(3, 64\) tensor of dtype torch.bfloat16 on cpu; got .*"
+     r"dtype=torch.float32"),
+    ("alpha-1e39", {"alpha": 1e39}, r"w4a16_mm: alpha=1e\+39 does not fit in float32 \(largest 3.403e\+38\)"),
+    ("alpha-bool", {"alpha": True},
+     r"w4a16_mm: alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got bool"),
+    ("alpha-str", {"alpha": "0.5"},
+     r"w4a16_mm: alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got str"),
+]
+
+
+@pytest.mark.parametrize("kw, message", [c[1:] for c in TRACED_ERRORS], ids=[c[0] for c in TRACED_ERRORS])
+def test_a_compiled_w4a16_mm_fails_at_trace_time_with_the_eager_message(kw, message):
+    a, wq, ws, alpha = _args()
+    kw = {"alpha": alpha, **kw}
+    if kw.get("out") == "f32":
+        kw["out"] = torch.empty(3, 64, dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match=message):
+        fp4dispatch.w4a16_mm(a, wq, ws, **kw)
+    # dynamic=False: alpha is traced as the constant it is (a float Dynamo makes symbolic has no repr to print)
+    fn = torch.compile(lambda x: fp4dispatch.w4a16_mm(x, wq, ws, **kw), fullgraph=True, backend="aot_eager",
+                       dynamic=False)
+    with pytest.raises(Exception, match=message):  # Dynamo's error, which carries the eager one
+        fn(a)
+
+
 def test_fp4dispatch_backend_forces_only_the_ops_its_backend_computes(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_BACKEND", "fp4-only")
     fp4_only = FakeBackend("fp4-only", cost=1e-3)
