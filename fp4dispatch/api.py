@@ -8,6 +8,7 @@ import threading
 import torch
 
 from .validate import check_alpha, check_fp4_mm_args, check_w4a16_mm_args
+from .validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -144,13 +145,15 @@ def fp4_grouped_mm(
     Returns:
         [T, N] tensor of ``out_dtype`` (``out`` itself when given).
     """
-    if torch.compiler.is_compiling():
-        if not isinstance(alpha, torch.Tensor):
-            alpha = torch.full((1,), 1.0 if alpha is None else float(alpha), dtype=torch.float32, device=a.device)
+    if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
+        if not isinstance(a, torch.Tensor) or (out is not None and (not isinstance(out, torch.Tensor)
+                                                                     or out.dtype != out_dtype)):
+            check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
+        al = _traced_alpha(1.0 if alpha is None else alpha, a, "fp4_grouped_mm")
         if out is None:
-            return torch.ops.fp4dispatch.fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype,
-                                                        scale_layout, backend)
-        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend)
+            return torch.ops.fp4dispatch.fp4_grouped_mm(a, b, a_scale, b_scale, al, offs, out_dtype, scale_layout,
+                                                        backend)
+        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, al, offs, out, scale_layout, backend)
         return out
     d = _default if _default is not None else get_dispatcher()
     return d.fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out_dtype, out=out,
@@ -180,13 +183,14 @@ def w4a16_grouped_mm(
         alpha: float32 [E] (each expert's weight decode scale ``1/gs_b[e]``), one element, a float, or None (1).
         out_dtype: None (default: ``a.dtype``), torch.bfloat16, torch.float16 or torch.float32. out: [T, N].
     """
-    if torch.compiler.is_compiling():
-        if not isinstance(alpha, torch.Tensor):
-            alpha = torch.full((1,), 1.0 if alpha is None else float(alpha), dtype=torch.float32, device=a.device)
+    if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
+        if not isinstance(a, torch.Tensor) or (out is not None and (not isinstance(out, torch.Tensor) or out.dtype != (
+                a.dtype if out_dtype is None else out_dtype))):
+            check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
+        al = _traced_alpha(1.0 if alpha is None else alpha, a, "w4a16_grouped_mm")
         if out is None:
-            return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype, scale_layout,
-                                                          backend)
-        torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, alpha, offs, out, scale_layout, backend)
+            return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, al, offs, out_dtype, scale_layout, backend)
+        torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, al, offs, out, scale_layout, backend)
         return out
     d = _default if _default is not None else get_dispatcher()
     return d.w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out_dtype, out=out, scale_layout=scale_layout,

@@ -313,6 +313,33 @@ def test_a_swizzled_a_scale_must_fit_the_routing_and_any_routing_when_offs_is_no
         d.fp4_grouped_mm(a, b, sa[:256], sb, alpha, offs, check_offs=False)
 
 
+TRACED_ERRORS = [
+    ("out-vs-out_dtype", {"out_dtype": torch.float16, "out": "f32"},
+     r"fp4_grouped_mm: out must be a contiguous \[T, N\]=\(5, 64\) tensor of dtype torch.float16 on cpu that does not "
+     r"require grad; got shape=\(5, 64\), dtype=torch.float32"),
+    ("alpha-1e39", {"alpha": 1e39}, r"fp4_grouped_mm: alpha=1e\+39 does not fit in float32 \(largest 3.403e\+38\)"),
+    ("alpha-bool", {"alpha": True},
+     r"fp4_grouped_mm: alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got bool"),
+    ("alpha-str", {"alpha": "0.5"},
+     r"fp4_grouped_mm: alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got str"),
+]
+
+
+@pytest.mark.parametrize("kw, message", [c[1:] for c in TRACED_ERRORS], ids=[c[0] for c in TRACED_ERRORS])
+def test_a_compiled_call_fails_at_trace_time_with_the_eager_message(kw, message):
+    a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])
+    kw = {"alpha": alpha, **kw}
+    if kw.get("out") == "f32":
+        kw["out"] = torch.empty(5, 64, dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match=message):
+        fp4dispatch.fp4_grouped_mm(a, b, sa, sb, offs=offs, check_offs=False, **kw)
+    # dynamic=False: alpha is traced as the constant it is (a float Dynamo makes symbolic has no repr to print)
+    fn = torch.compile(lambda x: fp4dispatch.fp4_grouped_mm(x, b, sa, sb, offs=offs, **kw), fullgraph=True,
+                       backend="aot_eager", dynamic=False)
+    with pytest.raises(Exception, match=message):  # Dynamo's error, which carries the eager one
+        fn(a)
+
+
 def test_the_public_call_the_custom_ops_and_torch_compile_agree(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
     fp4dispatch.set_dispatcher(_disp([ReferenceBackend()], tmp_path))
