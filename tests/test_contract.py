@@ -71,8 +71,8 @@ def test_float4_and_uint8_views_accepted():
     assert torch.equal(x, y)
 
 
-def _empty_call(op, m, n, k=64, e=3):
-    """``op``'s arguments for an [m, n] result (the grouped ops: E=e experts, every row on the last)."""
+def _op_call(op, m, n, k=64, e=3):
+    """``op`` and its arguments for an [m, n] result (the grouped ops: E=e experts, every row on the last)."""
     from fp4dispatch.format_grouped import swizzle_expert_scales, swizzle_grouped_scales
 
     a, b, sa, sb, alpha = make_nvfp4_inputs(m, n, k)
@@ -93,7 +93,7 @@ def _empty_call(op, m, n, k=64, e=3):
 @pytest.mark.parametrize("op", ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm"])
 @pytest.mark.parametrize("m, n", [(0, 40), (4, 0), (0, 0)])
 def test_an_empty_m_or_n_returns_empty_and_still_checks_the_backend_name(monkeypatch, op, m, n):
-    fn, args = _empty_call(op, m, n)
+    fn, args = _op_call(op, m, n)
     out = fn(*args)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     given = torch.empty(m, n, dtype=torch.float32)
@@ -110,6 +110,21 @@ def test_an_empty_m_or_n_returns_empty_and_still_checks_the_backend_name(monkeyp
     with pytest.raises(InvalidInputError, match=rf"^{op}: FP4DISPATCH_BACKEND must be one of \[.*\]; got 'garbage'. "
                                                 r"Fix or unset the variable$"):
         fn(*args)
+
+
+@pytest.mark.parametrize("op", ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm"])
+def test_inputs_that_require_grad_give_results_without_autograd_history(op):
+    fn, args = _op_call(op, 4, 40)
+    args = tuple(t.clone().requires_grad_() if t.is_floating_point() and t.dtype != torch.float8_e4m3fn else t
+                 for t in args)  # the bf16 activations of the W4A16 ops and the alpha of every op
+    assert any(t.requires_grad for t in args)
+    y = fn(*args, backend="reference")
+    assert not y.requires_grad and y.grad_fn is None
+    out = torch.empty(4, 40, dtype=torch.bfloat16)
+    for _ in range(2):  # the second call reuses out, refused before if the first had given it a grad_fn
+        assert fn(*args, out=out, backend="reference") is out
+        assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, y)
 
 
 def test_nan_scale_gives_nan_rows_and_columns_only():

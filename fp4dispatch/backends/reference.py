@@ -16,6 +16,7 @@ from .base import BaseBackend, Config
 __all__ = ["ReferenceBackend", "reference_mm"]
 
 
+@torch.no_grad()  # the ops are not differentiable: an input that requires grad must not give out a grad_fn
 def reference_mm(problem: Problem, ops: Operands) -> torch.Tensor:
     """The exact result as float32 [M, N] (alpha applied); for ``w4a16`` ``a`` is used as it is; for ``grouped``
     each expert's rows against its own weight (``w4a16_grouped``: with ``a`` as it is)."""
