@@ -168,7 +168,7 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
             if out is None:
                 out = torch.empty((m, n), dtype=out_dtype, device=dev)
             elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()
-                      and not out.requires_grad):
+                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())):
                 raise ValueError  # explained by the slow path
             # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
             return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8, 0)),
@@ -223,7 +223,17 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
     if out.requires_grad:
         raise _fail("out must not require grad (the op is not differentiable and writes out in place); got "
                     "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
+    check_inference_out(out)
     return out
+
+
+def check_inference_out(out: torch.Tensor) -> None:
+    """An inference tensor (made under ``torch.inference_mode()``) cannot be written in place outside that mode: every
+    backend would fail on it. Raises InvalidInputError (``fp4_mm:``; the other calls put their own name first)."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise _fail("out was made under torch.inference_mode() and this call runs outside it, where torch lets "
+                    "nothing write an inference tensor in place; got out.is_inference()=True. Allocate out outside "
+                    "inference_mode, or make the call inside it (with torch.inference_mode(): ...)")
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -252,7 +262,7 @@ def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> t
             if out is None:
                 out = torch.empty((m, n), dtype=odt, device=dev)
             elif not (out.dtype is odt and out.shape == (m, n) and out.device == dev and out.is_contiguous()
-                      and not out.requires_grad):
+                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())):
                 raise ValueError  # explained by the slow path
             return _new(Problem, (m, n, k, odt, dev, adt, 0)), _new(Operands, (a, b, none, b_scale, alpha, out))
     except (AttributeError, ValueError, TypeError):

@@ -8,7 +8,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
 from .problem import OUT_DTYPES, GroupedOperands, Problem
-from .validate import _HALF, _check_alpha, _type_name, no_scale
+from .validate import _HALF, _check_alpha, _type_name, check_inference_out, no_scale
 
 __all__ = ["check_fp4_grouped_mm_args", "check_w4a16_grouped_mm_args", "check_offs_values"]
 
@@ -219,6 +219,10 @@ def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device)
         raise _fail(f"out must be a contiguous [T, N]=({t}, {n}) tensor of dtype {out_dtype} on {dev} that does not "
                     f"require grad; got {got}. Allocate it with torch.empty(({t}, {n}), dtype={out_dtype}, "
                     f"device={str(dev)!r}) or pass out_dtype")
+    try:
+        check_inference_out(out)
+    except InvalidInputError as err:
+        raise _fail(str(err).removeprefix("fp4_mm: ")) from None
     return out
 
 

@@ -127,6 +127,24 @@ def test_inputs_that_require_grad_give_results_without_autograd_history(op):
     assert torch.equal(out, y)
 
 
+@pytest.mark.parametrize("op", ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm"])
+def test_an_out_made_under_inference_mode_is_refused_outside_it(op):
+    fn, args = _op_call(op, 4, 40)
+    message = (rf"^{op}: out was made under torch.inference_mode\(\) and this call runs outside it, where torch lets "
+               r"nothing write an inference tensor in place; got out.is_inference\(\)=True. Allocate out outside "
+               r"inference_mode, or make the call inside it \(with torch.inference_mode\(\): ...\)$")
+    kw = {"check_offs": False} if "grouped" in op else {}  # grouped repeats skip validation only without the check
+    fn(*args, out=torch.empty(4, 40, dtype=torch.bfloat16), **kw)
+    with torch.inference_mode():
+        out = torch.empty(4, 40, dtype=torch.bfloat16)
+        assert fn(*args, out=out, **kw) is out  # inside the mode it is an ordinary out
+        inference_args = tuple(t.clone() for t in args)  # every tensor an inference tensor
+        assert fn(*inference_args, out=out, **kw) is out
+    for call_args in (args, inference_args):
+        with pytest.raises(InvalidInputError, match=message):
+            fn(*call_args, out=out, **kw)
+
+
 def test_nan_scale_gives_nan_rows_and_columns_only():
     from fp4dispatch import swizzle_scales, unswizzle_scales
 
