@@ -54,6 +54,14 @@ def _check_b_layout(a: torch.Tensor, b: torch.Tensor) -> None:
                 f"{tuple(a.shape)}, b.shape={tuple(b.shape)}{hint}")
 
 
+def _check_b_contiguous(b: torch.Tensor) -> None:
+    # b.contiguous() of a transposed view is a transposed weight, which would be multiplied silently: not the fix
+    if not b.is_contiguous():
+        hint = " It is a transposed view: pass the contiguous [N, K/2] weight itself" if b.T.is_contiguous() else (
+            " Call b.contiguous()")
+        raise _fail(f"b must be contiguous [N, K/2]; got strides {b.stride()} for shape {tuple(b.shape)}.{hint}")
+
+
 def _check_scale(s: object, name: str, rows: int, k: int, rows_name: str, layout: str, device) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         raise _fail(f"{name} must be a float8_e4m3fn tensor of block scales; got {type(s).__name__}")
@@ -94,7 +102,15 @@ def _check_scale(s: object, name: str, rows: int, k: int, rows_name: str, layout
     return s
 
 
-def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
+# what each call's alpha is (formula, what it is), as its messages say: W4A16's is the weight's decode global scale
+ALPHA_IS = {"fp4_mm": ("1/(gs_a*gs_b)", ""), "fp4_grouped_mm": ("1/(gs_a*gs_b[e])", ""),
+            "w4a16_mm": ("1/gs_b", " (the weight's decode global scale, e.g. ModelOpt's weight_scale_2)"),
+            "w4a16_grouped_mm": ("1/gs_b[e]", " (each expert's weight decode global scale, e.g. its weight_scale_2)")}
+
+
+def _check_alpha(alpha: object, device: torch.device, call: str = "fp4_mm") -> torch.Tensor:
+    """``call``'s alpha as a float32 tensor on ``device``. The messages name ``call`` and its alpha but begin
+    ``fp4_mm:``, as every check here does (the other calls' checks put their own name first)."""
     if alpha is None:
         one = _ONES.get(device)
         if one is None:
@@ -111,16 +127,16 @@ def _check_alpha(alpha: object, device: torch.device) -> torch.Tensor:
             value, too_big = math.nan, True
         if too_big:
             text = repr(alpha) if len(repr(alpha)) <= 24 else repr(alpha)[:20] + "..."
-            raise _fail(f"alpha={text} does not fit in float32 (largest {_F32_MAX:.4g}); alpha is 1/(gs_a*gs_b) and "
-                        "is normally far smaller: check the global scales")
+            raise _fail(f"alpha={text} does not fit in float32 (largest {_F32_MAX:.4g}); alpha is "
+                        f"{''.join(ALPHA_IS[call])} and is normally far smaller: check the global scales")
         return torch.full((1,), value, dtype=torch.float32, device=device)
     if not isinstance(alpha, torch.Tensor):
         raise _fail(f"alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got "
                     f"{_type_name(alpha)}")
     if alpha.dtype != torch.float32:
         raise _fail(
-            f"alpha must be float32; got dtype={alpha.dtype}. Compute 1/(gs_a*gs_b) in float32 (a bf16 global scale "
-            f"gave silently wrong outputs in FlashInfer #3398); fp4_mm never converts it for you"
+            f"alpha must be float32; got dtype={alpha.dtype}. Compute {''.join(ALPHA_IS[call])} in float32 (a bf16 "
+            f"global scale gave silently wrong outputs in FlashInfer #3398); {call} never converts it for you"
         )
     if alpha.numel() != 1:
         raise _fail(f"alpha must have exactly one element (a per-tensor scale); got alpha.shape={tuple(alpha.shape)}")
@@ -133,7 +149,7 @@ def check_alpha(alpha: object, device: torch.device, call: str) -> torch.Tensor:
     """``alpha`` checked as ``call`` checks it (its messages begin ``call:``) and made a float32 tensor on ``device``:
     what a traced call runs before its custom op, whose schema cannot carry a Python alpha."""
     try:
-        return _check_alpha(alpha, device)
+        return _check_alpha(alpha, device, call)
     except InvalidInputError as e:
         raise InvalidInputError(f"{call}: " + str(e).removeprefix("fp4_mm: ")) from None
 
@@ -198,10 +214,7 @@ def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> 
     if not a.is_contiguous():
         raise _fail(f"a must be contiguous [M, K/2]; got strides {a.stride()} for shape {tuple(a.shape)}. "
                     f"Call a.contiguous()")
-    if not b.is_contiguous():
-        hint = " It is a transposed view: pass the contiguous [N, K/2] weight itself" if b.T.is_contiguous() else (
-            " Call b.contiguous()")
-        raise _fail(f"b must be contiguous [N, K/2]; got strides {b.stride()} for shape {tuple(b.shape)}.{hint}")
+    _check_b_contiguous(b)
     sa = _check_scale(a_scale, "a_scale", m, k, "M", scale_layout, device)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device)
@@ -306,11 +319,9 @@ def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Pr
     if not a.is_contiguous():
         raise _fail(f"a must be contiguous [M, K]; got strides {a.stride()} for shape {tuple(a.shape)}. "
                     "Call a.contiguous()")
-    if not b.is_contiguous():
-        raise _fail(f"b must be contiguous [N, K/2]; got strides {b.stride()} for shape {tuple(b.shape)}. "
-                    "Call b.contiguous()")
+    _check_b_contiguous(b)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
-    al = _check_alpha(alpha, device)
+    al = _check_alpha(alpha, device, "w4a16_mm")
     out = _check_out(out, m, n, out_dtype, device)
     return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, no_scale(device), sb, al, out)
 

@@ -8,7 +8,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
 from .problem import OUT_DTYPES, GroupedOperands, Problem
-from .validate import _HALF, _check_alpha, _type_name, check_inference_out, no_scale
+from .validate import _HALF, ALPHA_IS, _check_alpha, _type_name, check_inference_out, no_scale
 
 __all__ = ["check_fp4_grouped_mm_args", "check_w4a16_grouped_mm_args", "check_offs_values"]
 
@@ -136,7 +136,7 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
         sa = swizzle_grouped_scales(sa, offs)
     if check_offs and not capturing and t:
         check_offs_values(offs, t, sa.shape[0] if scale_layout == "swizzled" else None)
-    al = _alpha(alpha, e, dev)
+    al = _alpha(alpha, e, dev, "fp4_grouped_mm")
     out = _out(out, t, n, out_dtype, dev)
     return (Problem(t, n, k, out_dtype, dev, torch.uint8, e),
             GroupedOperands(a, b, sa.view(torch.float8_e4m3fn), sb.view(torch.float8_e4m3fn), al, out, offs))
@@ -186,7 +186,7 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_offs and not capturing and t:
         check_offs_values(offs, t, None)
-    al = _alpha(alpha, e, dev)
+    al = _alpha(alpha, e, dev, "w4a16_grouped_mm")
     out = _out(out, t, n, out_dtype, dev)
     return (Problem(t, n, k, out_dtype, dev, a.dtype, e),
             GroupedOperands(a, b, no_scale(dev), sb.view(torch.float8_e4m3fn), al, out, offs))
@@ -226,11 +226,11 @@ def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device)
     return out
 
 
-def _alpha(alpha: object, e: int, dev: torch.device) -> torch.Tensor:
+def _alpha(alpha: object, e: int, dev: torch.device, call: str) -> torch.Tensor:
     if isinstance(alpha, torch.Tensor) and alpha.numel() == e and e > 1:
         if alpha.dtype != torch.float32:
-            raise _fail(f"alpha must be float32; got dtype={alpha.dtype}. Compute each expert's 1/(gs_a*gs_b[e]) in "
-                        "float32")
+            raise _fail(f"alpha must be float32; got dtype={alpha.dtype}. Compute each expert's "
+                        f"{''.join(ALPHA_IS[call])} in float32; {call} never converts it for you")
         if alpha.device != dev:
             raise _fail(f"alpha must be on {dev} like a; got alpha.device={alpha.device}")
         if alpha.dim() != 1 or not alpha.is_contiguous():
@@ -238,9 +238,9 @@ def _alpha(alpha: object, e: int, dev: torch.device) -> torch.Tensor:
                         f"strides={alpha.stride()}")
         return alpha
     if isinstance(alpha, torch.Tensor) and alpha.numel() not in (1, e):
-        raise _fail(f"alpha must have E={e} elements (one 1/(gs_a*gs_b[e]) per expert) or one; got "
+        raise _fail(f"alpha must have E={e} elements (one {ALPHA_IS[call][0]} per expert) or one; got "
                     f"alpha.shape={tuple(alpha.shape)}")
     try:
-        return _check_alpha(alpha, dev)
+        return _check_alpha(alpha, dev, call)
     except InvalidInputError as err:
         raise InvalidInputError("fp4_grouped_mm: " + str(err).removeprefix("fp4_mm: ")) from None

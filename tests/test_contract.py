@@ -201,7 +201,8 @@ BAD = [
     ("scale-looks-swizzled", _bad(scale_layout="linear"),
      r"a_scale with scale_layout='linear' must have shape \(4, 4\).*It has the swizzled layout's shape"),
     ("alpha-bf16", _bad(alpha=torch.ones(1, dtype=torch.bfloat16)),
-     r"alpha must be float32; got dtype=torch.bfloat16.*FlashInfer #3398.*never converts"),
+     r"^fp4_mm: alpha must be float32; got dtype=torch.bfloat16\. Compute 1/\(gs_a\*gs_b\) in float32 \(a bf16 "
+     r"global scale gave silently wrong outputs in FlashInfer #3398\); fp4_mm never converts it for you$"),
     ("alpha-numel", _bad(alpha=torch.ones(2)), r"alpha must have exactly one element.*got alpha.shape=\(2,\)"),
     ("alpha-type", _bad(alpha="1.0"), r"alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got str"),
     ("a-noncontig", _bad(a=torch.zeros(32, 4, dtype=torch.uint8).T),

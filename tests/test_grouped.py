@@ -271,7 +271,8 @@ ERRORS = [
      r"^fp4_grouped_mm: alpha must have E=4 elements \(one 1/\(gs_a\*gs_b\[e\]\) per expert\) or one; got "
      r"alpha.shape=\(3,\)$"),
     (dict(alpha=torch.ones(4, dtype=torch.float64)),
-     r"^fp4_grouped_mm: alpha must be float32; got dtype=torch.float64"),
+     r"^fp4_grouped_mm: alpha must be float32; got dtype=torch.float64\. Compute each expert's 1/\(gs_a\*gs_b\[e\]\) "
+     r"in float32; fp4_grouped_mm never converts it for you$"),
     (dict(b=torch.zeros(64, 64, dtype=torch.uint8)),
      r"^fp4_grouped_mm: b must be 3-D \[E, N, K/2\] .*; got b.shape=\(64, 64\)\. A 2-D weight is one expert: fp4_mm "
      r"takes it, or pass b.unsqueeze\(0\) for E=1$"),

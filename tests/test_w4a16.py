@@ -145,7 +145,17 @@ ERRORS = [
      r"^w4a16_mm: a must be contiguous \[M, K\]; got strides \(1, 3\) for shape \(3, 128\)\. Call a.contiguous\(\)$"),
     (lambda a, b, s, al: (a, b, s[:64], al), {},
      r"^w4a16_mm: b_scale with scale_layout='swizzled' must have shape \(128, 8\)"),
+    (lambda a, b, s, al: (a, b.T, s, al), {},  # a square weight, transposed: b.contiguous() would compute with it
+     r"^w4a16_mm: b must be contiguous \[N, K/2\]; got strides \(1, 64\) for shape \(64, 64\)\. It is a transposed "
+     r"view: pass the contiguous \[N, K/2\] weight itself$"),
     (lambda a, b, s, al: (a, b, s, al.half()), {}, r"^w4a16_mm: alpha must be float32; got dtype=torch.float16"),
+    (lambda a, b, s, al: (a, b, s, al.bfloat16()), {},
+     r"^w4a16_mm: alpha must be float32; got dtype=torch.bfloat16\. Compute 1/gs_b \(the weight's decode global "
+     r"scale, e.g. ModelOpt's weight_scale_2\) in float32 \(a bf16 global scale gave silently wrong outputs in "
+     r"FlashInfer #3398\); w4a16_mm never converts it for you$"),
+    (lambda a, b, s, al: (a, b, s, 1e39), {},
+     r"^w4a16_mm: alpha=1e\+39 does not fit in float32 \(largest 3.403e\+38\); alpha is 1/gs_b \(the weight's "
+     r"decode global scale, e.g. ModelOpt's weight_scale_2\) and is normally far smaller: check the global scales$"),
     (lambda a, b, s, al: (a, b, s, al), {"out_dtype": torch.int8},
      r"^w4a16_mm: out_dtype must be None \(a's dtype\), torch.bfloat16, torch.float16 or torch.float32; got "
      r"torch.int8$"),

@@ -112,7 +112,14 @@ def test_every_failure_mode_of_a_w4a16_grouped_backend_is_caught_per_key(tmp_pat
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al, offs - 1),
      r"^w4a16_grouped_mm: offs must be non-decreasing cumulative end rows starting at >= 0"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al[:3], offs),
-     r"^w4a16_grouped_mm: alpha must have E=4 elements \(one 1/\(gs_a\*gs_b\[e\]\) per expert\) or one"),
+     r"^w4a16_grouped_mm: alpha must have E=4 elements \(one 1/gs_b\[e\] per expert\) or one"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al.bfloat16(), offs),
+     r"^w4a16_grouped_mm: alpha must be float32; got dtype=torch.bfloat16\. Compute each expert's 1/gs_b\[e\] \(each "
+     r"expert's weight decode global scale, e.g. its weight_scale_2\) in float32; w4a16_grouped_mm never converts "
+     r"it for you$"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al[:1].bfloat16(), offs),
+     r"^w4a16_grouped_mm: alpha must be float32; got dtype=torch.bfloat16\. Compute 1/gs_b\[e\] \(each expert's "
+     r"weight decode global scale, e.g. its weight_scale_2\) in float32 .*; w4a16_grouped_mm never converts it"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al, offs, out_dtype=torch.int8),
      r"^w4a16_grouped_mm: out_dtype must be None \(a's dtype\), torch.bfloat16, torch.float16 or torch.float32; "
      r"got torch.int8$"),
