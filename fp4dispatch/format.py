@@ -11,6 +11,8 @@ kernel when Triton is importable (bit-identical to the torch path, which stays t
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .errors import InvalidInputError
@@ -30,6 +32,7 @@ __all__ = [
 BLOCK = 16  # K elements per e4m3 block scale
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+_F32_MAX = torch.finfo(torch.float32).max
 # Code -> value for the 16 e2m1 codes (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_LAYOUTS = ("swizzled", "linear")
@@ -85,6 +88,34 @@ def _check_layout(scale_layout: str) -> None:
         raise InvalidInputError(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
 
 
+def _global_scale(global_scale: object, device: torch.device, call: str) -> torch.Tensor | None:
+    """``global_scale`` as ``quantize_nvfp4`` and ``dequantize_nvfp4`` take it (None, a positive number that is
+    finite in float32, or a float32 tensor of one element), as a float32 [1] tensor on ``device`` (None stays None);
+    InvalidInputError naming ``call`` otherwise."""
+    if global_scale is None:
+        return None
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+            why = ("NVFP4 has one global scale per tensor: pass that one value, not a per-row or per-column scale"
+                   if global_scale.numel() != 1 else
+                   "compute it in float32: a bf16 global scale silently corrupts scales in some libraries")
+            raise InvalidInputError(f"{call}: global_scale must be a float32 tensor with one element; got "
+                                    f"dtype={global_scale.dtype}, shape={tuple(global_scale.shape)} ({why})")
+        return global_scale.reshape(1).to(device)
+    value = None
+    if isinstance(global_scale, numbers.Real) and not isinstance(global_scale, bool):  # Python and NumPy numbers
+        try:
+            value = float(global_scale)
+        except OverflowError:  # an int past the float range
+            pass
+    if value is None or not 0 < value <= _F32_MAX:
+        text = repr(global_scale) if len(repr(global_scale)) <= 24 else repr(global_scale)[:20] + "..."
+        raise InvalidInputError(f"{call}: global_scale must be a positive finite number (448*6/amax), a float32 "
+                                f"tensor, or None; got {text} ({type(global_scale).__name__}). Pass the encode scale "
+                                f"448*6/amax(x), at most {_F32_MAX:.4g} (float32)")
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 128x4 swizzle
 # ---------------------------------------------------------------------------------------------------------------
@@ -93,8 +124,10 @@ def swizzle_scales(linear: torch.Tensor) -> torch.Tensor:
 
     Element (r, c) lands at flat offset ``((r//128)*ceil(cols/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``.
     """
-    if linear.dim() != 2:
-        raise InvalidInputError(f"swizzle_scales: expected a 2-D [rows, K/16] tensor; got shape={tuple(linear.shape)}")
+    if not isinstance(linear, torch.Tensor) or linear.dim() != 2:
+        raise InvalidInputError(f"swizzle_scales: linear must be a 2-D [rows, K/16] tensor of block scales; got "
+                                f"{_describe(linear)}. Pass the scales as quantize_nvfp4(x, scale_layout='linear') "
+                                "returns them")
     rows, cols = linear.shape
     rp, cp = _round_up(rows, 128), _round_up(cols, 4)
     u8 = linear.view(torch.uint8) if linear.element_size() == 1 and linear.dtype != torch.uint8 else linear
@@ -107,12 +140,27 @@ def swizzle_scales(linear: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of :func:`swizzle_scales`: 2-D [Rp, Cp] or flattened swizzled scales -> linear [rows, cols]."""
+    if not isinstance(swizzled, torch.Tensor):
+        raise InvalidInputError(f"unswizzle_scales: swizzled must be a tensor of 128x4-swizzled block scales (what "
+                                f"swizzle_scales returns); got {_describe(swizzled)}")
+    for name, v, what in (("rows", rows, "M or N"), ("cols", cols, "K/16")):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise InvalidInputError(f"unswizzle_scales: {name} must be a non-negative int, the linear scale's "
+                                    f"{name} ({what}); got {v!r} ({type(v).__name__}). Pass int({name}) if it is a "
+                                    "whole number")
     rp, cp = _round_up(rows, 128), _round_up(cols, 4)
     if swizzled.numel() != rp * cp:
         raise InvalidInputError(
             f"unswizzle_scales: a swizzled scale for rows={rows}, cols={cols} has {rp}*{cp}={rp * cp} elements "
-            f"(padded to 128x4 tiles); got shape={tuple(swizzled.shape)}"
+            f"(padded to 128x4 tiles); got shape={tuple(swizzled.shape)}. Pass the rows and cols of the linear "
+            "scale it was swizzled from"
         )
+    return _unswizzle(swizzled, rows, cols)
+
+
+def _unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # unswizzle_scales past its checks (rows and cols may be symbolic ints here: dequantize_nvfp4 under torch.compile)
+    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
     t = swizzled.contiguous().view(rp // 128, cp // 4, 32, 4, 4)  # [tile_r, tile_c, r%32, (r%128)//32, c%4]
     t = t.permute(0, 3, 2, 1, 4).reshape(rp, cp)
     return t[:rows, :cols]
@@ -187,21 +235,7 @@ def quantize_nvfp4(
             f"quantize_nvfp4: K=x.shape[1] must be a multiple of {BLOCK} (one e4m3 scale per 16 values); "
             f"got x.shape={tuple(x.shape)}. Pad K with zeros to {_round_up(x.shape[1], BLOCK)}"
         )
-    if global_scale is None:
-        gs = None  # 448*6/amax(x): on the device with the kernels below, else default_global_scale
-    elif isinstance(global_scale, torch.Tensor):
-        if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
-            raise InvalidInputError(
-                "quantize_nvfp4: global_scale must be a float32 tensor with one element; got "
-                f"dtype={global_scale.dtype}, shape={tuple(global_scale.shape)} (a bf16 global scale silently "
-                "corrupts scales in some libraries: compute it in float32)"
-            )
-        gs = global_scale.reshape(1).to(x.device)
-    else:
-        if not (isinstance(global_scale, (int, float)) and 0 < float(global_scale) < float("inf")):
-            raise InvalidInputError(f"quantize_nvfp4: global_scale must be a positive finite number (448*6/amax), a "
-                                    f"float32 tensor, or None; got {global_scale!r}")
-        gs = torch.tensor([float(global_scale)], dtype=torch.float32, device=x.device)
+    gs = _global_scale(global_scale, x.device, "quantize_nvfp4")  # None: 448*6/amax(x), below
     x = x.contiguous()
     if x.is_cuda and x.shape[0] > 0:
         from .kernels import quantize as _tq
@@ -232,6 +266,11 @@ def dequantize_nvfp4(
     NaN block scales (e4m3 0x7F/0xFF) give NaN in their 16 values.
     """
     _check_layout(scale_layout)
+    for name, t, what in (("packed", packed, "packed NVFP4 codes [M, K/2]"),
+                          ("scale", scale, "float8_e4m3fn block scales")):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"dequantize_nvfp4: {name} must be a tensor of {what}, as quantize_nvfp4 returns "
+                                    f"them; got {_describe(t)}")
     p = as_packed_uint8(packed, "packed")
     s = as_e4m3(scale, "scale")
     if p.dim() != 2:
@@ -239,17 +278,27 @@ def dequantize_nvfp4(
     m, k = p.shape[0], p.shape[1] * 2
     if k % BLOCK:
         raise InvalidInputError(f"dequantize_nvfp4: K=2*packed.shape[1]={k} must be a multiple of {BLOCK}")
+    gs = _global_scale(global_scale, p.device, "dequantize_nvfp4")
+    sw, lin = swizzled_scale_shape(m, k), (m, k // BLOCK)
     if scale_layout == "swizzled":
-        s = unswizzle_scales(s, m, k // BLOCK)
-    elif tuple(s.shape) != (m, k // BLOCK):
-        raise InvalidInputError(
-            f"dequantize_nvfp4: linear scale must have shape {(m, k // BLOCK)}; got {tuple(s.shape)}"
-        )
+        if s.numel() != sw[0] * sw[1]:
+            hint = ("It has the linear layout's shape: pass scale_layout='linear'" if tuple(s.shape) == lin else
+                    "Pass the scale made with this packed (swizzle_scales makes it from the linear [M, K/16] one)")
+            raise InvalidInputError(
+                f"dequantize_nvfp4: scale with scale_layout='swizzled' must have shape {sw} = (round_up(M={m},128), "
+                f"round_up(K/16={k // BLOCK},4)) or that many elements flattened; got scale.shape="
+                f"{tuple(s.shape)}. {hint}")
+        s = _unswizzle(s, m, k // BLOCK)
+    elif tuple(s.shape) != lin:
+        hint = ("It has the swizzled layout's shape: pass scale_layout='swizzled'" if s.numel() == sw[0] * sw[1]
+                else "Pass the linear scale made with this packed")
+        raise InvalidInputError(f"dequantize_nvfp4: scale with scale_layout='linear' must have shape {lin} = (M, "
+                                f"K/16); got scale.shape={tuple(s.shape)}. {hint}")
     # code x scale is exact in any float dtype of >= 8 significand bits; a global scale divides in fp32 first
-    work = dtype if global_scale is None else torch.float32
+    work = dtype if gs is None else torch.float32
     out = (_decode(p, work).view(m, k // BLOCK, BLOCK) * s.to(work).unsqueeze(-1)).view(m, k)
-    if global_scale is not None:
-        out = out / (global_scale.float().to(out.device) if isinstance(global_scale, torch.Tensor) else global_scale)
+    if gs is not None:
+        out = out / gs
     return out.to(dtype)
 
 

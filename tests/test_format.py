@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,10 +177,83 @@ def test_swizzle_keeps_e4m3_dtype():
     (lambda: quantize_nvfp4(torch.randn(2, 16), scale_layout="tiled"), r"scale_layout must be one of .*got 'tiled'"),
     (lambda: dequantize_nvfp4(torch.randn(2, 8), torch.zeros(128, 4, dtype=torch.float8_e4m3fn)),
      r"packed must be packed NVFP4 data .*quantize first with quantize_nvfp4"),
-    (lambda: unswizzle_scales(torch.zeros(10, dtype=torch.uint8), 3, 2), r"has 128\*4=512 elements"),
-    (lambda: swizzle_scales(torch.zeros(4, dtype=torch.uint8)), r"expected a 2-D \[rows, K/16\] tensor"),
+    (lambda: unswizzle_scales(torch.zeros(10, dtype=torch.uint8), 3, 2),
+     r"^unswizzle_scales: a swizzled scale for rows=3, cols=2 has 128\*4=512 elements \(padded to 128x4 tiles\); got "
+     r"shape=\(10,\)\. Pass the rows and cols of the linear scale it was swizzled from$"),
+    (lambda: swizzle_scales(torch.zeros(4, dtype=torch.uint8)),
+     r"^swizzle_scales: linear must be a 2-D \[rows, K/16\] tensor of block scales; got shape=\(4,\), "
+     r"dtype=torch.uint8\. Pass the scales as quantize_nvfp4\(x, scale_layout='linear'\) returns them$"),
 ], ids=["k-not-16", "rank", "int-input", "bf16-global-scale", "zero-global-scale", "layout", "dequant-float", "unswizzle-size",
         "swizzle-rank"])
 def test_format_errors(call, match):
     with pytest.raises(InvalidInputError, match=match):
         call()
+
+
+_Q, _S, _ = quantize_nvfp4(torch.randn(4, 32))  # packed [4, 16], swizzled scale [128, 4]
+_GS_NUMBER = r"global_scale must be a positive finite number \(448\*6/amax\), a float32 tensor, or None; got "
+_GS_TENSOR = r"global_scale must be a float32 tensor with one element; got "
+_PER_TENSOR = r"\(NVFP4 has one global scale per tensor: pass that one value, not a per-row or per-column scale\)$"
+_IN_FP32 = r"\(compute it in float32: a bf16 global scale silently corrupts scales in some libraries\)$"
+FORMAT_ARGUMENT_ERRORS = [
+    ("gs-per-column", lambda: dequantize_nvfp4(_Q, _S, torch.ones(32)),
+     rf"^dequantize_nvfp4: {_GS_TENSOR}dtype=torch.float32, shape=\(32,\) {_PER_TENSOR}"),
+    ("gs-wrong-size", lambda: dequantize_nvfp4(_Q, _S, torch.ones(3)), rf"shape=\(3,\) {_PER_TENSOR}"),
+    ("gs-bf16", lambda: dequantize_nvfp4(_Q, _S, torch.ones(1, dtype=torch.bfloat16)),
+     rf"^dequantize_nvfp4: {_GS_TENSOR}dtype=torch.bfloat16, shape=\(1,\) {_IN_FP32}"),
+    ("gs-int-tensor", lambda: dequantize_nvfp4(_Q, _S, torch.ones(1, dtype=torch.int32)),
+     rf"^dequantize_nvfp4: {_GS_TENSOR}dtype=torch.int32"),
+    ("gs-bool-tensor", lambda: dequantize_nvfp4(_Q, _S, torch.ones(1, dtype=torch.bool)),
+     rf"^dequantize_nvfp4: {_GS_TENSOR}dtype=torch.bool"),
+    ("gs-bool", lambda: dequantize_nvfp4(_Q, _S, True),
+     rf"^dequantize_nvfp4: {_GS_NUMBER}True \(bool\)\. Pass the encode scale 448\*6/amax\(x\), at most 3.403e\+38 "
+     r"\(float32\)$"),
+    ("gs-str", lambda: dequantize_nvfp4(_Q, _S, "2688"), rf"^dequantize_nvfp4: {_GS_NUMBER}'2688' \(str\)\. Pass"),
+    ("gs-negative", lambda: dequantize_nvfp4(_Q, _S, -1.0), rf"^dequantize_nvfp4: {_GS_NUMBER}-1.0 \(float\)"),
+    ("gs-past-f32", lambda: quantize_nvfp4(torch.randn(2, 16), 1e39),
+     rf"^quantize_nvfp4: {_GS_NUMBER}1e\+39 \(float\)"),
+    ("gs-bool-quantize", lambda: quantize_nvfp4(torch.randn(2, 16), True), rf"^quantize_nvfp4: {_GS_NUMBER}True"),
+    ("gs-per-row-quantize", lambda: quantize_nvfp4(torch.randn(2, 16), torch.ones(2)),
+     rf"^quantize_nvfp4: {_GS_TENSOR}dtype=torch.float32, shape=\(2,\) {_PER_TENSOR}"),
+    ("packed-none", lambda: dequantize_nvfp4(None, _S),
+     r"^dequantize_nvfp4: packed must be a tensor of packed NVFP4 codes \[M, K/2\], as quantize_nvfp4 returns them; "
+     r"got NoneType$"),
+    ("scale-none", lambda: dequantize_nvfp4(_Q, None),
+     r"^dequantize_nvfp4: scale must be a tensor of float8_e4m3fn block scales, as quantize_nvfp4 returns them; got "
+     r"NoneType$"),
+    ("scale-swizzled-size", lambda: dequantize_nvfp4(_Q, _S[:64]),
+     r"^dequantize_nvfp4: scale with scale_layout='swizzled' must have shape \(128, 4\) = \(round_up\(M=4,128\), "
+     r"round_up\(K/16=2,4\)\) or that many elements flattened; got scale.shape=\(64, 4\)\. Pass the scale made with "
+     r"this packed \(swizzle_scales makes it from the linear \[M, K/16\] one\)$"),
+    ("scale-is-linear", lambda: dequantize_nvfp4(_Q, unswizzle_scales(_S, 4, 2)),
+     r"got scale.shape=\(4, 2\)\. It has the linear layout's shape: pass scale_layout='linear'$"),
+    ("scale-is-swizzled", lambda: dequantize_nvfp4(_Q, _S, scale_layout="linear"),
+     r"^dequantize_nvfp4: scale with scale_layout='linear' must have shape \(4, 2\) = \(M, K/16\); got "
+     r"scale.shape=\(128, 4\)\. It has the swizzled layout's shape: pass scale_layout='swizzled'$"),
+    ("swizzle-none", lambda: swizzle_scales(None),
+     r"^swizzle_scales: linear must be a 2-D \[rows, K/16\] tensor of block scales; got NoneType\. Pass"),
+    ("unswizzle-none", lambda: unswizzle_scales(None, 3, 2),
+     r"^unswizzle_scales: swizzled must be a tensor of 128x4-swizzled block scales \(what swizzle_scales returns\); "
+     r"got NoneType$"),
+    ("unswizzle-float-rows", lambda: unswizzle_scales(_S, 3.0, 2),
+     r"^unswizzle_scales: rows must be a non-negative int, the linear scale's rows \(M or N\); got 3.0 \(float\)\. "
+     r"Pass int\(rows\) if it is a whole number$"),
+    ("unswizzle-negative-cols", lambda: unswizzle_scales(_S, 3, -2),
+     r"^unswizzle_scales: cols must be a non-negative int, the linear scale's cols \(K/16\); got -2 \(int\)"),
+]
+
+
+@pytest.mark.parametrize("call, match", [c[1:] for c in FORMAT_ARGUMENT_ERRORS],
+                         ids=[c[0] for c in FORMAT_ARGUMENT_ERRORS])
+def test_format_helpers_check_their_arguments(call, match):
+    with pytest.raises(InvalidInputError, match=match):
+        call()
+
+
+def test_a_global_scale_divides_as_before_and_numpy_numbers_are_taken():
+    q, s, g = quantize_nvfp4(torch.randn(4, 32))
+    ref = dequantize_nvfp4(q, s) / g
+    assert torch.equal(dequantize_nvfp4(q, s, g), ref)
+    assert torch.equal(dequantize_nvfp4(q, s, float(g)), ref)
+    assert torch.equal(dequantize_nvfp4(q, s, np.float32(g.item())), ref)
+    assert torch.equal(quantize_nvfp4(torch.randn(4, 32), np.float32(2.5))[2], torch.tensor([2.5]))
