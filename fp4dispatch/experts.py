@@ -24,7 +24,7 @@ from .format import BLOCK, quantize_nvfp4
 from .format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
 from .modes import ModeChoice
 from .problem import OUT_DTYPES
-from .stored import stored_weight
+from .stored import layer_size, stored_weight
 
 __all__ = ["Fp4Experts"]
 
@@ -70,12 +70,9 @@ class Fp4Experts(ModeChoice, nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, device=None, mode: str = "auto"):
         super().__init__()
         self._set_mode(mode)
-        for name, v in (("num_experts", num_experts), ("out_features", out_features)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise InvalidInputError(f"Fp4Experts: {name} must be a positive int; got {v!r}")
-        if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
-            raise InvalidInputError(f"Fp4Experts: in_features must be a positive multiple of {BLOCK} (one e4m3 "
-                                    f"scale per 16 values); got {in_features!r}. Pad K with zeros")
+        layer_size("Fp4Experts", "num_experts", num_experts)
+        layer_size("Fp4Experts", "in_features", in_features, BLOCK)
+        layer_size("Fp4Experts", "out_features", out_features)
         e, n, k = num_experts, out_features, in_features
         self.num_experts, self.in_features, self.out_features = e, k, n
         rn, cp = -(-n // 128) * 128, -(-(k // BLOCK) // 4) * 4

@@ -29,7 +29,7 @@ from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
 from .modes import MODES, ModeChoice, native_fp4_backend
 from .moe import Fp4MoeExperts
-from .stored import scalar_scale, stored_weight
+from .stored import layer_size, scalar_scale, stored_weight
 from .problem import OUT_DTYPES
 
 __all__ = ["Fp4Linear", "Fp4Experts", "Fp4MoeExperts", "MODES", "native_fp4_backend"]
@@ -59,11 +59,8 @@ class Fp4Linear(ModeChoice, nn.Module):
         super().__init__()
         self._set_mode(mode)
         self._views: tuple | None = None  # _weight_views' cache
-        if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK:
-            raise InvalidInputError(f"Fp4Linear: in_features must be a positive multiple of {BLOCK} (one e4m3 "
-                                    f"scale per 16 values); got {in_features!r}. Pad K with zeros")
-        if not isinstance(out_features, int) or out_features <= 0:
-            raise InvalidInputError(f"Fp4Linear: out_features must be a positive int; got {out_features!r}")
+        layer_size("Fp4Linear", "in_features", in_features, BLOCK)
+        layer_size("Fp4Linear", "out_features", out_features)
         self.in_features, self.out_features = in_features, out_features
         n, k = out_features, in_features
         self.register_buffer("weight", torch.zeros((n, k // 2), dtype=torch.uint8, device=device))

@@ -7,7 +7,22 @@ import torch
 from .errors import InvalidInputError
 from .format import BLOCK, as_e4m3, as_packed_uint8
 
-__all__ = ["scalar_scale", "stored_weight"]
+__all__ = ["scalar_scale", "stored_weight", "layer_size"]
+
+
+def layer_size(who: str, name: str, v: object, block: int = 1) -> int:
+    """A layer's size argument (``in_features``, ``out_features``, ``num_experts``): a positive int, and a multiple
+    of ``block`` for K (one e4m3 scale per 16 values). bool is refused although Python counts it an int:
+    ``Fp4Linear(64, True)`` is a mistaken argument, never a size of 1."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        fix = f"int({v!r})" if isinstance(v, float) and v.is_integer() else "the layer's size as an int"
+        raise InvalidInputError(f"{who}: {name} must be a positive int; got {type(v).__name__} {v!r}. Pass {fix}")
+    if v <= 0:
+        raise InvalidInputError(f"{who}: {name} must be a positive int; got {v!r}")
+    if v % block:
+        raise InvalidInputError(f"{who}: {name} must be a positive multiple of {block} (one e4m3 scale per {block} "
+                                f"values); got {v!r}. Pad K with zeros to {-(-v // block) * block}")
+    return v
 
 
 def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: bool = False) -> torch.Tensor:

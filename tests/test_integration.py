@@ -11,7 +11,7 @@ from fp4dispatch.backends.reference import reference_mm
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.errors import InvalidInputError
 from fp4dispatch.format import dequantize_nvfp4, quantize_nvfp4, swizzled_scale_shape
-from fp4dispatch.nn import Fp4Linear
+from fp4dispatch.nn import Fp4Experts, Fp4Linear
 from fp4dispatch.problem import Operands, Problem
 from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 
@@ -283,6 +283,16 @@ def test_fp4linear_from_modelopt_errors(args, match):
     pytest.param(lambda: Fp4Linear(100, 8), r"in_features must be a positive multiple of 16 .*got 100",
                  id="in-features"),
     pytest.param(lambda: Fp4Linear(64, 0), r"out_features must be a positive int; got 0", id="out-features"),
+    pytest.param(lambda: Fp4Linear(64, True), r"^Fp4Linear: out_features must be a positive int; got bool True\. Pass "
+                 r"the layer's size as an int$", id="out-features-bool"),
+    pytest.param(lambda: Fp4Linear(64.0, 8), r"^Fp4Linear: in_features must be a positive int; got float 64\.0\. Pass "
+                 r"int\(64\.0\)$", id="in-features-float"),
+    pytest.param(lambda: Fp4Linear(100, 8), r"^Fp4Linear: in_features must be a positive multiple of 16 \(one e4m3 "
+                 r"scale per 16 values\); got 100\. Pad K with zeros to 112$", id="in-features-pad"),
+    pytest.param(lambda: Fp4Experts(2, 64, True), r"^Fp4Experts: out_features must be a positive int; got bool True",
+                 id="experts-out-bool"),
+    pytest.param(lambda: Fp4Experts(2, 64.0, 8), r"^Fp4Experts: in_features must be a positive int; got float 64\.0",
+                 id="experts-in-float"),
     pytest.param(lambda: Fp4Linear(64, 8, mode="fp8"), r"^Fp4Linear: mode must be one of \('auto', 'w4a4', 'w4a16'\); "
                  r"got 'fp8'\. 'auto' picks W4A4 where FP4 tensor cores serve it, else W4A16$", id="mode"),
     pytest.param(lambda: Fp4Linear.from_linear(torch.nn.Conv1d(1, 1, 1)),
