@@ -32,6 +32,15 @@ def native_fp4_backend(device: torch.device, op: str = "fp4_mm") -> str | None:
     return name
 
 
+@torch.compiler.assume_constant_result
+def _auto_mode(device: torch.device, op: str) -> str:
+    """What "auto" resolves to on ``device``. Under torch.compile Dynamo runs this eagerly while tracing and keeps its
+    answer as a constant: the dispatcher it asks holds a lock and probes backends, neither of which Dynamo can trace,
+    so a layer whose first call is a compiled one (``fullgraph=True``) would otherwise fail. Outside a trace the mark
+    changes nothing."""
+    return "w4a4" if native_fp4_backend(device, op) else "w4a16"
+
+
 class ModeChoice:
     """What an nn layer with a ``mode`` shares: the check of the mode it is given and ``resolved_mode``, decided once
     per device. Subclasses name the op whose FP4 tensor-core backends make "auto" pick W4A4 (``mode_op``) and how
@@ -57,5 +66,5 @@ class ModeChoice:
             return self.mode
         got = self._modes.get(device)
         if got is None:
-            got = self._modes[device] = "w4a4" if native_fp4_backend(device, self.mode_op) else "w4a16"
+            got = self._modes[device] = _auto_mode(device, self.mode_op)
         return got

@@ -189,6 +189,29 @@ def test_fp4linear_compiles_fullgraph_equal_to_eager():
         assert torch.equal(_compile(q)(x), q(x)), mode
 
 
+def test_fp4linear_auto_resolves_inside_a_fullgraph_compile(tmp_path):
+    """mode="auto" decided by the layer's first call, a compiled one: the dispatcher it asks (a lock, probes) runs at
+    trace time, not traced; W4A4 where a backend on FP4 tensor cores is healthy, else W4A16, as eagerly."""
+    from fp4dispatch.backends.reference import ReferenceBackend
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(64, 48)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    native = FakeBackend("native-fp4", cost=1e-6)
+    native.fp4_tensor_cores = True
+    try:
+        for backends, want in (([ReferenceBackend()], "w4a16"), ([native, ReferenceBackend()], "w4a4")):
+            fp4dispatch.set_dispatcher(Dispatcher(backends, cache_dir=tmp_path / want, do_bench=fake_do_bench))
+            torch._dynamo.reset()  # a fresh process: the answer is kept by the compiled code, like a layer's own
+            q = Fp4Linear.from_linear(lin)
+            compiled = _compile(q)
+            y = compiled(x)
+            assert q.resolved_mode(CPU) == want and torch.equal(y, Fp4Linear.from_linear(lin, mode=want)(x)), want
+            assert torch.equal(compiled(x), y)  # the second call: "auto" already decided on the layer
+    finally:
+        fp4dispatch.set_dispatcher(None)
+
+
 def test_fp4linear_empty_batch():
     q = Fp4Linear.from_linear(torch.nn.Linear(64, 16))
     y = q(torch.randn(0, 3, 64))
