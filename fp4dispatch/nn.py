@@ -71,8 +71,9 @@ class Fp4Linear(ModeChoice, nn.Module):
         # a static activation *encode* scale as a checkpoint stores it (compressed-tensors' input_global_scale): used
         # as it is, never inverted twice
         self.register_buffer("input_global_scale", None)
-        # derived from the scales above (not saved): the static alpha and the activation encode scale
-        self.register_buffer("_alpha", None, persistent=False)
+        # 1/input_scale (not saved), made when input_scale is set (_refresh): the encode scale a ModelOpt static
+        # scale quantizes x with. alpha is never kept: each call divides weight_scale_2 by the encode scale x was
+        # quantized with, so a scale written in place is what the next call (or graph replay) uses
         self.register_buffer("_input_global_scale", None, persistent=False)
         self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
 
@@ -117,8 +118,9 @@ class Fp4Linear(ModeChoice, nn.Module):
             bias: optional [N].
             mode: "auto", "w4a4" or "w4a16" (the module docstring).
 
-        W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are
-        quantized with ``1/input_scale``.
+        W4A16: ``alpha = weight_scale_2``. W4A4: activations are quantized with ``1/input_scale`` and
+        ``alpha = weight_scale_2 / (1/input_scale)`` (vLLM's ``input_scale * weight_scale_2`` but for one fp32 rounding:
+        the decode scale of x as quantized).
         """
         who = "Fp4Linear.from_modelopt"
         w, sc = stored_weight(who, weight, weight_scale, "weight", "weight_scale")
@@ -192,16 +194,9 @@ class Fp4Linear(ModeChoice, nn.Module):
         self._refresh()
 
     def _refresh(self) -> None:
-        if self.input_global_scale is not None:  # stored as an encode scale: used as it is
-            self._input_global_scale = self.input_global_scale
-            self._alpha = _bits(_f32(self.weight_scale_2) / _f32(self.input_global_scale))
-            return
-        if self.input_scale is None:
-            self._alpha = self._input_global_scale = None
-            return
-        s_in = _f32(self.input_scale)
-        self._alpha = _bits(s_in * _f32(self.weight_scale_2))
-        self._input_global_scale = _bits(1.0 / s_in)
+        # compressed-tensors' input_global_scale is an encode scale, read by each call as it is
+        s = self.input_scale
+        self._input_global_scale = None if s is None or self.input_global_scale is not None else _bits(1.0 / _f32(s))
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -242,16 +237,29 @@ class Fp4Linear(ModeChoice, nn.Module):
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, scale, decode = self._weight_views()
-        if self._input_global_scale is None:
+        b = self._buffers
+        enc = b["input_global_scale"]
+        if enc is None:
+            enc = b["_input_global_scale"]
+        if enc is None:  # dynamic: 448*6/amax(x), on the device
             xq, xs, gs = quantize_nvfp4(x2)
-            alpha = decode / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:
-            xq, xs, _ = quantize_nvfp4(x2, _f32(self._input_global_scale))
-            alpha = _f32(self._alpha)
-        return fp4_mm(xq, w, xs, scale, alpha, out_dtype=x2.dtype)
+            gs = _f32(enc)
+            xq, xs, _ = quantize_nvfp4(x2, gs)
+        # 1/(gs_a*gs_w): one one-element op on the device (no host sync, captured by a graph), from the scales as
+        # they are now; a cached alpha would miss a weight_scale_2 written in place
+        return fp4_mm(xq, w, xs, scale, decode / gs, out_dtype=x2.dtype)
+
+    def __getstate__(self) -> dict:
+        # _views holds dtype views of the buffers (a uint8 and a float8 tensor of one storage), which torch.save
+        # refuses and pickle would restore as copies apart from the buffers; the next call makes them again
+        state = super().__getstate__()
+        state["_views"] = None
+        return state
 
     def extra_repr(self) -> str:
-        scale = "static" if self._input_global_scale is not None else "dynamic"
+        static = self.input_global_scale is not None or self.input_scale is not None
+        scale = "static" if static else "dynamic"
         mode = self.mode_repr()
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"mode={mode}, activation_scale={scale}")

@@ -181,6 +181,48 @@ def test_fp4linear_never_serves_stale_weight_views(mode):
     assert qa(x).abs().max() == 0 and not torch.equal(ya, yb)
 
 
+@pytest.mark.parametrize("kind", ["modelopt-static", "compressed-tensors-static", "dynamic", "w4a16"])
+def test_fp4linear_sees_a_scale_written_in_place(kind):
+    """weight_scale_2 (and compressed-tensors' input_global_scale) written in place, as a weight update does: the
+    next call uses it in every mode, W4A4 with a static scale included (alpha is derived per call, never kept)."""
+    torch.manual_seed(6)
+    w, x = torch.randn(48, 64), torch.randn(3, 64)
+    packed, scale, gs = quantize_nvfp4(w, scale_layout="linear")
+    if kind == "compressed-tensors-static":
+        q = Fp4Linear.from_compressed_tensors(packed, scale, gs, torch.tensor([500.0]), mode="w4a4")
+    else:
+        q = Fp4Linear.from_modelopt(packed, scale, 1 / gs, torch.tensor(0.002) if kind == "modelopt-static" else None,
+                                    mode="w4a16" if kind == "w4a16" else "w4a4")
+    y = q(x)
+    q.weight_scale_2.copy_((2 / gs).reshape(1).view(torch.int32))  # the layer's storage: fp32 bits
+    assert torch.equal(q(x), 2 * y), kind  # a power of two: exact
+    if kind == "compressed-tensors-static":  # the stored encode scale is read by each call too
+        q.input_global_scale.copy_(torch.tensor([250.0]).view(torch.int32))
+        want = Fp4Linear.from_compressed_tensors(packed, scale, gs / 2, torch.tensor([250.0]), mode="w4a4")
+        assert torch.equal(q(x), want(x))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_fp4linear_pickles_and_saves_after_a_call(mode):
+    """The views a call keeps of the buffers (a float8 view of the uint8 scales) stay out of pickle and torch.save:
+    torch.save refuses two dtypes of one storage, and pickle would restore them apart from the buffers."""
+    import io
+    import pickle
+
+    torch.manual_seed(7)
+    q = Fp4Linear.from_linear(torch.nn.Linear(64, 48, bias=False), input_scale=0.002, mode=mode)
+    x = torch.randn(3, 64)
+    y = q(x)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    for back in (pickle.loads(pickle.dumps(q)), torch.load(buf, weights_only=False)):
+        assert torch.equal(back(x), y)
+        back.weight_scale_2.copy_(back.weight_scale_2.view(torch.float32).mul(2).view(torch.int32))
+        assert torch.equal(back(x), 2 * y)  # its views are of its own buffers
+    assert torch.equal(q(x), y)
+
+
 def test_fp4linear_compiles_fullgraph_equal_to_eager():
     torch.manual_seed(3)
     for mode in ("w4a4", "w4a16"):
