@@ -24,7 +24,7 @@ from .format import BLOCK, quantize_nvfp4
 from .format_grouped import grouped_scale_rows, swizzle_expert_scales, swizzle_grouped_scales
 from .modes import ModeChoice
 from .problem import OUT_DTYPES
-from .stored import layer_size, stored_weight
+from .stored import layer_size, stored_weight, load_layer_state
 
 __all__ = ["Fp4Experts"]
 
@@ -146,6 +146,12 @@ class Fp4Experts(ModeChoice, nn.Module):
             igs = _per_expert(input_global_scale, "input_global_scale", e, who)
             mod.input_global_scale = _bits(igs.min()).to(mod.weight.device)
         return mod
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a static activation scale loads into a dynamic layer too (stored.load_layer_state)
+        parent = super()._load_from_state_dict
+        load_layer_state(self, lambda sd, p: parent(sd, p, *args, **kwargs), state_dict, prefix,
+                         "Fp4Experts.load_state_dict")
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, *, check_offs: bool = True) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:

@@ -29,7 +29,7 @@ from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
 from .modes import MODES, ModeChoice, native_fp4_backend
 from .moe import Fp4MoeExperts
-from .stored import layer_size, scalar_scale, stored_weight
+from .stored import layer_size, scalar_scale, stored_weight, load_layer_state
 from .problem import OUT_DTYPES
 
 __all__ = ["Fp4Linear", "Fp4Experts", "Fp4MoeExperts", "MODES", "native_fp4_backend"]
@@ -198,8 +198,11 @@ class Fp4Linear(ModeChoice, nn.Module):
         s = self.input_scale
         self._input_global_scale = None if s is None or self.input_global_scale is not None else _bits(1.0 / _f32(s))
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a static activation scale loads into a dynamic layer too (stored.load_layer_state)
+        parent = super()._load_from_state_dict
+        load_layer_state(self, lambda sd, p: parent(sd, p, *args, **kwargs), state_dict, prefix,
+                         "Fp4Linear.load_state_dict")
         self._refresh()
 
     # -- forward -----------------------------------------------------------------------------------------------

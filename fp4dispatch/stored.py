@@ -7,7 +7,12 @@ import torch
 from .errors import InvalidInputError
 from .format import BLOCK, as_e4m3, as_packed_uint8
 
-__all__ = ["scalar_scale", "stored_weight", "layer_size"]
+__all__ = ["scalar_scale", "stored_weight", "layer_size", "load_layer_state"]
+
+# what the layers hold (their state dicts): bytes and fp32 bit patterns, never values nn.Module may cast
+_STORAGE = {"weight": torch.uint8, "weight_scale": torch.uint8, "weight_scale_2": torch.int32,
+            "input_scale": torch.int32, "input_global_scale": torch.int32}
+_STATIC = ("input_scale", "input_global_scale")
 
 
 def layer_size(who: str, name: str, v: object, block: int = 1) -> int:
@@ -76,3 +81,45 @@ def stored_weight(who: str, weight: object, weight_scale: object, wname: str, sn
     if k % BLOCK:
         raise InvalidInputError(f"{who}: K=2*{wname}.shape[1]={k} must be a multiple of {BLOCK}")
     return w, s
+
+
+def load_layer_state(module, load, state_dict: dict, prefix: str, who: str) -> None:
+    """``_load_from_state_dict`` of an ``Fp4Linear`` or ``Fp4Experts`` (``load``: nn.Module's): check that each
+    tensor is the layer's own storage (torch copies another dtype in by value: fp32 scales into int32 bit buffers
+    would be garbage), and set the static activation scale (``input_scale`` or ``input_global_scale``) here.
+    nn.Module loads no key into a buffer that is None, so a dynamic layer would refuse a static layer's state dict
+    ("Unexpected key") or, with strict=False, drop its scale; given one, the layer becomes static with it (and the
+    other kind of static scale goes). A state dict with neither leaves a static layer's scale to nn.Module, which
+    reports it missing."""
+    for name, dtype in _STORAGE.items():
+        t = state_dict.get(prefix + name)
+        if isinstance(t, torch.Tensor) and t.dtype != dtype:
+            what = "bytes" if dtype == torch.uint8 else "fp32 bit patterns"
+            fix = (f"t.view({dtype})" if t.element_size() == dtype.itemsize else
+                   "t.float().reshape(1).view(torch.int32)" if dtype == torch.int32 else "the layer's own tensor")
+            raise InvalidInputError(
+                f"{who}: state_dict[{prefix + name!r}] must be the layer's storage, {dtype} ({what}); got "
+                f"dtype={t.dtype}, which would be copied in by value. Pass {fix} if it holds the same values, or build "
+                "the layer from checkpoint tensors with from_modelopt / from_compressed_tensors (load_nvfp4)")
+    given = {n: state_dict.pop(prefix + n) for n in _STATIC if prefix + n in state_dict}
+    if not given:
+        load(state_dict, prefix)
+        return
+    if len(given) == 2:
+        raise InvalidInputError(f"{who}: state_dict holds both {prefix}input_scale (a decode scale) and "
+                                f"{prefix}input_global_scale (an encode scale); a layer has one static activation "
+                                "scale: drop one")
+    (name, t), = given.items()
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InvalidInputError(f"{who}: state_dict[{prefix + name!r}] must hold one fp32 value as int32 bits [1]; "
+                                f"got {got}")
+    if t.device.type != "meta":
+        v = t.detach().reshape(1).view(torch.float32)
+        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+            raise InvalidInputError(f"{who}: state_dict[{prefix + name!r}] must be a positive finite fp32 scale (as "
+                                    f"int32 bits); it holds {v.tolist()}")
+    for n in _STATIC:  # None while nn.Module loads the rest: it would count a static buffer as a missing key
+        setattr(module, n, None)
+    load(state_dict, prefix)
+    setattr(module, name, t.detach().reshape(1).clone().to(module.weight.device))

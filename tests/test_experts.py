@@ -142,3 +142,18 @@ def test_bad_calls_are_explained():
     with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: offs must be on cpu like a; got offs.device=meta\. "
                                                 r"Move it with \.to\('cpu'\)$"):
         mod(torch.randn(4, 128), torch.zeros(3, dtype=torch.int32, device="meta"))
+
+
+def test_a_static_experts_state_dict_loads_into_a_dynamic_module():
+    wq, ws, ws2, ins, _ = _modelopt()
+    src = Fp4Experts.from_modelopt(wq, ws, ws2, ins, mode="w4a4")
+    dst = Fp4Experts(3, 128, 48, mode="w4a4")
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1))
+    offs = offs_from_counts(torch.tensor([6, 0, 14]))
+    assert "activation_scale=static" in repr(dst) and torch.equal(dst(x, offs), src(x, offs))
+    sd = src.state_dict()
+    sd["weight_scale_2"] = sd["weight_scale_2"].view(torch.float32)
+    with pytest.raises(InvalidInputError, match=r"^Fp4Experts.load_state_dict: state_dict\['weight_scale_2'\] must be "
+                                                r"the layer's storage, torch.int32"):
+        dst.load_state_dict(sd)

@@ -223,6 +223,61 @@ def test_fp4linear_pickles_and_saves_after_a_call(mode):
     assert torch.equal(q(x), y)
 
 
+@pytest.mark.parametrize("kind", ["modelopt", "compressed-tensors"])
+def test_fp4linear_state_dict_of_a_static_layer_loads_into_a_dynamic_one(kind):
+    """A None buffer takes no key in nn.Module's loading: the static scale is set by the layer, which becomes static
+    (strict or not, assign or not), and the other kind of static scale goes."""
+    torch.manual_seed(8)
+    w = torch.randn(48, 64)
+    packed, scale, gs = quantize_nvfp4(w, scale_layout="linear")
+    if kind == "modelopt":
+        src = Fp4Linear.from_modelopt(packed, scale, 1 / gs, torch.tensor(0.002), bias=torch.randn(48), mode="w4a4")
+        other = Fp4Linear.from_compressed_tensors(packed, scale, gs, torch.tensor([300.0]), mode="w4a4")
+    else:
+        src = Fp4Linear.from_compressed_tensors(packed, scale, gs, torch.tensor([300.0]), bias=torch.randn(48),
+                                                mode="w4a4")
+        other = Fp4Linear.from_modelopt(packed, scale, 1 / gs, torch.tensor(0.002), mode="w4a4")
+    x = torch.randn(3, 64)
+    sd = src.state_dict()
+    for strict, assign in ((True, False), (False, False), (True, True)):
+        dst = Fp4Linear(64, 48, dtype=torch.float32, mode="w4a4")
+        keys = dst.load_state_dict(sd, strict=strict, assign=assign)
+        assert not keys.missing_keys and not keys.unexpected_keys
+        assert "activation_scale=static" in repr(dst) and torch.equal(dst(x), src(x)), (strict, assign)
+    other.register_buffer("bias", torch.zeros(48))  # now the keys match but for the static scale's kind
+    other.load_state_dict(sd)
+    assert torch.equal(other(x), src(x))
+    assert (other.input_scale is None) == (kind == "compressed-tensors")
+    assert (other.input_global_scale is None) == (kind == "modelopt")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("weight_scale_2", lambda t: t.view(torch.float32),
+     r"^Fp4Linear.load_state_dict: state_dict\['weight_scale_2'\] must be the layer's storage, torch.int32 \(fp32 bit "
+     r"patterns\); got dtype=torch.float32, which would be copied in by value\. Pass t.view\(torch.int32\) if it "
+     r"holds the same values, or build the layer from checkpoint tensors"),
+    ("input_scale", lambda t: t.view(torch.float32).double(),
+     r"state_dict\['input_scale'\] must be the layer's storage, torch.int32 .*got dtype=torch.float64.* Pass "
+     r"t.float\(\).reshape\(1\).view\(torch.int32\)"),
+    ("weight_scale", lambda t: t.view(torch.float8_e4m3fn),
+     r"state_dict\['weight_scale'\] must be the layer's storage, torch.uint8 \(bytes\); got "
+     r"dtype=torch.float8_e4m3fn.* Pass t.view\(torch.uint8\)"),
+    ("input_scale", lambda t: torch.zeros(1, dtype=torch.int32),
+     r"^Fp4Linear.load_state_dict: state_dict\['input_scale'\] must be a positive finite fp32 scale \(as int32 "
+     r"bits\); it holds \[0.0\]$"),
+    ("input_scale", lambda t: t.repeat(2),
+     r"state_dict\['input_scale'\] must hold one fp32 value as int32 bits \[1\]; got \(2,\)$"),
+    ("input_global_scale", lambda t: t,
+     r"^Fp4Linear.load_state_dict: state_dict holds both input_scale \(a decode scale\) and input_global_scale \(an "
+     r"encode scale\); a layer has one static activation scale: drop one$"),
+])
+def test_fp4linear_load_state_dict_refuses_tensors_it_would_cast_by_value(key, value, match):
+    sd = Fp4Linear.from_linear(torch.nn.Linear(64, 48), input_scale=0.002).state_dict()
+    sd[key] = value(sd[key] if key in sd else sd["input_scale"])
+    with pytest.raises(InvalidInputError, match=match):
+        Fp4Linear(64, 48).load_state_dict(sd)
+
+
 def test_fp4linear_compiles_fullgraph_equal_to_eager():
     torch.manual_seed(3)
     for mode in ("w4a4", "w4a16"):
