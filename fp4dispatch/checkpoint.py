@@ -14,6 +14,11 @@ The two formats (docs/integration.md, "Run a ModelOpt / llm-compressor NVFP4 che
 Stored scales are used as they are, never recomputed from the weights. Each module the checkpoint stores is one
 layer with its own scales: modules are never fused here, so shards that carry different global scales stay exact.
 Tensors that are not quantized (embeddings, norms, excluded layers) are copied into the model's own parameters.
+
+Nothing changes until everything is decided: every module to replace is planned (``checkpoint_jobs``: its
+constructors' checks run on meta tensors of the stored dtypes and shapes), every plain tensor's shape compared and
+``strict``'s refusals found; only then are modules replaced and tensors copied, so an error leaves the model as it
+was. A model on the meta device is materialized on ``device``.
 """
 from __future__ import annotations
 
@@ -26,11 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint_experts import is_experts_module, load_experts
+from .checkpoint_experts import experts_job, is_experts_module
+from .checkpoint_jobs import Job, linear_job, target_device
+from .checkpoint_shards import Shards, missing_path
 from .errors import InvalidInputError
-from .moe import Fp4MoeExperts
+from .modes import MODES
 from .nn import Fp4Linear
-from .stored import stored_weight
 
 __all__ = ["load_nvfp4", "LoadReport", "Nvfp4Format", "nvfp4_format", "read_quantization_config"]
 
@@ -75,6 +81,9 @@ class Nvfp4Format:
 def read_quantization_config(path: str | Path) -> dict:
     """The ``quantization_config`` of a checkpoint folder: config.json's, else ModelOpt's hf_quant_config.json."""
     d = Path(path)
+    err = missing_path(d)
+    if err is not None:
+        raise err
     cfg = d / "config.json"
     if cfg.is_file():
         q = json.loads(cfg.read_text()).get("quantization_config")
@@ -128,54 +137,13 @@ def _group_size(g: object, where: str) -> None:
         raise InvalidInputError(f"{_WHO}: {where} must be 16 (NVFP4: one e4m3 scale per 16 values); got {g!r}")
 
 
-class _Shards:
-    """The checkpoint's tensors by name: a folder of safetensors shards (read one tensor at a time with
-    ``safetensors.safe_open``, never a whole shard), a single file, or an in-memory state dict."""
-
-    def __init__(self, src, device: torch.device):
-        self.device = device
-        self._dict: dict | None = None
-        self._where: dict[str, Path] = {}
-        self._open: dict[Path, object] = {}
-        if isinstance(src, dict):
-            self._dict = src
-            return
-        p = Path(src)
-        files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
-        index = p / "model.safetensors.index.json" if p.is_dir() else None
-        if index is not None and index.is_file():
-            self._where = {k: p / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-            return
-        if not files:
-            raise InvalidInputError(f"{_WHO}: {str(p)!r} holds no *.safetensors file (nor an index)")
-        for f in files:
-            for k in self._handle(f).keys():
-                self._where[k] = f
-
-    def _handle(self, f: Path):
-        h = self._open.get(f)
-        if h is None:
-            from safetensors import safe_open
-
-            h = self._open[f] = safe_open(str(f), framework="pt", device="cpu")
-        return h
-
-    def names(self) -> set[str]:
-        return set(self._dict) if self._dict is not None else set(self._where)
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self._dict[name] if self._dict is not None else self._handle(self._where[name]).get_tensor(name)
-        return t.to(self.device)
-
-    def close(self) -> None:
-        self._open.clear()
-
-
 @dataclass
 class LoadReport:
     """What ``load_nvfp4`` did: ``replaced`` module -> what it became, ``skipped`` module -> why it stayed,
     ``loaded`` plain tensors copied into the model, ``unused`` checkpoint tensors that nothing took, ``missing``
-    tensors of the model's state dict that the checkpoint did not fill (they keep their initial values)."""
+    tensors of the model's state dict that the checkpoint did not fill (they keep their initial values), ``on_meta``
+    tensors of a model built on the meta device that nothing filled (no data: e.g. a non-persistent buffer such as
+    a rotary ``inv_freq``, which no checkpoint holds; set them before running the model)."""
 
     format: str
     replaced: dict[str, str] = field(default_factory=dict)
@@ -183,6 +151,7 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    on_meta: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"{self.format} checkpoint: {len(self.replaced)} modules replaced (Fp4Linear, Fp4MoeExperts), "
@@ -192,6 +161,7 @@ class LoadReport:
         lines += [f"  skipped  {m}: {why}" for m, why in self.skipped.items()]
         lines += [f"  unused   {n}" for n in self.unused]
         lines += [f"  missing  {n}" for n in self.missing]
+        lines += [f"  on meta  {n} (no data)" for n in self.on_meta]
         return "\n".join(lines)
 
 
@@ -201,11 +171,13 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
 
     Args:
         model: a model whose module names are the checkpoint's (e.g. a transformers model made with
-            ``from_config``); changed in place.
+            ``from_config``, on a device or on the meta device); changed in place. A model an earlier load changed
+            loads again (its ``Fp4Linear`` / ``Fp4MoeExperts`` are replaced with the checkpoint's).
         checkpoint: a checkpoint folder (config.json + safetensors shards), one .safetensors file, or a state dict
             (then ``quantization_config`` is needed).
         quantization_config: the checkpoint's, when not read from its config.json.
-        device: where the layers and tensors go (default: each module's current device).
+        device: where the layers and tensors go (default: each module's current device). Needed for a model on
+            the meta device: its tensors are made there.
         mode: the mode of every replaced layer and experts module ("auto", "w4a4", "w4a16").
         static_activation_scales: use the stored activation scales (``input_scale`` / ``input_global_scale``) for
             W4A4; False: dynamic per-call scaling even where they are stored.
@@ -214,63 +186,119 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             list the rest in the report (``skipped``, ``unused``, ``missing``).
 
     Returns:
-        A :class:`LoadReport`. Raises InvalidInputError for a checkpoint that is not NVFP4, a missing tensor (named
-        with its module), or a weight whose shape does not fit the model (transposed or another model's).
+        A :class:`LoadReport`. Raises InvalidInputError, with the model unchanged, for a checkpoint that is not
+        NVFP4, a missing tensor (named with its module), a weight whose shape does not fit the model (transposed or
+        another model's), or what ``strict`` refuses.
     """
+    if mode not in MODES:
+        raise InvalidInputError(f"{_WHO}: mode must be one of {MODES}; got {mode!r}. 'auto' picks W4A4 where FP4 "
+                                "tensor cores serve it, else W4A16")
+    if isinstance(model, (nn.Linear, Fp4Linear)):
+        kind = "an nn.Linear" if isinstance(model, nn.Linear) else "an Fp4Linear"
+        raise InvalidInputError(f"{_WHO}: model is {kind} itself; it can only replace Linear submodules. "
+                                "Wrap it (e.g. nn.Sequential(linear)) with names matching the checkpoint's")
     if quantization_config is None:
         if isinstance(checkpoint, dict):
             raise InvalidInputError(f"{_WHO}: checkpoint is a state dict: pass quantization_config= (the "
                                     "checkpoint's config.json 'quantization_config')")
         p = Path(checkpoint)
+        err = missing_path(p)
+        if err is not None:
+            raise err
         quantization_config = read_quantization_config(p if p.is_dir() else p.parent)
     fmt = nvfp4_format(quantization_config)
-    report = LoadReport(fmt.kind)
     dev = torch.device(device) if device is not None else None
-    shards = _Shards(checkpoint, dev or torch.device("cpu"))
+    shards = Shards(checkpoint, dev or torch.device("cpu"))
     try:
-        names, used = shards.names(), set()
-        if isinstance(model, nn.Linear):
-            raise InvalidInputError(f"{_WHO}: model is an nn.Linear itself; it can only replace Linear submodules. "
-                                    "Wrap it (e.g. nn.Sequential(linear)) with names matching the checkpoint's")
-        for name, module in list(model.named_modules()):
-            if isinstance(module, nn.Linear):
-                _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode,
-                             static_activation_scales)
-            elif is_experts_module(module):
-                load_experts(model, name, module, fmt, shards, names, used, report, dev, mode,
-                             static_activation_scales, strict)
-        own = dict(model.named_parameters()) | dict(model.named_buffers())
-        for n in sorted(names - used):
-            t = own.get(n)
-            if t is None:
-                continue
-            src = shards.get(n)
-            if tuple(src.shape) != tuple(t.shape):
-                raise InvalidInputError(f"{_WHO}: checkpoint tensor {n!r} has shape {tuple(src.shape)}; the model's "
-                                        f"has {tuple(t.shape)}: the checkpoint is not of this model")
-            with torch.no_grad():
-                t.copy_(src)
-            used.add(n)
-            report.loaded.append(n)
-        report.unused = sorted(names - used)
-        filled = {t.data_ptr() for n, t in own.items() if n in used and t.numel()}
-        report.missing = sorted(report.missing + [n for n, t in model.state_dict().items()
-                                if n not in used and t.numel() and t.data_ptr() not in filled  # tied weights
-                                and not _fp4_owned(model, n)])
+        report, jobs, copies = _plan(model, fmt, shards, dev, mode, static_activation_scales, strict)
+        if strict:
+            _check_complete(report)
+        for job in jobs:  # every check passed: now the model changes
+            layer = job.build(shards.get).to(job.device)
+            parent, _, child = job.name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+        made: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for n, t in copies:
+                src = shards.get(n)
+                if id(t) in made:  # a tied tensor made on this load
+                    made[id(t)].copy_(src)
+                elif t.is_meta:
+                    made[id(t)] = _materialize(model, t, src.to(dev, t.dtype))
+                else:
+                    t.copy_(src)
     finally:
         shards.close()
-    if strict:
-        _check_complete(report)
     return report
 
 
-def _fp4_owned(model: nn.Module, tensor: str) -> bool:
-    """Whether ``tensor`` of the state dict belongs to a module this loader made (it holds checkpoint tensors)."""
-    parts = tensor.split(".")
-    for j in range(len(parts) - 1, 0, -1):
-        if isinstance(model.get_submodule(".".join(parts[:j])), (Fp4Linear, Fp4MoeExperts)):
+def _plan(model, fmt, shards, dev, mode, static, strict) -> tuple[LoadReport, list[Job], list]:
+    """(the report, the modules to replace, the plain tensors to copy: (name, the model's tensor)); raises for
+    anything the checkpoint and the model disagree on, before anything changes."""
+    report, names, used = LoadReport(fmt.kind), shards.names(), set()
+    jobs: list[Job] = []
+    replaced: set[str] = set()
+    for name, module in model.named_modules():
+        if _inside(name, replaced):  # a child of a module being replaced (an earlier load's Fp4MoeExperts)
+            continue
+        if isinstance(module, (nn.Linear, Fp4Linear)):
+            job = linear_job(name, module, fmt, shards, names, used, report, dev, mode, static)
+        elif is_experts_module(module):
+            job = experts_job(name, module, fmt, shards, names, used, report, dev, mode, static, strict)
+        else:
+            continue
+        if job is not None:
+            jobs.append(job)
+            replaced.add(name)
+
+    def kept(n: str) -> bool:  # a tensor of the model that stays (not one of a replaced module)
+        return not _inside(n, replaced)
+
+    # a tied tensor under its first name only, as before: a second checkpoint tensor of another name is unused
+    own = {n: t for n, t in (*model.named_parameters(), *model.named_buffers()) if kept(n)}
+    copies = []
+    for n in sorted(names - used):
+        t = own.get(n)
+        if t is None:
+            continue
+        src = shards.probe(n)
+        if tuple(src.shape) != tuple(t.shape):
+            raise InvalidInputError(f"{_WHO}: checkpoint tensor {n!r} has shape {tuple(src.shape)}; the model's "
+                                    f"has {tuple(t.shape)}: the checkpoint is not of this model")
+        target_device(n, t.device, dev)  # a model on the meta device needs device=
+        copies.append((n, t))
+        used.add(n)
+        report.loaded.append(n)
+    report.unused = sorted(names - used)
+    filled = {id(t) for _, t in copies}
+    report.missing = sorted(report.missing + [n for n, t in model.state_dict(keep_vars=True).items()
+                                              if n not in used and kept(n) and t.numel() and id(t) not in filled])
+    report.on_meta = sorted(n for n, t in own.items() if t.is_meta and id(t) not in filled)
+    return report, jobs, copies
+
+
+def _inside(name: str, modules: set[str]) -> bool:
+    """Whether ``name`` (a module's or a tensor's) lies inside one of ``modules`` (one lookup per enclosing name)."""
+    i = name.rfind(".")
+    while i > 0:
+        name = name[:i]
+        if name in modules:
             return True
+        i = name.rfind(".")
     return False
+
+
+def _materialize(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Put ``new`` (data) in place of the meta tensor ``old`` wherever the model holds it (tied weights: one
+    parameter, several owners); a parameter stays a parameter."""
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    for m in model.modules():
+        for store in (m._parameters, m._buffers):
+            for k, v in store.items():
+                if v is old:
+                    store[k] = new
+    return new
 
 
 _QUANTIZED = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_global_scale", ".input_scale",
@@ -278,63 +306,16 @@ _QUANTIZED = (".weight_scale", ".weight_scale_2", ".weight_packed", ".weight_glo
 
 
 def _check_complete(report: LoadReport) -> None:
+    """``strict``'s refusals, found while planning: raised before the model changes."""
     orphans = [n for n in report.unused if n.endswith(_QUANTIZED)]
     if orphans:
         raise InvalidInputError(
             f"{_WHO}: {len(orphans)} quantized checkpoint tensors have no nn.Linear or transformers experts module in "
             f"the model to take them (first: {orphans[:3]}): the model keeps those weights another way, or it is not "
-            "the checkpoint's model. Pass strict=False to load the rest and find them in the report's unused list")
+            "the checkpoint's model. The model is unchanged: pass strict=False to load the rest and find them in the "
+            "report's unused list")
     if report.missing:
         raise InvalidInputError(
             f"{_WHO}: {len(report.missing)} tensors of the model are not in the checkpoint and would keep their "
-            f"initial values (first: {report.missing[:3]}); pass strict=False to accept that (the report lists "
-            "them as missing)")
-
-
-def _load_linear(model, name, module, fmt, shards, names, used, report, dev, mode, static) -> None:
-    prefix = f"{name}." if name else ""
-    why = fmt.exclusion(name)
-    if why is not None:
-        report.skipped[name] = f"excluded by the checkpoint ({why!r})"
-        return
-    wname = prefix + fmt.weight_name
-    if wname not in names:
-        report.skipped[name] = f"not quantized in the checkpoint (no {fmt.weight_name})"
-        return
-    w = shards.get(wname)
-    if w.dtype not in (torch.uint8, torch.int32, torch.int64) and "float4" not in str(w.dtype):
-        report.skipped[name] = f"not quantized in the checkpoint ({fmt.weight_name} is {w.dtype})"
-        return
-    missing = [prefix + k for k in fmt.required if prefix + k not in names]
-    if missing:
-        raise InvalidInputError(f"{_WHO}: module {name!r} is quantized in the checkpoint ({wname!r} is there) but "
-                                f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} "
-                                f"missing; found {sorted(n for n in names if n.startswith(prefix))}")
-    who, scale = f"{_WHO}: module {name!r}", shards.get(prefix + "weight_scale")
-    if w.dtype in (torch.int32, torch.int64):  # repacked into wider words: named before any shape is compared
-        stored_weight(who, w, scale, fmt.weight_name, "weight_scale")
-    n_out, k_in = module.out_features, module.in_features
-    if tuple(w.shape) != (n_out, k_in // 2):
-        hint = (" It is [K/2, N]: the weight is stored transposed; fp4dispatch takes the nn.Linear layout [N, K/2]"
-                if tuple(w.shape) == (k_in // 2, n_out) else " The checkpoint is not of this model")
-        raise InvalidInputError(f"{_WHO}: {wname!r} has shape {tuple(w.shape)}; the model's {name!r} is "
-                                f"Linear({k_in}, {n_out}), so [N, K/2] = ({n_out}, {k_in // 2}) was expected.{hint}")
-    stored_weight(who, w, scale, fmt.weight_name, "weight_scale")  # the scales' shape against the weight's
-    t = {k: shards.get(prefix + k) for k in fmt.required[1:]}
-    inp = shards.get(prefix + fmt.input_name) if static and prefix + fmt.input_name in names else None
-    bias = shards.get(prefix + "bias") if prefix + "bias" in names else None
-    if bias is None and module.bias is not None:  # the layer keeps the model's initial bias: say so
-        bias = module.bias.detach().to(w.device)
-        report.missing.append(prefix + "bias")
-    if fmt.kind == "modelopt":
-        layer = Fp4Linear.from_modelopt(w, t["weight_scale"], t["weight_scale_2"], inp, bias=bias, mode=mode)
-    else:
-        layer = Fp4Linear.from_compressed_tensors(w, t["weight_scale"], t["weight_global_scale"], inp, bias=bias,
-                                                  mode=mode)
-    if dev is None:
-        layer = layer.to(module.weight.device)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, layer)
-    used.update(prefix + k for k in (*fmt.required, fmt.input_name, "bias") if prefix + k in names)
-    report.replaced[name] = (f"Fp4Linear({k_in} -> {n_out}, mode={mode}, activation scale "
-                             f"{'static' if inp is not None else 'dynamic'})")
+            f"initial values (first: {report.missing[:3]}). The model is unchanged: pass strict=False to accept "
+            "that (the report lists them as missing)")

@@ -2,72 +2,94 @@
 [E, H, I], ``act_fn``; ``fp4dispatch.moe``) whose experts the checkpoint stores quantized, one module per expert
 and projection, as the exporters write them (``<experts>.<e>.gate_proj.*``, ``up_proj``, ``down_proj``; Mixtral's
 ``w1``, ``w3``, ``w2``), becomes an ``Fp4MoeExperts`` of three ``Fp4Experts`` of ``load_nvfp4``'s ``mode`` (auto:
-W4A16 where there are no FP4 tensor cores). Each expert's stored scales are used as they are (ModelOpt's decode
-scales; compressed-tensors' encode scales, whose reciprocal is the decode scale, as for ``Fp4Linear``). The experts'
-static activation scales become one per projection (the largest decode scale, so that no expert's rows clip); where
-only some experts store one, the projection scales dynamically.
+W4A16 where there are no FP4 tensor cores); so does an ``Fp4MoeExperts`` of an earlier load (loaded again). Each
+expert's stored scales are used as they are (ModelOpt's decode scales; compressed-tensors' encode scales, whose
+reciprocal is the decode scale, as for ``Fp4Linear``); a per-expert scale with one value per fused shard is taken
+as ``Fp4Linear`` takes it (equal weight scales, the largest input scale). The experts' static activation scales
+become one per projection (the largest decode scale, so that no expert's rows clip); where only some experts store
+one, the projection scales dynamically. Planned as ``checkpoint_jobs`` plans a Linear: checked before the model
+changes.
 """
 from __future__ import annotations
 
 from torch import nn
 
+from .checkpoint_jobs import Getter, Job, refuse_converted, target_device
 from .errors import InvalidInputError
 from .experts import Fp4Experts
 from .moe import Fp4MoeExperts
+from .stored import scalar_scale
 
-__all__ = ["is_experts_module", "load_experts"]
+__all__ = ["is_experts_module", "experts_job"]
 
 _NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # (gate, up, down) per naming
+_SPREAD = ("fp4_grouped_mm applies one alpha per expert, and taking their max would silently rescale the rest of "
+           "the expert's weight", "Requantize the expert's weight with one global scale")
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """A transformers experts module of the stacked form this loader replaces (3-D gate_up_proj and down_proj)."""
+    """A transformers experts module of the stacked form this loader replaces (3-D gate_up_proj and down_proj), or an
+    ``Fp4MoeExperts`` an earlier load made."""
+    if isinstance(module, Fp4MoeExperts):
+        return True
     gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3
 
 
-def load_experts(model, name, module, fmt, shards, names, used, report, dev, mode, static, strict) -> None:
-    """Replace the experts module ``name`` with an ``Fp4MoeExperts`` when the checkpoint stores its experts
-    quantized; otherwise note in ``report`` why it stays (its stacked tensors are then loaded as plain ones)."""
+def experts_job(name, module, fmt, shards, names, used, report, dev, mode, static, strict) -> Job | None:
+    """The job for the experts module ``name`` when the checkpoint stores its experts quantized; otherwise None,
+    noted in ``report`` (its stacked tensors are then loaded as plain ones)."""
     prefix = f"{name}." if name else ""
+    converted = isinstance(module, Fp4MoeExperts)
     why = fmt.exclusion(name)
-    if why is not None:
-        report.skipped[name] = f"excluded by the checkpoint ({why!r})"
-        return
     naming = next((n for n in _NAMES if f"{prefix}0.{n[0]}.{fmt.weight_name}" in names), None)
-    if naming is None:
-        report.skipped[name] = (f"experts not quantized in the checkpoint (no {prefix}0.gate_proj.{fmt.weight_name} "
-                                f"or {prefix}0.w1.{fmt.weight_name})")
-        return
-    gu, dn = module.gate_up_proj, module.down_proj
-    e, h, i = dn.shape[0], dn.shape[1], dn.shape[2]
-    biased = [b for b in ("gate_up_proj_bias", "down_proj_bias") if getattr(module, b, None) is not None]
-    if tuple(gu.shape) != (e, 2 * i, h) or biased or not isinstance(getattr(module, "act_fn", None), nn.Module):
-        why = (f"experts module {name!r} ({type(module).__name__}) is not of the form fp4dispatch replaces: "
-               f"gate_up_proj [E, 2I, H] (got {tuple(gu.shape)}), down_proj [E, H, I] (got {tuple(dn.shape)}), an "
-               f"act_fn module and no biases (got {biased or 'none'})")
-        if strict:
-            raise InvalidInputError(f"load_nvfp4: {why}; strict=False leaves it as it is (its quantized tensors "
-                                    "unloaded, listed as unused, and its weights at their initial values)")
-        report.skipped[name] = why
-        return
-    projs = []
-    for proj, (n_out, k_in) in zip(naming, ((i, h), (i, h), (h, i))):
-        projs.append(_projection(f"{prefix}{{}}.{proj}.", e, n_out, k_in, fmt, shards, names, used, mode, static,
-                                 name))
-    layer = Fp4MoeExperts(*projs, module.act_fn)
-    layer = layer.to(dev if dev is not None else gu.device)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, layer)
-    p0 = projs[0]
-    scale = "static" if p0.input_scale is not None or p0.input_global_scale is not None else "dynamic"
+    skip = (f"excluded by the checkpoint ({why!r})" if why is not None else
+            f"experts not quantized in the checkpoint (no {prefix}0.gate_proj.{fmt.weight_name} or "
+            f"{prefix}0.w1.{fmt.weight_name})" if naming is None else None)
+    if skip is not None:
+        if converted:
+            raise refuse_converted(name, "Fp4MoeExperts", skip)
+        report.skipped[name] = skip
+        return None
+    if converted:
+        e, h, i, device = module.num_experts, module.hidden_dim, module.intermediate_dim, module.down.weight.device
+    else:
+        gu, dn = module.gate_up_proj, module.down_proj
+        e, h, i, device = dn.shape[0], dn.shape[1], dn.shape[2], gu.device
+        biased = [b for b in ("gate_up_proj_bias", "down_proj_bias") if getattr(module, b, None) is not None]
+        if tuple(gu.shape) != (e, 2 * i, h) or biased or not isinstance(getattr(module, "act_fn", None), nn.Module):
+            why = (f"experts module {name!r} ({type(module).__name__}) is not of the form fp4dispatch replaces: "
+                   f"gate_up_proj [E, 2I, H] (got {tuple(gu.shape)}), down_proj [E, H, I] (got {tuple(dn.shape)}), "
+                   f"an act_fn module and no biases (got {biased or 'none'})")
+            if strict:
+                raise InvalidInputError(f"load_nvfp4: {why}; strict=False leaves it as it is (its quantized tensors "
+                                        "unloaded, listed as unused, and its weights at their initial values)")
+            report.skipped[name] = why
+            return None
+    shapes = ((i, h), (i, h), (h, i))
+    for proj, (n_out, k_in) in zip(naming, shapes):
+        _check_projection(f"{prefix}{{}}.{proj}.", e, n_out, k_in, fmt, shards, names, name)
+    act_fn = module.act_fn
+
+    def build(get: Getter) -> Fp4MoeExperts:
+        projs = [_projection(get, f"{prefix}{{}}.{proj}.", e, fmt, names, mode, static) for proj in naming]
+        return Fp4MoeExperts(*projs, act_fn)
+
+    probe = build(shards.probe)  # every check, on the probes: it raises before the model changes
+    for proj in naming:
+        used.update(f"{prefix}{x}.{proj}.{k}" for x in range(e) for k in (*fmt.required, fmt.input_name)
+                    if f"{prefix}{x}.{proj}.{k}" in names)
+    static_of = {p: m.input_scale is not None or m.input_global_scale is not None
+                 for p, m in zip(("gate", "up", "down"), (probe.gate, probe.up, probe.down))}
+    scale = ("static" if all(static_of.values()) else "dynamic" if not any(static_of.values()) else
+             f"static for {', '.join(p for p, s in static_of.items() if s)}; dynamic for "
+             f"{', '.join(p for p, s in static_of.items() if not s)} (not every expert stores one)")
     report.replaced[name] = f"Fp4MoeExperts({e} experts, {h} -> {i} -> {h}, mode={mode}, activation scale {scale})"
+    return Job(name, build, target_device(name, device, dev))
 
 
-def _projection(pattern, e, n_out, k_in, fmt, shards, names, used, mode, static, module) -> Fp4Experts:
-    """One projection's E experts (``pattern`` formats the expert index into the tensor-name prefix)."""
-    t: dict[str, list] = {k: [] for k in fmt.required}
-    inputs = []
+def _check_projection(pattern, e, n_out, k_in, fmt, shards, names, module) -> None:
+    """Every expert of one projection stores the tensors it needs, its weight of the model's shape."""
     for x in range(e):
         p = pattern.format(x)
         missing = [p + k for k in fmt.required if p + k not in names]
@@ -75,18 +97,28 @@ def _projection(pattern, e, n_out, k_in, fmt, shards, names, used, mode, static,
             raise InvalidInputError(f"load_nvfp4: experts module {module!r} is quantized in the checkpoint but "
                                     f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} "
                                     f"missing (the model has {e} experts)")
-        for k in fmt.required:
-            t[k].append(shards.get(p + k))
-        w = t[fmt.weight_name][-1]
+        w = shards.probe(p + fmt.weight_name)
         if tuple(w.shape) != (n_out, k_in // 2):
             hint = " (stored transposed)" if tuple(w.shape) == (k_in // 2, n_out) else ""
             raise InvalidInputError(f"load_nvfp4: {p + fmt.weight_name!r} has shape {tuple(w.shape)}; the model's "
                                     f"experts need [N, K/2] = ({n_out}, {k_in // 2}){hint}")
+
+
+def _projection(get, pattern, e, fmt, names, mode, static) -> Fp4Experts:
+    """One projection's E experts (``pattern`` formats the expert index into the tensor-name prefix)."""
+    w, s, g, inputs = [], [], [], []
+    encode = fmt.kind != "modelopt"
+    for x in range(e):
+        p = pattern.format(x)
+        w.append(get(p + fmt.weight_name))
+        s.append(get(p + "weight_scale"))
+        gname = p + fmt.required[2]
+        g.append(scalar_scale(get(gname), gname, "load_nvfp4", allow_spread=False, encode=encode, spread=_SPREAD))
         if static and p + fmt.input_name in names:
-            inputs.append(shards.get(p + fmt.input_name))
-        used.update(p + k for k in (*fmt.required, fmt.input_name) if p + k in names)
+            iname = p + fmt.input_name
+            # per fused shard: ModelOpt's largest decode scale, as Fp4Linear takes it; an encode scale must agree
+            inputs.append(scalar_scale(get(iname), iname, "load_nvfp4", allow_spread=not encode, encode=encode))
     inp = inputs if static and len(inputs) == e else None
-    w, s, g = (t[k] for k in fmt.required)
     if fmt.kind == "modelopt":
-        return Fp4Experts.from_modelopt(w, s, [v.float().reshape(()) for v in g], inp, mode=mode)
-    return Fp4Experts.from_compressed_tensors(w, s, [v.float().reshape(()) for v in g], inp, mode=mode)
+        return Fp4Experts.from_modelopt(w, s, g, inp, mode=mode)
+    return Fp4Experts.from_compressed_tensors(w, s, g, inp, mode=mode)

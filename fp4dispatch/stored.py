@@ -30,10 +30,16 @@ def layer_size(who: str, name: str, v: object, block: int = 1) -> int:
     return v
 
 
-def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: bool = False) -> torch.Tensor:
+_SPREAD = ("fp4_mm applies one per-tensor alpha, and taking their max would silently rescale the other shards",
+           "Build one Fp4Linear per shard, or requantize the fused weight with one global scale")
+
+
+def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: bool = False,
+                 spread: tuple[str, str] = _SPREAD) -> torch.Tensor:
     """A per-tensor scale (0-d, [1] or one per fused shard) -> fp32 [1] (the max over shards where
     ``allow_spread``). ``encode``: an encode scale ``448*6/amax`` (compressed-tensors), else a decode scale
-    ``amax/(448*6)`` (ModelOpt); only the messages differ."""
+    ``amax/(448*6)`` (ModelOpt); only the messages differ. ``spread``: why different values are refused, and the
+    fix."""
     kind = "an encode scale 448*6/amax" if encode else "a decode scale amax/(448*6)"
     if not isinstance(t, torch.Tensor):
         if isinstance(t, (float, int)) and not isinstance(t, bool):
@@ -48,10 +54,8 @@ def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: 
     if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
         raise InvalidInputError(f"{who}: {name} must be positive and finite ({kind}); got {t.tolist()[:8]}")
     if t.numel() > 1 and not allow_spread and not bool((t == t[0]).all()):
-        raise InvalidInputError(
-            f"{who}: {name} has {t.numel()} different per-shard values {t.tolist()[:8]}; fp4_mm applies one "
-            f"per-tensor alpha, and taking their max would silently rescale the other shards. Build one Fp4Linear "
-            f"per shard, or requantize the fused weight with one global scale")
+        raise InvalidInputError(f"{who}: {name} has {t.numel()} different per-shard values {t.tolist()[:8]}; "
+                                f"{spread[0]}. {spread[1]}")
     return t.max().reshape(1)
 
 
