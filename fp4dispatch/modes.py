@@ -32,13 +32,18 @@ def native_fp4_backend(device: torch.device, op: str = "fp4_mm") -> str | None:
     return name
 
 
-@torch.compiler.assume_constant_result
 def _auto_mode(device: torch.device, op: str) -> str:
     """What "auto" resolves to on ``device``. Under torch.compile Dynamo runs this eagerly while tracing and keeps its
     answer as a constant: the dispatcher it asks holds a lock and probes backends, neither of which Dynamo can trace,
     so a layer whose first call is a compiled one (``fullgraph=True``) would otherwise fail. Outside a trace the mark
     changes nothing."""
     return "w4a4" if native_fp4_backend(device, op) else "w4a16"
+
+
+# torch.compiler.assume_constant_result(_auto_mode), which sets only this attribute, would import torch._dynamo with
+# fp4dispatch (seconds of a cold start, and the optional libraries its import looks for: tests/test_packaging.py);
+# tests/test_integration.py's compiled first call fails if torch stops reading it
+_auto_mode._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class ModeChoice:
