@@ -15,7 +15,7 @@ pytest.importorskip("safetensors.torch", reason="needs safetensors")
 from safetensors.torch import save_file  # noqa: E402
 
 from fp4dispatch import InvalidInputError, quantize_nvfp4  # noqa: E402
-from fp4dispatch.checkpoint import load_nvfp4  # noqa: E402
+from fp4dispatch.checkpoint import load_nvfp4, read_quantization_config  # noqa: E402
 from fp4dispatch.moe import Fp4MoeExperts  # noqa: E402
 from fp4dispatch.nn import Fp4Linear  # noqa: E402
 
@@ -186,6 +186,8 @@ def test_a_path_an_index_or_a_shard_that_is_wrong_is_named_before_the_model_chan
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: checkpoint '/tmp/does/not/exist' does not exist; pass a "
                                                 r"checkpoint folder"):
         load_nvfp4(Net(), "/tmp/does/not/exist")
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: checkpoint '/tmp/does/not' does not exist"):
+        read_quantization_config("/tmp/does/not")
     path = _save(tmp_path, _tensors("modelopt"), MODELOPT, shards=3)
     (path / "model-00002-of-00003.safetensors").unlink()
     model = Net()
