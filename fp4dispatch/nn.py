@@ -71,9 +71,10 @@ class Fp4Linear(ModeChoice, nn.Module):
         # a static activation *encode* scale as a checkpoint stores it (compressed-tensors' input_global_scale): used
         # as it is, never inverted twice
         self.register_buffer("input_global_scale", None)
-        # 1/input_scale (not saved), made when input_scale is set (_refresh): the encode scale a ModelOpt static
-        # scale quantizes x with. alpha is never kept: each call divides weight_scale_2 by the encode scale x was
-        # quantized with, so a scale written in place is what the next call (or graph replay) uses
+        # derived from the scales above whenever they are set or loaded (_refresh; not saved): the static alpha and
+        # the activation encode scale. Kept rather than derived per call: that would be one more device op per call
+        # (a graph node of its own), for a layer whose static scales change only through set_input_scale/load
+        self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_input_global_scale", None, persistent=False)
         self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
 
@@ -194,9 +195,16 @@ class Fp4Linear(ModeChoice, nn.Module):
         self._refresh()
 
     def _refresh(self) -> None:
-        # compressed-tensors' input_global_scale is an encode scale, read by each call as it is
-        s = self.input_scale
-        self._input_global_scale = None if s is None or self.input_global_scale is not None else _bits(1.0 / _f32(s))
+        if self.input_global_scale is not None:  # stored as an encode scale: used as it is
+            self._input_global_scale = self.input_global_scale
+            self._alpha = _bits(_f32(self.weight_scale_2) / _f32(self.input_global_scale))
+            return
+        if self.input_scale is None:
+            self._alpha = self._input_global_scale = None
+            return
+        s_in = _f32(self.input_scale)
+        self._alpha = _bits(s_in * _f32(self.weight_scale_2))
+        self._input_global_scale = _bits(1.0 / s_in)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a static activation scale loads into a dynamic layer too (stored.load_layer_state)
@@ -240,18 +248,13 @@ class Fp4Linear(ModeChoice, nn.Module):
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, scale, decode = self._weight_views()
-        b = self._buffers
-        enc = b["input_global_scale"]
-        if enc is None:
-            enc = b["_input_global_scale"]
-        if enc is None:  # dynamic: 448*6/amax(x), on the device
+        if self._input_global_scale is None:
             xq, xs, gs = quantize_nvfp4(x2)
+            alpha = decode / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:
-            gs = _f32(enc)
-            xq, xs, _ = quantize_nvfp4(x2, gs)
-        # 1/(gs_a*gs_w): one one-element op on the device (no host sync, captured by a graph), from the scales as
-        # they are now; a cached alpha would miss a weight_scale_2 written in place
-        return fp4_mm(xq, w, xs, scale, decode / gs, out_dtype=x2.dtype)
+            xq, xs, _ = quantize_nvfp4(x2, _f32(self._input_global_scale))
+            alpha = _f32(self._alpha)
+        return fp4_mm(xq, w, xs, scale, alpha, out_dtype=x2.dtype)
 
     def __getstate__(self) -> dict:
         # _views holds dtype views of the buffers (a uint8 and a float8 tensor of one storage), which torch.save

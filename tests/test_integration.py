@@ -182,24 +182,26 @@ def test_fp4linear_never_serves_stale_weight_views(mode):
 
 
 @pytest.mark.parametrize("kind", ["modelopt-static", "compressed-tensors-static", "dynamic", "w4a16"])
-def test_fp4linear_sees_a_scale_written_in_place(kind):
-    """weight_scale_2 (and compressed-tensors' input_global_scale) written in place, as a weight update does: the
-    next call uses it in every mode, W4A4 with a static scale included (alpha is derived per call, never kept)."""
+def test_fp4linear_uses_scales_loaded_with_load_state_dict(kind):
+    """New scales loaded with load_state_dict, as a weight update does: the next call uses them in every mode, W4A4
+    with a static scale included (its alpha is derived again when scales are set or loaded, not per call)."""
     torch.manual_seed(6)
     w, x = torch.randn(48, 64), torch.randn(3, 64)
     packed, scale, gs = quantize_nvfp4(w, scale_layout="linear")
-    if kind == "compressed-tensors-static":
-        q = Fp4Linear.from_compressed_tensors(packed, scale, gs, torch.tensor([500.0]), mode="w4a4")
-    else:
-        q = Fp4Linear.from_modelopt(packed, scale, 1 / gs, torch.tensor(0.002) if kind == "modelopt-static" else None,
-                                    mode="w4a16" if kind == "w4a16" else "w4a4")
+
+    def make(g, enc=500.0):
+        if kind == "compressed-tensors-static":
+            return Fp4Linear.from_compressed_tensors(packed, scale, g, torch.tensor([enc]), mode="w4a4")
+        return Fp4Linear.from_modelopt(packed, scale, 1 / g, torch.tensor(0.002) if kind == "modelopt-static" else None,
+                                       mode="w4a16" if kind == "w4a16" else "w4a4")
+
+    q = make(gs)
     y = q(x)
-    q.weight_scale_2.copy_((2 / gs).reshape(1).view(torch.int32))  # the layer's storage: fp32 bits
+    q.load_state_dict(make(gs / 2).state_dict())
     assert torch.equal(q(x), 2 * y), kind  # a power of two: exact
-    if kind == "compressed-tensors-static":  # the stored encode scale is read by each call too
-        q.input_global_scale.copy_(torch.tensor([250.0]).view(torch.int32))
-        want = Fp4Linear.from_compressed_tensors(packed, scale, gs / 2, torch.tensor([250.0]), mode="w4a4")
-        assert torch.equal(q(x), want(x))
+    if kind == "compressed-tensors-static":  # a new static encode scale too
+        q.load_state_dict(make(gs / 2, 250.0).state_dict())
+        assert torch.equal(q(x), make(gs / 2, 250.0)(x))
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
@@ -218,8 +220,7 @@ def test_fp4linear_pickles_and_saves_after_a_call(mode):
     buf.seek(0)
     for back in (pickle.loads(pickle.dumps(q)), torch.load(buf, weights_only=False)):
         assert torch.equal(back(x), y)
-        back.weight_scale_2.copy_(back.weight_scale_2.view(torch.float32).mul(2).view(torch.int32))
-        assert torch.equal(back(x), 2 * y)  # its views are of its own buffers
+        assert back._views[0] is back._buffers["weight"]  # its views are of its own buffers
     assert torch.equal(q(x), y)
 
 
