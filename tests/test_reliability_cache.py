@@ -41,6 +41,14 @@ HOSTILE = {
     "verified-not-a-list": _set(["verified", KEY], {"good|default": "x"}),
     "fault-count-a-string": _set(["faults", KEY], {"good": {"count": "many", "last": 1.0, "reason": ""}}),
     "section-is-a-list": _set(["decisions"], []),
+    # an integer too large for a float: was OverflowError in every call (math.isfinite on it)
+    "seconds-huge-int": _set(["health", "good", "seconds"], 10**400),
+    "time-huge-int": _set(["decisions", KEY, "time_us"], 10**400),
+    "check-s-huge-int": _set(["decisions", KEY, "ranking", 0, "check_s"], 10**400),
+    "fault-last-huge-int": _set(["faults", KEY], {"good": {"count": 1, "last": 10**400, "reason": ""}}),
+    "fault-count-huge-int": _set(["faults", KEY], {"good": {"count": 10**400, "last": 1.0, "reason": ""}}),
+    "tuned-at-huge-int": _set(["decisions", KEY, "tuned_at_m"], 10**400),
+    "tuned-at-another-bucket": _set(["decisions", KEY, "tuned_at_m"], 2**40),
     "not-utf8": lambda data: b"\xff\xfe\x00{garbage",
     "deep-nesting": lambda data: b"[" * 200000,
     "truncated": lambda data: json.dumps(data).encode()[:40],
@@ -77,6 +85,35 @@ def test_07_import_refuses_a_profile_with_a_malformed_entry(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "1 malformed entries, so nothing was imported" in err and "decisions['m4-n48-k64-bfloat16']" in err
     assert not (tmp_path / "d").exists() or not list((tmp_path / "d").glob("decisions-*.json"))
+
+
+def test_07_huge_integers_neither_break_show_nor_pass_import(tmp_path, capsys, caplog):
+    from fp4dispatch.tune import main
+
+    d = disp([FakeBackend("good")], tmp_path)
+    assert right(d, 4)
+    cdir = str(tmp_path / "c")
+    assert main(["export", str(tmp_path / "p.json"), "--cache-dir", cdir]) == 0
+    path = d.cache_for(CPU).path
+    data = json.loads(path.read_text())
+    data["health"]["good"]["seconds"] = 10**400
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        assert main(["show", "--cache-dir", cdir]) == 0  # was OverflowError: int too large to convert to float
+    assert any("health['good']: seconds must be a finite number >= 0; got 1000" in r.getMessage()
+               for r in caplog.records)
+    prof = json.loads((tmp_path / "p.json").read_text())
+    prof["decisions"][KEY]["time_us"] = 10**400
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "1 malformed entries, so nothing was imported" in err
+    assert f"decisions['{KEY}']: time_us must be null or a time; got 1000" in err
+    (tmp_path / "deep.json").write_text("[" * 200000)  # was a RecursionError traceback
+    assert main(["import", str(tmp_path / "deep.json"), "--cache-dir", str(tmp_path / "d")]) == 1
+    assert "deep.json' is not readable JSON (RecursionError: " in capsys.readouterr().err
 
 
 # -- 8. a peer holding the lock must not stall calls -------------------------------------------------------------

@@ -55,8 +55,9 @@ def read_profile(path: str | Path) -> dict:
     except FileNotFoundError:
         raise ProfileError(f"import: no such file {str(p)!r}; pass a file written by `python -m fp4dispatch.tune "
                            "export FILE`") from None
-    except (OSError, ValueError) as e:
-        raise ProfileError(f"import: {str(p)!r} is not readable JSON ({e}); re-export the profile") from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; deep nesting recurses
+        raise ProfileError(f"import: {str(p)!r} is not readable JSON ({type(e).__name__}: {str(e)[:100]}); "
+                           "re-export the profile") from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ProfileError(f"import: {str(p)!r} must be an fp4dispatch profile (format {PROFILE_FORMAT!r}); got "

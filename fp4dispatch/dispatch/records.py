@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..problem import M_BUCKETS
+from ..problem import M_BUCKETS, m_bucket
 
 __all__ = ["Verdict", "STATUSES", "SECTIONS", "key_str", "check_key", "check_entry", "clean_section"]
 
@@ -77,11 +77,20 @@ def _need(ok: bool, what: str, got: object) -> None:
 
 
 def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    """A finite number >= 0 that converts to a float (an integer of 400 digits does not: float() overflows)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x)) and x >= 0
+    except OverflowError:
+        return False
+
+
+_MAX_COUNT = 2**63 - 1  # larger is no count or M of this world (and would overflow the sums made of it)
 
 
 def _count(x: object) -> bool:
-    return type(x) is int and x > 0
+    return type(x) is int and 0 < x <= _MAX_COUNT
 
 
 def _text(x: object) -> bool:
@@ -101,6 +110,7 @@ def _check_trial(t: object) -> None:
     _need(_text(t.get("backend")), "backend must be a name", t.get("backend"))
     _need(isinstance(t.get("config", {}), dict), "config must be a JSON object", t.get("config"))
     _need(t.get("time_us") is None or _number(t.get("time_us")), "time_us must be null or a time", t.get("time_us"))
+    _need(t.get("check_s") is None or _number(t.get("check_s")), "check_s must be null or a time", t.get("check_s"))
     _need(isinstance(t.get("reason", ""), str), "reason must be a string", t.get("reason"))
 
 
@@ -144,6 +154,10 @@ def check_entry(section: str, key: object, entry: object) -> None:
         return
     check_key(key)
     _CHECKS[section](entry)
+    if section == "decisions" and "tuned_at_m" in entry:  # the M it was tuned at lies in the key's bucket
+        bucket = int(_KEY.fullmatch(key).group(1))
+        _need(m_bucket(entry["tuned_at_m"]) == bucket, f"tuned_at_m must be an M of the key's bucket {bucket}",
+              entry["tuned_at_m"])
 
 
 def clean_section(section: str, entries: dict) -> tuple[dict, list[str]]:
@@ -152,7 +166,7 @@ def clean_section(section: str, entries: dict) -> tuple[dict, list[str]]:
     for key, entry in entries.items():
         try:
             check_entry(section, key, entry)
-        except ValueError as e:
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:  # whatever the content, never raise
             dropped.append(f"{section}[{str(key)[:60]!r}]: {e}")
             continue
         kept[key] = entry
