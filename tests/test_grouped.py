@@ -221,6 +221,22 @@ def test_the_expert_loop_computes_each_expert_with_a_dense_dispatcher(tmp_path):
     assert decided and all(ks.startswith("m") and ks.endswith("-n64-k128-float32") for ks in decided)  # dense keys
 
 
+def test_the_expert_loop_clamps_an_unchecked_offs_as_the_kernels_do_and_is_not_charged_for_it(tmp_path):
+    a, b, sa, sb, alpha, _ = _inputs([3, 5, 2])
+    sa = torch.cat((sa, sa.new_zeros(grouped_scale_rows(10, 3) - sa.shape[0], sa.shape[1])))
+    bad, clamped = (torch.tensor(v, dtype=torch.int32) for v in ([-5, 3, 8], [0, 3, 8]))
+    d = Dispatcher([ExpertLoopBackend(_disp([ReferenceBackend()], tmp_path / "inner")), ReferenceBackend()],
+                   cache_dir=tmp_path / "c")  # no timer on the CPU: priority order, the loop first
+    want = d.fp4_grouped_mm(a, b, sa, sb, alpha, clamped, check_offs=False, backend="reference")
+    for _ in range(4):  # the loop sliced a[-5:3] and its fp4_mm raised: a fault per call, a ban after three
+        got = d.fp4_grouped_mm(a, b, sa, sb, alpha, bad, check_offs=False)
+        assert d.choose(Problem(10, 64, 128, torch.bfloat16, CPU, torch.uint8, 3)).backend.name == "loop:fp4_mm"
+        assert torch.equal(got[:8], want[:8])  # rows 8 and 9 belong to no expert: undefined
+    got = d.fp4_grouped_mm(a, b, sa, sb, alpha, bad, check_offs=False, backend="loop:fp4_mm")
+    assert torch.equal(got[:8], want[:8])
+    assert d.cache_for(CPU).faults == {} and d.cache_for(CPU).shape_blacklist == {}
+
+
 def test_the_expert_loops_own_dispatcher_leaves_out_libraries_that_compile_on_their_first_run(tmp_path, monkeypatch):
     """Its keys are verified in priority order, every candidate of each new expert M bucket: Humming there would
     compile that bucket's kernels (and its probe spawn a worker) only to stand behind fp4dispatch's own kernels."""

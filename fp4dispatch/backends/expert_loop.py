@@ -5,9 +5,10 @@ its keys verified in priority order without timing):
 the dispatcher that runs the loop may be the default one, still probing its backends, the loop among them, so
 calling back into it would recurse.
 
-It reads ``offs`` on the host (a sync per call), so it cannot run inside CUDA graph capture: there it raises, and
-the dispatcher times it eagerly instead. Each expert's activation scales are a 128-row-aligned block of the
-swizzled grouped layout, i.e. a dense swizzled scale tensor of their own, so no data moves.
+It reads ``offs`` on the host (a sync per call), clamped to [0, T] and non-decreasing as the kernels read it, so it
+cannot run inside CUDA graph capture: there it raises, and the dispatcher times it eagerly instead. Each expert's
+activation scales are a 128-row-aligned block of the swizzled grouped layout, i.e. a dense swizzled scale tensor of
+their own, so no data moves.
 """
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ class ExpertLoopBackend(BaseBackend):
         if ops.a.is_cuda and torch.cuda.is_current_stream_capturing():
             raise BackendError("loop:fp4_mm reads offs on the host, which CUDA graph capture forbids")
         d = self.dense()
-        ends = ops.offs.tolist()
-        starts = scale_starts(ops.offs).tolist()
+        # offs clamped to [0, T] and made non-decreasing, as the grouped kernels do (docs/contract.md): a table the
+        # host did not check (check_offs=False) gives an undefined result, never a fault charged to this backend
+        clamped = ops.offs.long().clamp(0, problem.m).cummax(0).values
+        bounds = torch.cat((clamped, scale_starts(clamped))).tolist()  # one copy to the host
+        ends, starts = bounds[:len(clamped)], bounds[len(clamped):]
         single = ops.alpha.numel() == 1
         start = 0
         for e, end in enumerate(ends):
