@@ -161,6 +161,25 @@ def test_09_an_oversized_file_is_not_read_and_sections_are_bounded(tmp_path, mon
     assert all(len(data[s]) <= 8 for s in ("decisions", "verified", "health"))
 
 
+def test_09_the_least_recently_written_keys_are_evicted_whatever_their_names(tmp_path, monkeypatch):
+    from fp4dispatch.dispatch import cache as cache_mod
+    from fp4dispatch.dispatch.cache import DecisionCache
+
+    monkeypatch.setattr(cache_mod, "MAX_KEYS", 3)
+    fp = {"device_type": "cpu", "libs": {}}
+    old, new = "w4a16-bfloat16-m1-n16-k64-float32", ["m1-n16-k64-float32", "grouped-e2-m1-n16-k64-float32"]
+    c = DecisionCache(tmp_path, fp)
+    for ks in [old, *new, "m2-n16-k64-float32"]:
+        c.update("decisions", {ks: {"backend": "x"}})
+
+    def on_disk():
+        return list(json.loads(c.path.read_text())["decisions"])
+    assert on_disk() == [*new, "m2-n16-k64-float32"]  # was: the grouped key evicted (sorted first), the w4a16 one kept
+    c.update("decisions", {new[0]: {"backend": "y"}})  # rewritten: the newest now
+    DecisionCache(tmp_path, fp).update("decisions", {"m4-n16-k64-float32": {"backend": "x"}})  # another process
+    assert on_disk() == ["m2-n16-k64-float32", new[0], "m4-n16-k64-float32"]
+
+
 # -- 10. leftovers ----------------------------------------------------------------------------------------------
 def test_10_temp_files_of_killed_writers_and_lock_files_are_cleaned(tmp_path, capsys):
     from fp4dispatch.tune import main

@@ -12,8 +12,9 @@ Rules (docs/tuning.md, "The cache"):
     processes lose nothing and readers never see half a file. The lock is waited for briefly: if another process
     holds it longer, the update stays in memory (it is used at once) and is written with the next update or at exit;
     a call never stalls on a peer.
-  * Bounded: at most ``MAX_KEYS`` keys per section and ``MAX_RANKING`` trials per decision are kept; a file larger
-    than ``MAX_FILE_BYTES`` is not read.
+  * Bounded: at most ``MAX_KEYS`` keys per section (the least recently written go first: a section keeps its keys in
+    the order they were last written) and ``MAX_RANKING`` trials per decision are kept; a file larger than
+    ``MAX_FILE_BYTES`` is not read.
   * Files are created with the mode the umask gives (0644 under umask 022): with a group-writable umask (002) and a
     shared directory, several users share one cache. Temp files left by a killed writer are removed on open (when
     the lock is free) and by ``clear``.
@@ -55,12 +56,13 @@ def _umask() -> int:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` as JSON to a temp file beside ``path``, then ``os.replace`` it: readers see the old file or
-    the new one, never half of one. The file gets the umask's mode (``mkstemp`` alone would make it 0600)."""
+    the new one, never half of one. The file gets the umask's mode (``mkstemp`` alone would make it 0600). Keys stay
+    in the order given (a cache section's order is its keys' age: ``_bounded`` drops the first)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+            json.dump(data, f, indent=1)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -85,8 +87,9 @@ def _empty(fp: dict) -> dict:
 
 
 def _merge(section: dict, entries: dict, merge) -> None:
+    """Each entry into ``section``, moved to its end: a section's keys stay in the order they were last written."""
     for k, v in entries.items():
-        old = section.get(k)
+        old = section.pop(k, None)
         section[k] = merge(old, v) if merge is not None and old is not None else v
 
 
@@ -98,7 +101,7 @@ def nested_merge(old, new):
 def _bounded(data: dict) -> dict:
     for s in SECTIONS:
         sec = data[s]
-        if len(sec) > MAX_KEYS:  # the oldest keys go first: the file is sorted, new keys were merged in last
+        if len(sec) > MAX_KEYS:  # the least recently written keys go first: they come first (_merge)
             data[s] = dict(list(sec.items())[-MAX_KEYS:])
     for e in data["decisions"].values():
         if len(e.get("ranking", ())) > MAX_RANKING:
