@@ -117,6 +117,21 @@ def test_argument_misuse_exits_2(capsys):
         assert code == 2 and text in err, (argv, err)
 
 
+@pytest.mark.parametrize("name,value,accepted", [
+    ("FP4DISPATCH_TUNE", "maybe", "accepted: 1/true/yes/on or 0/false/no/off"),
+    ("FP4DISPATCH_LOG", "loud", "accepted: DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ("FP4DISPATCH_TIMER", "cuda", "accepted: graph or eager"),
+    ("FP4DISPATCH_COMPILE_WORKERS", "x", "accepted: a whole number >= 0"),
+    ("FP4DISPATCH_DISABLE", "nosuch", "names no backend ['nosuch']; accepted names: ['fast', 'flaky', "),
+])
+def test_an_invalid_env_variable_exits_2_with_its_one_line_message(capsys, monkeypatch, name, value, accepted):
+    monkeypatch.setenv(name, value)
+    for argv in (["--shape", "1,256,512", "--json"], ["--self-test"]):  # was a traceback and exit 1
+        code, out, err = _run(capsys, argv, backends=_fakes(), do_bench=fake_do_bench)
+        assert code == 2 and out == "" and err.startswith(f"fp4dispatch.tune: {name}={value!r} ") and accepted in err
+        assert err.count("\n") == 1, err
+
+
 @cpu_only
 def test_devices_without_cuda_exits_2(capsys):
     code, _, err = _run(capsys, ["--devices", "0"])

@@ -21,6 +21,7 @@ from ..dispatch.cache import DecisionCache, remove_leftovers
 from ..settings import default_cache_dir, read_settings
 from .distributed import TuneOptions, backend_rows, make_dispatcher
 from ..dispatch.fingerprint import device_fingerprint
+from ..errors import InvalidInputError
 from ..problem import m_bucket
 from .log_setup import log_to_stderr
 from .profile import ProfileError, export_profile, import_profile
@@ -380,18 +381,17 @@ def main(argv: list[str] | None = None, *, backends=None, do_bench=None) -> int:
     if args.verbose:
         log_to_stderr()
     opts = TuneOptions(out_dtype=args.out_dtype, op=args.op, isolate=args.isolate, cache_dir=args.cache_dir)
-    if args.command == "show":
-        return _cmd_show(args, opts)
-    if args.command == "clear":
-        return _cmd_clear(args, opts)
-    if args.command in ("export", "import"):
-        return _cmd_profile(args, opts)
-    if args.self_test:
-        return _cmd_self_test(args, opts, backends)
     try:
+        if args.command != "tune":
+            return {"show": _cmd_show, "clear": _cmd_clear}.get(args.command, _cmd_profile)(args, opts)
+        if args.self_test:
+            return _cmd_self_test(args, opts, backends)
         return _cmd_tune(args, parser, opts, backends, do_bench)
     except SystemExit as e:  # parser.error from a shape source (a bad --hf-config)
         return int(e.code or 0)
+    except InvalidInputError as e:  # an FP4DISPATCH_* variable that is not valid: the message names it and the fix
+        print(f"fp4dispatch.tune: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
