@@ -248,6 +248,32 @@ def test_hf_config_missing_key_is_named(capsys, tmp_path):
     assert code == 2 and "no such file" in err
 
 
+MOE = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 512,
+       "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("cfg,message", [
+    # each was a TypeError traceback, a negative or float N, or head_dim 1 (True)
+    ({**LLAMA_31_70B, "head_dim": "128"}, "head_dim must be a positive integer; got '128'"),
+    ({**LLAMA_31_70B, "head_dim": [128]}, "head_dim must be a positive integer; got [128]"),
+    ({**LLAMA_31_70B, "head_dim": -128}, "head_dim must be a positive integer; got -128"),
+    ({**LLAMA_31_70B, "head_dim": 128.0}, "head_dim must be a positive integer; got 128.0"),
+    ({**LLAMA_31_70B, "head_dim": True}, "head_dim must be a positive integer; got True"),
+    ({**LLAMA_31_70B, "head_dim": 0}, "head_dim must be a positive integer; got 0"),
+    ({**LLAMA_31_70B, "hidden_size": 32}, "head_dim is absent and hidden_size // num_attention_heads = 32 // 64 = 0; "
+                                          "add head_dim"),
+    ({**MOE, "first_k_dense_replace": "3"}, "first_k_dense_replace must be an integer >= 0; got '3'"),
+    ({**MOE, "n_shared_experts": "1"}, "n_shared_experts must be an integer >= 0; got '1'"),
+    ({**MOE, "shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be an integer >= 0; got -1"),
+])
+def test_hf_config_values_are_checked_like_the_required_keys(capsys, tmp_path, cfg, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = _run(capsys, ["--hf-config", str(path), "--list"])
+    assert code == 2 and out == "" and f"error: --hf-config {path}: {message}" in err, err
+    assert "Traceback" not in err
+
+
 def test_tp_split_giving_k_not_multiple_of_16_is_skipped_and_said(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**LLAMA_31_70B, "intermediate_size": 1000}))

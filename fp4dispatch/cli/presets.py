@@ -131,6 +131,17 @@ def _need(cfg: dict, key: str, where: str) -> int:
     return v
 
 
+def _optional(cfg: dict, key: str, where: str, default: int, least: int = 1) -> int:
+    """``cfg[key]`` checked as ``_need`` checks its keys (an integer >= ``least``), or ``default`` when absent or
+    null."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ConfigError(f"{where}: {key} must be {'a positive integer' if least else 'an integer >= 0'}; got {v!r}")
+    return v
+
+
 def _split(value: int, tp: int, what: str) -> int:
     if value % tp:
         raise ConfigError(f"--tp {tp} does not divide {what}={value}; choose a TP size that divides it")
@@ -162,7 +173,10 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
     else:
         kv = _need(cfg, "num_key_value_heads", where)
         # Llama configs do not publish head_dim; transformers derives it the same way
-        head_dim = cfg.get("head_dim") or hidden // heads
+        head_dim = _optional(cfg, "head_dim", where, hidden // heads)
+        if head_dim < 1:
+            raise ConfigError(f"{where}: head_dim is absent and hidden_size // num_attention_heads = {hidden} // "
+                              f"{heads} = 0; add head_dim")
         kv_tp = _split(kv, tp, "num_key_value_heads") if kv >= tp else 1
         q_heads = h_tp * (2 if cfg.get("attn_output_gate") else 1)
         out.append(Gemm("attn.qkv", (q_heads + 2 * kv_tp) * head_dim, hidden))
@@ -178,7 +192,7 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
     if inter is None and moe_inter is None:
         raise ConfigError(f"{where}: neither 'intermediate_size' nor 'moe_intermediate_size' is set; one is needed "
                           "for the MLP shapes. Add it or tune explicit shapes with --shape M,N,K")
-    dense = inter is not None and (not has_experts or (cfg.get("first_k_dense_replace") or 0) > 0
+    dense = inter is not None and (not has_experts or _optional(cfg, "first_k_dense_replace", where, 0, 0) > 0
                                    or bool(cfg.get("mlp_only_layers")))
     if dense:
         i_tp = _split(_need(cfg, "intermediate_size", where), tp, "intermediate_size")
@@ -193,7 +207,8 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
         top_k = _need(cfg, "num_experts_per_tok", where)
         out += [Gemm("expert.gate_up", 2 * e, hidden, experts=n_exp // ep, top_k=top_k),
                 Gemm("expert.down", hidden, e, experts=n_exp // ep, top_k=top_k)]
-        shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * e
+        shared = (_optional(cfg, "shared_expert_intermediate_size", where, 0, 0)
+                  or _optional(cfg, "n_shared_experts", where, 0, 0) * e)
         if shared:
             s_tp = _split(shared, tp, "shared expert intermediate size")
             out += [Gemm("shared_expert.gate_up", 2 * s_tp, hidden), Gemm("shared_expert.down", hidden, s_tp)]
