@@ -98,11 +98,25 @@ def test_shape_list_and_range_expand_to_m_buckets(capsys):
     ("x,256,512", r"M must be a positive integer; got 'x'"),
     ("200-60,256,512", r"M range '200-60' must go up"),
     ("1,0,512", r"N must be a positive integer; got 0"),
+    # each was accepted, then crashed allocating its operands
+    ("9999999999,64,64",
+     r"argument --shape: '9999999999,64,64': M must be at most 2147483647 \(2\*\*31 - 1\); got 9999999999$"),
+    ("4,99999999999,64", r"'4,99999999999,64': N must be at most 2147483647 \(2\*\*31 - 1\); got 99999999999$"),
+    ("2147483647,64,64", r"--shape '2147483647,64,64': A \(M\*K\) = 2147483647\*64 = 137438953408 elements, over the "
+                         r"bound of 2147483647 \(2\*\*31 - 1\) per operand; tune a smaller shape \(every M above 8192 "
+                         r"shares the 8192 bucket\)$"),
+    ("70000,65536,64", r"out \(M\*N\) = 70000\*65536 = 4587520000 elements, over the bound"),
 ])
 def test_bad_shape_exits_2_naming_value_and_form(capsys, spec, match):
     code, out, err = _run(capsys, ["--shape", spec])
     assert code == 2 and out == ""
-    assert re.search(match, err), err
+    assert re.search(match, err, re.M), err
+
+
+def test_a_preset_at_an_m_too_large_exits_2_naming_the_layer(capsys):
+    code, out, err = _run(capsys, ["--preset", "llama-3.1-70b-nvfp4", "--m", "300000", "--list"])
+    assert code == 2 and out == "" and ("error: attn.qkv (N=10240, K=8192) at M=300000: A (M*K) = 300000*8192 = "
+                                        "2457600000 elements, over the bound of 2147483647 (2**31 - 1)") in err, err
 
 
 def test_argument_misuse_exits_2(capsys):

@@ -33,10 +33,12 @@ from pathlib import Path
 from ..problem import M_BUCKETS, m_bucket
 
 __all__ = ["Gemm", "ConfigError", "PRESETS", "DEFAULT_MS", "gemms_from_config", "preset_gemms", "read_hf_config",
-           "parse_m_spec", "parse_shape_spec", "parse_positive", "default_shapes", "expand_shapes", "ShapeSpec"]
+           "parse_m_spec", "parse_shape_spec", "parse_positive", "default_shapes", "expand_shapes", "ShapeSpec",
+           "check_size", "config_rows", "MAX_ELEMENTS"]
 
 BLOCK = 16  # NVFP4: one e4m3 scale per 16 K-elements, so K must be a multiple of 16
 DEFAULT_MS = (1, 16, 128, 1024, 4096)
+MAX_ELEMENTS = 2**31 - 1  # the largest M, N, K and operand (M*K, N*K, M*N) a shape may have
 
 
 class ConfigError(ValueError):
@@ -257,7 +259,28 @@ def _pos_int(text: str, what: str, spec: str) -> int:
         raise ConfigError(f"{spec!r}: {what} must be a positive integer; got {text!r}") from None
     if v < 1:
         raise ConfigError(f"{spec!r}: {what} must be a positive integer; got {v}")
+    if v > MAX_ELEMENTS:
+        raise ConfigError(f"{spec!r}: {what} must be at most {MAX_ELEMENTS} (2**31 - 1); got {v}")
     return v
+
+
+def check_size(m: int, n: int, k: int, what: str) -> None:
+    """ConfigError unless A (M x K), a weight (N x K; one expert's) and out (M x N) each hold at most
+    ``MAX_ELEMENTS`` elements: the tuner allocates them, and kernels index them with 32-bit offsets."""
+    for name, x, y in (("A (M*K)", m, k), ("the weight (N*K)", n, k), ("out (M*N)", m, n)):
+        if x * y > MAX_ELEMENTS:
+            raise ConfigError(f"{what}: {name} = {x}*{y} = {x * y} elements, over the bound of {MAX_ELEMENTS} "
+                              "(2**31 - 1) per operand; tune a smaller shape (every M above 8192 shares the 8192 "
+                              "bucket)")
+
+
+def config_rows(gemms: list[Gemm], ms: list[int]) -> list[tuple]:
+    """(M, N, K, layer, experts) of each NVFP4 layer of ``gemms`` at each M of ``ms`` (a routed expert's M is T = M x
+    top-k), each checked by ``check_size``."""
+    rows = [(m * (g.top_k or 1), g.n, g.k, g.layer, g.experts) for g in gemms if g.skip is None for m in ms]
+    for m, n, k, layer, experts in rows:
+        check_size(m, n, k, f"{layer} (N={n}, K={k}) at {'T' if experts else 'M'}={m}")
+    return rows
 
 
 def _m_items(items: list[str], spec: str) -> list[int]:
@@ -294,7 +317,9 @@ def parse_shape_spec(spec: str) -> list[tuple[int, int, int]]:
     if k % BLOCK:
         raise ConfigError(f"--shape {spec!r}: K={k} must be a multiple of {BLOCK} (one e4m3 scale per {BLOCK} "
                           f"values); pad K to {-(-k // BLOCK) * BLOCK}")
-    return [(m, n, k) for m in _m_items(items[:-2], spec)]
+    ms = _m_items(items[:-2], spec)
+    check_size(max(ms), n, k, f"--shape {spec!r}")
+    return [(m, n, k) for m in ms]
 
 
 def expand_shapes(shapes: list[tuple]) -> list[ShapeSpec]:

@@ -156,10 +156,9 @@ def _collect_shapes(args, parser, on_gpu: bool) -> tuple[list, list[dict]]:
         if args.hf_config:
             cfg = presets.read_hf_config(args.hf_config)
             gemms += presets.gemms_from_config(cfg, args.tp or 1, f"--hf-config {args.hf_config}", args.ep or 1)
+        raw += presets.config_rows(gemms, args.m or list(presets.DEFAULT_MS))
     except presets.ConfigError as e:
         parser.error(str(e))
-    ms = args.m or list(presets.DEFAULT_MS)
-    raw += [(m * (g.top_k or 1), g.n, g.k, g.layer, g.experts) for g in gemms if g.skip is None for m in ms]
     skipped = [{"layer": g.layer, "n": g.n, "k": g.k, "reason": g.skip} for g in gemms if g.skip]
     if not raw and not skipped:
         raw = presets.default_shapes(on_gpu)
