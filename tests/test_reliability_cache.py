@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import weakref
 
 import pytest
 
@@ -137,6 +138,34 @@ def test_08_a_held_lock_costs_a_call_at_most_the_short_wait(tmp_path):
     assert right(d, 2)  # the next write takes the free lock and writes everything kept in memory
     on_disk = json.loads(cache.path.read_text())["decisions"]
     assert {"m4-n48-k64-float32", "m16-n48-k64-float32", "m2-n48-k64-float32"} <= set(on_disk)
+
+
+def test_08_at_exit_pending_writes_wait_longer_and_what_is_lost_is_said(tmp_path, monkeypatch, caplog):
+    from filelock import FileLock
+
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    assert cache_mod.EXIT_LOCK_TIMEOUT_S >= 10 * cache_mod.LOCK_TIMEOUT_S  # was the calls' 1 s, then lost silently
+    monkeypatch.setattr(cache_mod, "EXIT_LOCK_TIMEOUT_S", 0.2)  # held throughout below: no need to wait 10 s
+    monkeypatch.setattr(cache_mod, "_pending_caches", weakref.WeakSet())  # other tests' caches stay out of it
+    c = cache_mod.DecisionCache(tmp_path, {"device_type": "cpu", "libs": {}})
+    keys = [f"m1-n{16 * i}-k64-float32" for i in range(1, 6)]
+    for ks in keys:
+        c.update("decisions", {ks: {"backend": "x"}}, defer=True)
+    c.update("verified", {keys[0]: {"x|default": [1]}}, defer=True)
+    peer = FileLock(str(c.path) + ".lock")
+    peer.acquire()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+            cache_mod._flush_at_exit()
+    finally:
+        peer.release()
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert msg == (f"fp4dispatch: at exit, the cache lock {c.path}.lock was still held by another process (waited up "
+                   f"to 0.2 s); not written to {c.path}, so a later process decides or proves these again: decisions: "
+                   f"{', '.join(keys[:3])} (+2 more); verified: {keys[0]}")
+    cache_mod._flush_at_exit()  # the lock is free: everything is written, nothing is said
+    assert set(json.loads(c.path.read_text())["decisions"]) == set(keys) and c.pending_summary() == ""
 
 
 # -- 9. scaling -------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -44,6 +45,7 @@ MAX_KEYS = 4096
 MAX_RANKING = 16
 MAX_FILE_BYTES = 16 << 20
 LOCK_TIMEOUT_S = 1.0
+EXIT_LOCK_TIMEOUT_S = 10.0  # at exit, what is still pending waits this long in all for the lock (no call is waiting)
 
 
 @functools.cache
@@ -114,8 +116,13 @@ _pending_caches: "weakref.WeakSet[DecisionCache]" = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_LOCK_TIMEOUT_S
     for cache in list(_pending_caches):
-        cache.flush()
+        cache._warned.add("lock")  # its "written later" would be wrong now: the warning below says what is lost
+        if not cache.flush(timeout=max(deadline - time.monotonic(), 0.0)) and cache.pending_summary():
+            log.warning("fp4dispatch: at exit, the cache lock %s was still held by another process (waited up to "
+                        "%.1f s); not written to %s, so a later process decides or proves these again: %s",
+                        cache._lock_path, EXIT_LOCK_TIMEOUT_S, cache.path, cache.pending_summary())
 
 
 class DecisionCache:
@@ -236,6 +243,15 @@ class DecisionCache:
             self.write_error = None
             self.data = data
             return True
+
+    def pending_summary(self, most: int = 3) -> str:
+        """The updates not written yet, per section: ``decisions: m16-n64-k64-float32, ... (+2 more)``; "" if none."""
+        with self._mutex:
+            keys: dict[str, dict] = {}
+            for section, entries, _ in self._pending:
+                keys.setdefault(section, {}).update(dict.fromkeys(map(str, entries)))
+        return "; ".join(f"{s}: {', '.join(list(ks)[:most])}" + (f" (+{len(ks) - most} more)" if len(ks) > most else "")
+                         for s, ks in keys.items())
 
     def clear(self) -> list[Path]:
         """Remove this fingerprint's file, its writers' leftovers and its lock file; returns what was removed."""
