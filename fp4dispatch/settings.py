@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import InvalidInputError
 
-__all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV", "apply_log_level"]
+__all__ = ["Settings", "read_settings", "default_cache_dir", "RELEVANT_ENV", "apply_log_level", "fingerprint_env"]
 
 # Env variables of other libraries that can change which kernel runs or what it computes: part of the fingerprint.
 RELEVANT_ENV = (
@@ -107,7 +107,7 @@ def default_cache_dir() -> Path:
 def read_settings() -> Settings:
     """Read the environment now."""
     apply_log_level()
-    disabled = frozenset(x.strip() for x in os.environ.get("FP4DISPATCH_DISABLE", "").split(",") if x.strip())
+    disabled = _disabled()
     return Settings(
         forced_backend=os.environ.get("FP4DISPATCH_BACKEND") or None,
         disabled=disabled,
@@ -122,6 +122,23 @@ def read_settings() -> Settings:
         compile_workers=_count("FP4DISPATCH_COMPILE_WORKERS"),
         background_compile=_flag("FP4DISPATCH_BACKGROUND_COMPILE", True),
     )
+
+
+def _disabled() -> frozenset[str]:
+    return frozenset(x.strip() for x in os.environ.get("FP4DISPATCH_DISABLE", "").split(",") if x.strip())
+
+
+def fingerprint_env() -> dict[str, str]:
+    """The ``RELEVANT_ENV`` variables set now, fp4dispatch's own as ``read_settings`` reads them (the timer in lower
+    case, the disabled names sorted, either left out at its default), so that equivalent spellings (``EAGER``,
+    ``b, a``, an explicit ``graph``) name the same cache file. InvalidInputError for a timer that is not valid."""
+    env = {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ and not k.startswith("FP4DISPATCH_")}
+    timer, disabled = _choice("FP4DISPATCH_TIMER", ("graph", "eager"), "graph"), _disabled()
+    if timer != "graph":
+        env["FP4DISPATCH_TIMER"] = timer
+    if disabled:
+        env["FP4DISPATCH_DISABLE"] = ",".join(sorted(disabled))
+    return env
 
 
 def _count(name: str) -> int | None:

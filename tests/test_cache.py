@@ -68,6 +68,26 @@ def test_source_hash_names_the_package_code(tmp_path):
     assert device_fingerprint(torch.device("cpu"))["source"] == source_hash()
 
 
+def test_equivalent_env_settings_share_one_cache_file(monkeypatch):
+    from fp4dispatch.dispatch.fingerprint import fingerprint_hash
+
+    def file_hash(**env):
+        for k in ("FP4DISPATCH_TIMER", "FP4DISPATCH_DISABLE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return fingerprint_hash(device_fingerprint(torch.device("cpu")))
+
+    default = file_hash()  # each spelling below was a file of its own
+    assert file_hash(FP4DISPATCH_TIMER="graph") == file_hash(FP4DISPATCH_TIMER=" Graph ") == default
+    assert file_hash(FP4DISPATCH_TIMER="eager") == file_hash(FP4DISPATCH_TIMER="EAGER") != default
+    ab = file_hash(FP4DISPATCH_DISABLE="a,b")
+    assert ab == file_hash(FP4DISPATCH_DISABLE="b,a") == file_hash(FP4DISPATCH_DISABLE="b, a,,a ") != default
+    assert file_hash(FP4DISPATCH_DISABLE=" , ") == default
+    monkeypatch.setenv("FP4DISPATCH_DISABLE", "b, a")
+    assert device_fingerprint(torch.device("cpu"))["env"]["FP4DISPATCH_DISABLE"] == "a,b"
+
+
 def test_dispatcher_survives_corrupt_file(tmp_path):
     cdir = tmp_path / "c"
     cdir.mkdir()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 from functools import lru_cache
 from importlib import metadata
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..settings import RELEVANT_ENV
+from ..settings import fingerprint_env
 from ..version import __version__
 
 __all__ = ["device_fingerprint", "fingerprint_hash", "fingerprint_diff", "source_hash"]
@@ -75,7 +74,7 @@ def device_fingerprint(device: torch.device) -> dict:
     libs["fp4dispatch"] = __version__
     fp["libs"] = libs
     fp["source"] = source_hash()
-    fp["env"] = {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ}
+    fp["env"] = fingerprint_env()  # fp4dispatch's own knobs normalized: equivalent spellings share a file
     return fp
 
 
