@@ -317,6 +317,24 @@ def test_every_contract_error_names_argument_expected_got_and_fix(tmp_path, chan
         d.fp4_grouped_mm(*args.values(), out=out)
 
 
+@pytest.mark.parametrize("offs, message", [
+    ([-5, 0], r"offs must be non-decreasing cumulative end rows starting at >= 0; got offs\[0\]=-5 < 0\. Build it"),
+    ([3, 0], r"offs must be non-decreasing cumulative end rows starting at >= 0; got offs\[1\]=0 < offs\[0\]=3\."),
+    ([0, 2], r"offs\[-1\] must equal T = a.shape\[0\] = 0 \(every row belongs to an expert\); got offs\[-1\]=2\."),
+])
+def test_the_offs_of_a_call_without_rows_is_checked_too(tmp_path, offs, message):
+    d = _disp([ReferenceBackend()], tmp_path)
+    a, b, sb = torch.zeros(0, 32, dtype=torch.uint8), torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(
+        2, 128, 4, dtype=torch.float8_e4m3fn)
+    sa, x, bad = torch.zeros(0, 4, dtype=torch.float8_e4m3fn), torch.zeros(0, 64), torch.tensor(offs, dtype=torch.int32)
+    for call, run in (("fp4_grouped_mm", lambda o, **kw: d.fp4_grouped_mm(a, b, sa, sb, None, o, **kw)),
+                      ("w4a16_grouped_mm", lambda o, **kw: d.w4a16_grouped_mm(x.bfloat16(), b, sb, None, o, **kw))):
+        assert run(torch.zeros(2, dtype=torch.int32)).shape == (0, 64)
+        with pytest.raises(InvalidInputError, match=f"^{call}: {message}"):  # was accepted at T = 0
+            run(bad)
+        assert run(bad, check_offs=False).shape == (0, 64)  # unchecked: nothing to compute
+
+
 def test_a_swizzled_a_scale_must_fit_the_routing_and_any_routing_when_offs_is_not_read(tmp_path):
     d = _disp([ReferenceBackend()], tmp_path)
     a, b, sa, sb, alpha, offs = _inputs([0, 3, 2, 0])  # needs 256 rows; grouped_scale_rows(5, 4) = 512
