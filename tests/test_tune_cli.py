@@ -121,7 +121,17 @@ def test_a_preset_at_an_m_too_large_exits_2_naming_the_layer(capsys):
 
 def test_argument_misuse_exits_2(capsys):
     assert main(["--help"]) == 0 and "--preset" in capsys.readouterr().out
-    for argv, text in [(["--tp", "8"], "--tp and --m apply to --preset"),
+    for argv, text in [(["--tp", "8"], "error: --tp, --ep and --m apply to --preset / --hf-config; give one (or put M "
+                                       "in --shape M,N,K)"),
+                       (["--ep", "8", "--shape", "4,64,64"], "error: --tp, --ep and --m apply to --preset"),  # was run
+                       (["--preset", "llama-3.1-70b-nvfp4", "--ep", "8"],  # was accepted
+                        "error: --ep 8 splits routed experts, and preset llama-3.1-70b-nvfp4 has none (num_experts, "
+                        "n_routed_experts, num_local_experts unset); drop --ep"),
+                       # was argparse's "expected one argument"
+                       (["--shape", "-1,64,64"], "error: argument --shape: '-1,64,64': M must be a positive integer; "
+                                                 "got -1"),
+                       (["--preset", "llama-3.1-70b-nvfp4", "--m", "-1,16"],
+                        "error: argument --m: '-1,16': M must be a positive integer; got -1"),
                        (["export"], "export needs a FILE"),
                        (["--preset", "nope"], "invalid choice: 'nope'"),
                        (["--preset", "llama-3.1-70b-nvfp4", "--tp", "3"],
@@ -279,6 +289,8 @@ MOE = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2, "
     ({**MOE, "first_k_dense_replace": "3"}, "first_k_dense_replace must be an integer >= 0; got '3'"),
     ({**MOE, "n_shared_experts": "1"}, "n_shared_experts must be an integer >= 0; got '1'"),
     ({**MOE, "shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be an integer >= 0; got -1"),
+    ({**MOE, "num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4 (a token is routed to that many "
+                                        "distinct experts); fix the config"),
 ])
 def test_hf_config_values_are_checked_like_the_required_keys(capsys, tmp_path, cfg, message):
     path = tmp_path / "config.json"

@@ -27,6 +27,7 @@ NVFP4 checkpoint really quantizes is in its ``quantization_config``; the presets
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from ..problem import M_BUCKETS, m_bucket
 
 __all__ = ["Gemm", "ConfigError", "PRESETS", "DEFAULT_MS", "gemms_from_config", "preset_gemms", "read_hf_config",
            "parse_m_spec", "parse_shape_spec", "parse_positive", "default_shapes", "expand_shapes", "ShapeSpec",
-           "check_size", "config_rows", "MAX_ELEMENTS"]
+           "check_size", "config_rows", "MAX_ELEMENTS", "negative_values"]
 
 BLOCK = 16  # NVFP4: one e4m3 scale per 16 K-elements, so K must be a multiple of 16
 DEFAULT_MS = (1, 16, 128, 1024, 4096)
@@ -154,6 +155,9 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
     """The per-rank linear layers of a model described by Hugging Face config keys (see the module docstring)."""
     if tp < 1 or ep < 1:
         raise ConfigError(f"--tp and --ep must be positive integers; got {tp}, {ep}")
+    if ep > 1 and not any(cfg.get(k) for k in _EXPERT_KEYS):
+        raise ConfigError(f"--ep {ep} splits routed experts, and {where} has none ({', '.join(_EXPERT_KEYS)} unset); "
+                          "drop --ep")
     hidden = _need(cfg, "hidden_size", where)
     heads = _need(cfg, "num_attention_heads", where)
     h_tp = _split(heads, tp, "num_attention_heads")
@@ -207,6 +211,9 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
         if n_exp % ep:
             raise ConfigError(f"--ep {ep} does not divide {key}={n_exp}; choose an EP size that divides it")
         top_k = _need(cfg, "num_experts_per_tok", where)
+        if top_k > n_exp:
+            raise ConfigError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={n_exp} (a token is routed to that "
+                              "many distinct experts); fix the config")
         out += [Gemm("expert.gate_up", 2 * e, hidden, experts=n_exp // ep, top_k=top_k),
                 Gemm("expert.down", hidden, e, experts=n_exp // ep, top_k=top_k)]
         shared = (_optional(cfg, "shared_expert_intermediate_size", where, 0, 0)
@@ -283,10 +290,22 @@ def config_rows(gemms: list[Gemm], ms: list[int]) -> list[tuple]:
     return rows
 
 
+def negative_values(argv: list[str]) -> list[str]:
+    """``--shape -1,64,64`` as ``--shape=-1,64,64`` (and ``--m``'s likewise): argparse takes a value that starts with
+    '-' (and is not a number) for an option and says only "expected one argument"; joined, the spec's check names it."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] in ("--shape", "--m") and re.match(r"-\d", a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def _m_items(items: list[str], spec: str) -> list[int]:
     ms: list[int] = []
     for item in items:
-        if "-" in item:
+        if "-" in item[1:]:  # a range; "-1" is a negative M
             lo_s, _, hi_s = item.partition("-")
             lo, hi = _pos_int(lo_s, "the range start", spec), _pos_int(hi_s, "the range end", spec)
             if lo > hi:

@@ -356,8 +356,8 @@ def _check(args, parser) -> None:
     shaping = args.shape or args.preset or args.hf_config or args.list
     if args.command != "tune" and (shaping or args.self_test):
         parser.error(f"{args.command} takes no shape options or --self-test; run them without {args.command!r}")
-    if (args.tp or args.m) and not (args.preset or args.hf_config):
-        parser.error("--tp and --m apply to --preset / --hf-config; give one (or put M in --shape M,N,K)")
+    if (args.tp or args.ep or args.m) and not (args.preset or args.hf_config):
+        parser.error("--tp, --ep and --m apply to --preset / --hf-config; give one (or put M in --shape M,N,K)")
     if args.self_test and shaping:
         parser.error("--self-test probes only; drop the shape options")
     if args.devices and distributed.torchrun_detected():
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None, *, backends=None, do_bench=None) -> int:
     (tests, custom builds); neither reaches ``--devices`` processes, which use the defaults."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(presets.negative_values(sys.argv[1:] if argv is None else argv))
         _check(args, parser)
     except SystemExit as e:  # argparse: 0 after --help, 2 on a bad argument
         return int(e.code or 0)
