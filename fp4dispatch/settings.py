@@ -109,7 +109,7 @@ def read_settings() -> Settings:
     apply_log_level()
     disabled = _disabled()
     return Settings(
-        forced_backend=os.environ.get("FP4DISPATCH_BACKEND") or None,
+        forced_backend=os.environ.get("FP4DISPATCH_BACKEND", "").strip() or None,
         disabled=disabled,
         cache_dir=Path(os.environ["FP4DISPATCH_CACHE_DIR"]) if os.environ.get("FP4DISPATCH_CACHE_DIR") else None,
         tune=_flag("FP4DISPATCH_TUNE", True),

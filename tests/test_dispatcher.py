@@ -193,6 +193,47 @@ def test_forced_backend_env_and_per_call(tmp_path, monkeypatch):
     assert _close(out, ref) and fast.calls == calls + 1
 
 
+def test_forced_backend_env_is_stripped_like_the_other_knobs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", " slow ")  # was refused: no backend named ' slow '
+    assert read_settings().forced_backend == "slow"
+    fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
+    d = _disp([fast, slow], tmp_path)
+    out, ref = _call(d, 4)
+    calls = fast.calls, slow.calls
+    assert _close(out, ref) and _close(*_call(d, 4)) and (fast.calls, slow.calls) == (calls[0], calls[1] + 1)
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "  ")
+    assert read_settings().forced_backend is None
+
+
+def test_a_cached_decision_naming_another_ops_backend_is_ignored_with_a_warning(tmp_path, caplog):
+    from fp4dispatch.problem import Problem
+
+    class GroupedOnly(FakeBackend):  # as loop:fp4_mm, which reads ops.offs
+        def run(self, problem, ops, config):
+            if not problem.experts:
+                raise AttributeError("'Operands' object has no attribute 'offs'")
+            super().run(problem, ops, config)
+
+    d = _disp([FakeBackend("dense", cost=2e-5), GroupedOnly("moe", cost=1e-6, ops=("grouped",))], tmp_path)
+    d.report("cpu")  # both probed: "moe" is healthy, for its own op
+    _call(d, 4)
+    path = d.cache_for("cpu").path
+    data = json.loads(path.read_text())
+    (ks,) = data["decisions"]
+    entry = data["decisions"][ks]
+    data["decisions"][ks] = {**entry, "backend": "moe", "ranking": [{**entry, "backend": "moe"}] + entry["ranking"]}
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        fresh = _disp([FakeBackend("dense", cost=2e-5), GroupedOnly("moe", cost=1e-6, ops=("grouped",))], tmp_path)
+        fresh.report("cpu")  # the grouped op's verdicts in this process too: "moe" is healthy here
+        out, ref = _call(fresh, 4)
+    assert _close(out, ref)
+    assert fresh.choose(Problem(4, 64, 128, torch.float32, torch.device("cpu"))).backend.name == "dense"
+    assert fresh.cache_for("cpu").shape_blacklist == {}  # was a ban of "moe" after its proof raised
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fp4dispatch: ignoring moe in the cached decision of {ks}: it does not compute fp4_mm"]
+
+
 def test_forced_unhealthy_backend_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_BACKEND", "broken")
     d = _disp([FakeBackend("broken", result="zeros"), FakeBackend("ok")], tmp_path)

@@ -228,6 +228,10 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
             ranked: list[tuple[Backend, Config]] = []
             for t in [entry] + list(entry.get("ranking", [])):
                 b = self._by_name.get(t["backend"])
+                if b is not None and not computes(b, problem.op):  # another op's backend (a hand edit, a bad merge)
+                    self._warn(f"op:{ks}:{b.name}", "fp4dispatch: ignoring %s in the cached decision of %s: it does "
+                               "not compute %s", b.name, ks, problem.call)
+                    b = None
                 if t.get("time_us") is None or b is None or any(r[0] is b for r in ranked):
                     continue
                 if self._usable(key, b.name) is None:
