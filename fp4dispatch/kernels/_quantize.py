@@ -109,9 +109,9 @@ def quant_kernel(x_ptr, gs_ptr, part_ptr, NPARTS, p_ptr, s_ptr, M, K, KB, CB, RP
 def amax_scale_kernel(x_ptr, part_ptr, cnt_ptr, gs_ptr, N, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                       FINISH: tl.constexpr):
     """``format.default_global_scale`` on the device, bit for bit: the amax of x's finite values (a NaN or inf counts
-    as 0), then ``scale_from_parts``. Each program stores the max of its strided chunks in part_ptr; with FINISH the program that
-    arrives last (cnt_ptr counts, starting at zero) writes gs from them and sets the counter back to zero for the next
-    launch (without, ``quant_kernel`` does)."""
+    as 0), then ``scale_from_parts``. Each program stores the max of its strided chunks in part_ptr; with FINISH the
+    program that arrives last (cnt_ptr counts, starting at zero) writes gs from them and sets the counter back to
+    zero for the next launch (without, ``quant_kernel`` does)."""
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
     m = tl.zeros((BLOCK,), dtype=tl.float32)
