@@ -219,6 +219,25 @@ for m, n, k in [(1, 40, 96), (3, 64, 256), (17, 33, 272), (70, 48, 160)]:
                     res["w4a16"].append({"backend": b.name, "m": m, "n": n, "k": k, "a": str(adt), "out": str(odt),
                                          "cfg": fam, "why": why, "err": rel(case.ops.out[:, :n - 1],
                                                                            case.ref.double()[:, :n - 1])})
+# an activation and an alpha that require grad: every config runs (torch's out= variants refuse such inputs) and
+# writes the bits it writes without, with no autograd history on out
+res["grad"] = []
+p = Problem(3, 64, 256, torch.bfloat16, cpu, torch.bfloat16)
+ops = make_case(p, 5, reference_mm).ops
+for b in w4:
+    for cfg in b.configs(p):
+        want = torch.full_like(ops.out, float("nan"))
+        b.run(p, ops._replace(out=want), cfg)
+        got = torch.full_like(ops.out, float("nan"))
+        grad = ops._replace(a=ops.a.clone().requires_grad_(), alpha=ops.alpha.clone().requires_grad_(), out=got)
+        try:
+            b.run(p, grad, cfg)
+            why = None
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+        same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bits: the case's last column is NaN
+        res["grad"].append({"backend": b.name, "cfg": str(cfg), "why": why, "same": bool(same),
+                            "history": got.requires_grad or got.grad_fn is not None})
 print("RESULT " + json.dumps(res))
 '''
 
@@ -516,6 +535,13 @@ def test_dequant_backend_asks_once_whether_mm_takes_out_dtype(monkeypatch):
         got = D._mm_f32(a, b, None)
         assert got.dtype == torch.float32 and torch.equal(got, a.float() @ b.float().t())
     assert len(tries) == 1 and D._MM_OUT_DTYPE == {"cpu": False}
+
+
+def test_inputs_that_require_grad_run_every_config_without_autograd_history(child):
+    rows = child["grad"]
+    assert {r["backend"] for r in rows} == {"triton:w4a16", "triton:dequant+matmul"}
+    bad = [r for r in rows if r["why"] or not r["same"] or r["history"]]
+    assert not bad, bad
 
 
 def test_w4a16_kernels_pass_the_dispatchers_check_for_every_config(child):

@@ -60,6 +60,7 @@ class TritonDequantBackend(BaseBackend):
             w = self._weights[key] = dequantize_rows(ops.b, ops.b_scale, dtype)
         return w
 
+    @torch.no_grad()  # the ops are not differentiable, and torch's out= variants refuse inputs that require grad
     def run(self, problem: Problem, ops: Operands, config: Config) -> None:
         fold = config.get("alpha") == "fold" and self._can_fold(problem)
         if problem.op == "w4a16":  # a as given: the weight is dequantized to its dtype (exact in bf16 and fp16)
