@@ -119,9 +119,8 @@ class Fp4Linear(ModeChoice, nn.Module):
             bias: optional [N].
             mode: "auto", "w4a4" or "w4a16" (the module docstring).
 
-        W4A16: ``alpha = weight_scale_2``. W4A4: activations are quantized with ``1/input_scale`` and
-        ``alpha = weight_scale_2 / (1/input_scale)`` (vLLM's ``input_scale * weight_scale_2`` but for one fp32 rounding:
-        the decode scale of x as quantized).
+        W4A16: ``alpha = weight_scale_2``. W4A4: ``alpha = input_scale * weight_scale_2`` and activations are
+        quantized with ``1/input_scale``.
         """
         who = "Fp4Linear.from_modelopt"
         w, sc = stored_weight(who, weight, weight_scale, "weight", "weight_scale")
