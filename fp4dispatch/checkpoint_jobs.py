@@ -106,7 +106,11 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
         return Fp4Linear.from_compressed_tensors(w, t["weight_scale"], t["weight_global_scale"], s_in, bias=b,
                                                  mode=mode)
 
-    build(shards.probe)  # every check, on the probes: it raises before the model changes
+    try:
+        build(shards.probe)  # every check, on the probes: it raises before the model changes
+    except InvalidInputError as e:  # the constructor's message, with the module it was building
+        why = str(e).removeprefix(f"{_WHO}: ")
+        raise InvalidInputError(f"{_WHO}: module {name!r}: {why}. The model is unchanged") from None
     used.update(prefix + k for k in (*fmt.required, fmt.input_name, "bias") if prefix + k in names)
     report.replaced[name] = (f"Fp4Linear({k_in} -> {n_out}, mode={mode}, activation scale "
                              f"{'static' if inp is not None else 'dynamic'})")

@@ -209,6 +209,19 @@ def test_a_path_an_index_or_a_shard_that_is_wrong_is_named_before_the_model_chan
     assert _same(model, before)
 
 
+def test_a_layers_constructor_error_names_the_module_and_leaves_the_model_unchanged(tmp_path):
+    """What a layer's constructor refuses (here two different per-shard weight scales of one fused weight) comes with
+    the module load_nvfp4 was building, before the model changes."""
+    t = _tensors("modelopt")
+    t["down.weight_scale_2"] = torch.tensor([t["down.weight_scale_2"].item(), 2 * t["down.weight_scale_2"].item()])
+    model = Net()
+    before = _state(model)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: module 'down': Fp4Linear.from_modelopt: weight_scale_2 "
+                                                r"has 2 different per-shard values .*\. The model is unchanged$"):
+        load_nvfp4(model, _save(tmp_path, t, MODELOPT), mode="w4a16")
+    assert type(model.down) is nn.Linear and _same(model, before)
+
+
 def test_a_packed_weight_of_another_integer_dtype_and_a_bad_mode_are_named():
     t = _tensors("modelopt")
     t["up.weight"] = t["up.weight"].view(torch.int8)
