@@ -29,6 +29,9 @@ log = logging.getLogger("fp4dispatch")
 
 
 def _check_shapes(shapes) -> list[tuple[int, int, int]]:
+    if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Iterable):
+        raise InvalidInputError(f"warmup: shapes must be a list of (M, N, K) triples; got {shapes!r}. Pass e.g. "
+                                f"[(1, 4096, 4096), (128, 4096, 4096)]")
     out = []
     for s in shapes:
         ok = isinstance(s, (tuple, list)) and len(s) == 3 and all(
@@ -66,14 +69,20 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         ``{(M, N, K): backend name}`` of the decisions.
 
     Raises:
-        InvalidInputError: a shape is not an (M, N, K) triple of positive ints with K % 16 == 0, or this is
-            called during CUDA graph capture.
+        InvalidInputError: shapes is not a list of (M, N, K) triples of positive ints with K % 16 == 0, out_dtype
+            is not bf16/fp16/fp32 (checked before any key is made or cached), or this is called during CUDA graph
+            capture.
     """
     from .api import get_dispatcher
     from .dispatch.dispatcher import resolve_device
     from .dispatch.verify import random_grouped_operands, random_operands
 
+    from .problem import OUT_DTYPES
+
     todo = _check_shapes(shapes)
+    if out_dtype not in OUT_DTYPES:  # checked before any key is made: a bad one must not reach the disk cache
+        raise InvalidInputError(f"warmup: out_dtype must be one of torch.bfloat16, torch.float16, torch.float32 (the "
+                                f"out_dtype of the calls to warm up); got {out_dtype!r}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise InvalidInputError("warmup: called during CUDA graph capture; call it before torch.cuda.graph(...) "
                                 "(deciding a shape may tune, which synchronizes)")

@@ -2,12 +2,14 @@
 test_guard.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import fp4dispatch
 from fp4dispatch import graphs
-from fp4dispatch.backends.reference import reference_mm
+from fp4dispatch.backends.reference import ReferenceBackend, reference_mm
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.errors import InvalidInputError
 from fp4dispatch.format import dequantize_nvfp4, quantize_nvfp4, swizzled_scale_shape
@@ -454,6 +456,22 @@ def test_warmup_shape_errors(shapes, shown):
     with pytest.raises(InvalidInputError, match=r"warmup: shapes must be \(M, N, K\) triples of positive ints with "
                                                 rf"K % 16 == 0; got {shown}"):
         graphs.warmup(shapes, device="cpu")
+
+
+@pytest.mark.parametrize("shapes", [None, 5, "abc"])
+def test_warmup_refuses_shapes_that_are_not_a_list(shapes):
+    with pytest.raises(InvalidInputError, match=r"^warmup: shapes must be a list of \(M, N, K\) triples; got "
+                                                rf"{re.escape(repr(shapes))}\. Pass e\.g\. \[\(1, 4096, 4096\)"):
+        graphs.warmup(shapes, device="cpu")
+
+
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16", torch.int8])
+def test_warmup_refuses_a_bad_out_dtype_before_it_reaches_the_cache(tmp_path, out_dtype):
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c", do_bench=fake_do_bench)
+    with pytest.raises(InvalidInputError, match=r"^warmup: out_dtype must be one of torch.bfloat16, torch.float16, "
+                                                rf"torch.float32 \(.*\); got {re.escape(repr(out_dtype))}$"):
+        graphs.warmup([(4, 32, 64)], out_dtype=out_dtype, device="cpu", dispatcher=d)
+    assert not d.cache_for("cpu").decisions  # no key of a bad dtype was decided or written
 
 
 def test_warmup_refuses_during_capture(monkeypatch):
