@@ -70,8 +70,8 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
 
     Raises:
         InvalidInputError: shapes is not a list of (M, N, K) triples of positive ints with K % 16 == 0, out_dtype
-            is not bf16/fp16/fp32 (checked before any key is made or cached), or this is called during CUDA graph
-            capture.
+            is not bf16/fp16/fp32 (checked before any key is made or cached), device is not a CPU or CUDA device
+            here, or this is called during CUDA graph capture.
     """
     from .api import get_dispatcher
     from .dispatch.dispatcher import resolve_device
@@ -93,7 +93,7 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
         raise InvalidInputError(f"warmup: experts must be 0 (dense calls) or the E > 0 of fp4_grouped_mm / "
                                 f"w4a16_grouped_mm calls; got experts={experts!r}")
     d = dispatcher if dispatcher is not None else get_dispatcher()
-    dev = resolve_device(device)
+    dev = resolve_device(device, "warmup")
     choices = d.warmup(todo, out_dtype=out_dtype, device=dev, activations=activations or torch.uint8, experts=experts)
     if run:
         for i, (m, n, k) in enumerate(todo):

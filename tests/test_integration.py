@@ -474,6 +474,22 @@ def test_warmup_refuses_a_bad_out_dtype_before_it_reaches_the_cache(tmp_path, ou
     assert not d.cache_for("cpu").decisions  # no key of a bad dtype was decided or written
 
 
+_NOT_A_DEVICE = r"device must be None, a torch.device, a string like 'cuda:0' or 'cpu', or a CUDA index; got "
+
+
+@pytest.mark.parametrize("device, said", [
+    pytest.param("gpu", _NOT_A_DEVICE + "'gpu'$", id="name"),
+    pytest.param(1.5, _NOT_A_DEVICE + "1.5$", id="float"),
+    pytest.param("meta", r"tensors must hold data on a CPU or CUDA device; got device meta\.", id="meta"),
+])
+def test_report_and_warmup_name_themselves_for_a_bad_device(tmp_path, device, said):
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c", do_bench=fake_do_bench)
+    with pytest.raises(InvalidInputError, match=r"^report: " + said):
+        d.report(device)
+    with pytest.raises(InvalidInputError, match=r"^warmup: " + said):
+        graphs.warmup([(4, 32, 64)], device=device, dispatcher=d)
+
+
 def test_warmup_refuses_during_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

@@ -38,20 +38,24 @@ def add_faults(old: dict, new: dict) -> dict:
     return out
 
 
-def check_device(device: torch.device) -> None:
+def check_device(device: torch.device, who: str = "fp4_mm") -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(f"fp4_mm: device {device} was asked for, but CUDA is not available here "
+        raise InvalidInputError(f"{who}: device {device} was asked for, but CUDA is not available here "
                                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); use CPU tensors")
     if device.type not in ("cpu", "cuda"):
-        raise InvalidInputError(f"fp4_mm: tensors must hold data on a CPU or CUDA device; got device {device}. "
+        raise InvalidInputError(f"{who}: tensors must hold data on a CPU or CUDA device; got device {device}. "
                                 "Meta and fake tensors go through torch.compile (the custom op), not a direct call")
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, who: str = "fp4_mm") -> torch.device:
     """``device`` as a concrete torch.device (None: the current CUDA device, else the CPU); InvalidInputError
-    when it cannot hold data here."""
+    (its message begins ``who``) when it is not a device or cannot hold data here."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    d = torch.device(device)
-    check_device(d)
+    try:
+        d = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise InvalidInputError(f"{who}: device must be None, a torch.device, a string like 'cuda:0' or 'cpu', or a "
+                                f"CUDA index; got {device!r}") from None
+    check_device(d, who)
     return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d

@@ -325,7 +325,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def report(self, device=None, ops: tuple[str, ...] = OPS) -> Report:
         """One record per backend: status, reason, wins/losses per decided key on ``device``; prints as a table. The
         backends of ``ops`` (default: all) are probed first; another op's that no call needed yet shows not probed."""
-        dev = resolve_device(device)
+        dev = resolve_device(device, "report")
         with self._lock:
             cache, health = self._state(dev, *check_ops(ops))
             return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)

@@ -43,7 +43,7 @@ class Warmup:
         """Decide every (M, N, K) of ``shapes`` now, proven at that M; ``activations`` bf16/fp16: w4a16_mm's keys;
         ``experts`` E > 0: fp4_grouped_mm's keys (w4a16_grouped_mm's with bf16/fp16 ``activations``; M is then T,
         the routed rows of all E experts). The kernels of all new keys are compiled at once (``compile_keys``)."""
-        dev = resolve_device(device)
+        dev = resolve_device(device, "warmup")
         problems = {(m, n, k): Problem(int(m), int(n), int(k), out_dtype, dev, activations, int(experts))
                     for m, n, k in shapes}
         self.compile_keys(problems.values(), decide=True)
