@@ -187,7 +187,7 @@ def w4a16_grouped_mm(
         if not isinstance(a, torch.Tensor) or (out is not None and (not isinstance(out, torch.Tensor) or out.dtype != (
                 a.dtype if out_dtype is None else out_dtype))):
             check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
-        al = _traced_alpha(1.0 if alpha is None else alpha, a, "w4a16_grouped_mm")
+        al, a = _traced_alpha(1.0 if alpha is None else alpha, a, "w4a16_grouped_mm"), a.detach()
         if out is None:
             return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, al, offs, out_dtype, scale_layout, backend)
         torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, al, offs, out, scale_layout, backend)
@@ -201,7 +201,7 @@ def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend
     """``fp4_mm``'s arguments -> the matching custom op of fp4dispatch/torch_ops.py (registered when the package is
     imported): the functional op, or the one that writes ``out``."""
     if isinstance(alpha, torch.Tensor) or alpha is None:
-        at, av = alpha, 1.0
+        at, av = alpha if alpha is None else alpha.detach(), 1.0
     elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
         at, av = None, float(alpha)
     else:
@@ -222,7 +222,7 @@ def _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -
     another dtype than the call's) fails here, at trace time, with eager's message."""
     if not isinstance(a, torch.Tensor):
         check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)  # raises eager's message
-    al = _traced_alpha(alpha, a, "w4a16_mm")
+    al, a = _traced_alpha(alpha, a, "w4a16_mm"), a.detach()  # no autograd history, as eager (_traced_alpha)
     if out is None:
         return torch.ops.fp4dispatch.w4a16_mm(a, b, b_scale, al, out_dtype, scale_layout, backend)
     if not isinstance(out, torch.Tensor) or out.dtype != (a.dtype if out_dtype is None else out_dtype):
@@ -234,9 +234,11 @@ def _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -
 def _traced_alpha(alpha, a: torch.Tensor, call: str) -> torch.Tensor | None:
     """A traced call's alpha as its custom op takes it, a tensor (None stays None): a Python number that fits float32
     becomes a float32 tensor on ``a``'s device; anything else goes through eager's check, which raises its message
-    (a bool, a str, a number past float32) or makes the tensor of what eager takes (NaN, inf, a NumPy number)."""
+    (a bool, a str, a number past float32) or makes the tensor of what eager takes (NaN, inf, a NumPy number).
+    Detached: the ops have no autograd formula, and a traced result carries no autograd history, as eager's (an input
+    that requires grad must not make AOTAutograd trace a backward through them)."""
     if alpha is None or isinstance(alpha, torch.Tensor):
-        return alpha
+        return alpha if alpha is None else alpha.detach()
     if isinstance(alpha, (float, int)) and not isinstance(alpha, bool) and abs(alpha) <= _F32_MAX:
         return torch.full((1,), float(alpha), dtype=torch.float32, device=a.device)
     return check_alpha(alpha, a.device, call)

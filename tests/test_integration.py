@@ -289,6 +289,33 @@ def test_fp4linear_compiles_fullgraph_equal_to_eager():
         assert torch.equal(_compile(q)(x), q(x)), mode
 
 
+def test_compile_of_a_trainable_model_traces_the_calls_without_a_backward():
+    """A model compiled without no_grad (its nn.Linear parameters require grad) feeds activations and an alpha that
+    require grad into the W4A16 ops and fp4_mm: AOTAutograd must not try to differentiate them (no autograd formula
+    is registered; BackendCompilerFailed before), and the results carry no autograd history, as eager ones."""
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 48, 64, generator=g)
+    qs = [quantize_nvfp4(x, scale_layout="linear") for x in w]
+    experts = Fp4Experts.from_modelopt([q[0] for q in qs], [q[1] for q in qs], [1 / q[2] for q in qs], mode="w4a16")
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)
+    model = torch.nn.ModuleDict({"pre": torch.nn.Linear(64, 64), "dense": Fp4Linear(64, 48, mode="w4a16")})
+    model.dense.load_state_dict(Fp4Linear.from_linear(torch.nn.Linear(64, 48), mode="w4a16").state_dict())
+    a, sa, gs_a = quantize_nvfp4(torch.randn(5, 64, generator=g))
+    b, sb, gs_b = quantize_nvfp4(w[0])
+    scale = torch.ones(1, requires_grad=True)
+
+    def fn(x):
+        h = model["pre"](x)
+        alpha = scale / (gs_a * gs_b)  # requires grad
+        return model["dense"](h), experts(h, offs), fp4dispatch.fp4_mm(a, b, sa, sb, alpha, out_dtype=torch.float32)
+
+    x = torch.randn(5, 64)
+    for got, want in zip(_compile(fn)(x), fn(x)):
+        assert not got.requires_grad and not want.requires_grad
+        torch.testing.assert_close(got, want)
+
+
 def test_fp4linear_auto_resolves_inside_a_fullgraph_compile(tmp_path):
     """mode="auto" decided by the layer's first call, a compiled one: the dispatcher it asks (a lock, probes) runs at
     trace time, not traced; W4A4 where a backend on FP4 tensor cores is healthy, else W4A16, as eagerly."""
