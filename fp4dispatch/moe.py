@@ -14,7 +14,7 @@ down: separate grouped GEMMs, so gate and up keep their own global scales, exact
    atomic adds: the same call returns the same bits).
 
 A slot routed to no expert of this module (an index outside [0, E), as expert parallelism marks another rank's
-experts) contributes zero.
+experts) contributes zero. ``top_k_index`` must be an integer tensor, ``top_k_weights`` a floating-point one.
 """
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ from .errors import InvalidInputError
 from .experts import Fp4Experts
 
 __all__ = ["Fp4MoeExperts"]
+
+_WANT = {"hidden_states": "a float32, bfloat16 or float16 tensor [T, H] (the tokens)",
+         "top_k_index": "an integer tensor [T, k] (each token's expert ids)",
+         "top_k_weights": "a floating-point tensor [T, k] (the routing weights)"}
+
+
+def _ok(name: str, dtype: torch.dtype) -> bool:
+    if name == "hidden_states":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    integer = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    return integer if name == "top_k_index" else dtype.is_floating_point
 
 
 class Fp4MoeExperts(nn.Module):
@@ -43,6 +54,12 @@ class Fp4MoeExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        for name, v in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+            if not isinstance(v, torch.Tensor) or not _ok(name, v.dtype):
+                got = f"dtype={v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise InvalidInputError(f"Fp4MoeExperts: {name} must be {_WANT[name]}; got {got}. Pass the router's "
+                                        "outputs as transformers does (top_k_index: the int64 indices of topk)")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise InvalidInputError(f"Fp4MoeExperts: hidden_states must be [T, {self.hidden_dim}]; got "
                                     f"{tuple(hidden_states.shape)}")

@@ -211,6 +211,30 @@ def test_fp4_moe_experts_refuses_mismatched_projections_and_routing():
     assert layer(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
 
 
+@pytest.mark.parametrize("args, said", [
+    pytest.param((None, "idx", "w"), r"hidden_states must be a float32, bfloat16 or float16 tensor \[T, H\] \(the "
+                 r"tokens\); got NoneType", id="x-none"),
+    pytest.param(("x_int", "idx", "w"), r"hidden_states must be .*; got dtype=torch.int64", id="x-int"),
+    pytest.param(("x", [[0, 1]] * 3, "w"), r"top_k_index must be an integer tensor \[T, k\] \(each token's expert "
+                 r"ids\); got list", id="idx-list"),
+    pytest.param(("x", "idx_float", "w"), r"top_k_index must be an integer tensor .*; got dtype=torch.float32",
+                 id="idx-float"),  # was truncated to an expert id without a word
+    pytest.param(("x", "idx_bool", "w"), r"top_k_index must be .*; got dtype=torch.bool", id="idx-bool"),
+    pytest.param(("x", "idx", "w_int"), r"top_k_weights must be a floating-point tensor \[T, k\] \(the routing "
+                 r"weights\); got dtype=torch.int64", id="w-int"),
+])
+def test_fp4_moe_experts_refuses_arguments_of_the_wrong_kind(args, said):
+    layer = _moe_module(input_scale=None)
+    have = {"x": torch.zeros(3, 64), "x_int": torch.zeros(3, 64, dtype=torch.long),
+            "idx": torch.zeros(3, 2, dtype=torch.long), "idx_float": torch.full((3, 2), 1.7),
+            "idx_bool": torch.ones(3, 2, dtype=torch.bool), "w": torch.ones(3, 2),
+            "w_int": torch.ones(3, 2, dtype=torch.long)}
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: " + said + r"\. Pass the router's outputs as "
+                                                r"transformers does \(top_k_index: the int64 indices of topk\)$"):
+        layer(*[have[a] if isinstance(a, str) else a for a in args])
+    assert layer(have["x"], have["idx"].int(), have["w"].bfloat16()).shape == (3, 64)  # int32 ids, bf16 weights
+
+
 def test_a_missing_expert_tensor_is_named_with_its_module(tmp_path):
     pytest.importorskip(tc.LIBRARY["modelopt"])
     src, cfg = _tiny_moe()
