@@ -100,7 +100,7 @@ def load_layer_state(module, load, state_dict: dict, prefix: str, who: str) -> N
         if isinstance(t, torch.Tensor) and t.dtype != dtype:
             what = "bytes" if dtype == torch.uint8 else "fp32 bit patterns"
             fix = (f"t.view({dtype})" if t.element_size() == dtype.itemsize else
-                   "t.float().reshape(1).view(torch.int32)" if dtype == torch.int32 else "the layer's own tensor")
+                   "t.float().reshape(-1).view(torch.int32)" if dtype == torch.int32 else "the layer's own tensor")
             raise InvalidInputError(
                 f"{who}: state_dict[{prefix + name!r}] must be the layer's storage, {dtype} ({what}); got "
                 f"dtype={t.dtype}, which would be copied in by value. Pass {fix} if it holds the same values, or build "

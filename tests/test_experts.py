@@ -157,3 +157,12 @@ def test_a_static_experts_state_dict_loads_into_a_dynamic_module():
     with pytest.raises(InvalidInputError, match=r"^Fp4Experts.load_state_dict: state_dict\['weight_scale_2'\] must be "
                                                 r"the layer's storage, torch.int32"):
         dst.load_state_dict(sd)
+    sd = src.state_dict()  # one value per expert, in another dtype: the message's fix must load it
+    sd["weight_scale_2"] = sd["weight_scale_2"].view(torch.float32).double()
+    with pytest.raises(InvalidInputError, match=r"got dtype=torch.float64, which would be copied in by value\. Pass "
+                                                r"t.float\(\).reshape\(-1\).view\(torch.int32\) if it holds"):
+        dst.load_state_dict(sd)
+    t = sd["weight_scale_2"]
+    sd["weight_scale_2"] = t.float().reshape(-1).view(torch.int32)  # as the message says
+    dst.load_state_dict(sd)
+    assert torch.equal(dst(x, offs), src(x, offs))

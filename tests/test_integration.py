@@ -261,7 +261,7 @@ def test_fp4linear_state_dict_of_a_static_layer_loads_into_a_dynamic_one(kind):
      r"holds the same values, or build the layer from checkpoint tensors"),
     ("input_scale", lambda t: t.view(torch.float32).double(),
      r"state_dict\['input_scale'\] must be the layer's storage, torch.int32 .*got dtype=torch.float64.* Pass "
-     r"t.float\(\).reshape\(1\).view\(torch.int32\)"),
+     r"t.float\(\).reshape\(-1\).view\(torch.int32\)"),
     ("weight_scale", lambda t: t.view(torch.float8_e4m3fn),
      r"state_dict\['weight_scale'\] must be the layer's storage, torch.uint8 \(bytes\); got "
      r"dtype=torch.float8_e4m3fn.* Pass t.view\(torch.uint8\)"),
