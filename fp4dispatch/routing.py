@@ -20,10 +20,15 @@ def topk_counts(tokens: int, experts: int, top_k: int, *, seed: int = 0, device=
     """Rows per expert (int64 [E]) when ``tokens`` tokens each pick the ``top_k`` largest of random router logits
     (``skip_first``: expert 0 is never picked, so that a check always holds an expert without rows). ``bias``: the
     spread of a per-expert bias added to every token's logits (0: every expert equally likely; the default 1 as
-    uneven as trained routers are; 3: a few hot experts take most tokens)."""
+    uneven as trained routers are; 3: a few hot experts take most tokens). ``tokens``, ``experts``, ``top_k``: ints
+    >= 0 (InvalidInputError otherwise)."""
     if not (isinstance(bias, (int, float)) and 0 <= bias < float("inf")):
         raise InvalidInputError(f"topk_counts: bias must be a finite number >= 0; got {bias!r}. Pass 0 for uniform "
                                 "routing, 1 for a trained router's spread, larger for a few hot experts")
+    for name, v in (("tokens", tokens), ("experts", experts), ("top_k", top_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidInputError(f"topk_counts: {name} must be an int >= 0; got {v!r}. Pass e.g. "
+                                    f"topk_counts(64, 256, 8) (64 tokens, 256 experts, top-8)")
     top_k = min(top_k, experts - int(skip_first))
     if tokens == 0 or top_k <= 0:
         return torch.zeros(experts, dtype=torch.int64, device=device)

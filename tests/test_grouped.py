@@ -122,6 +122,11 @@ def test_check_routings_sum_to_t_leave_an_expert_empty_or_put_every_row_on_one()
     with pytest.raises(ValueError, match=r"topk_counts: bias must be a finite number >= 0; got -1\. Pass 0 for "
                                          r"uniform routing, 1 for a trained router's spread, larger for a few hot"):
         topk_counts(8, 16, 2, bias=-1)
+    for args, shown in (((-1, 16, 2), "tokens must be an int >= 0; got -1"),
+                        ((4.5, 16, 2), "tokens must be an int >= 0; got 4.5"),
+                        ((8, 16, -2), "top_k must be an int >= 0; got -2")):  # were torch's raw errors, or zeros
+        with pytest.raises(InvalidInputError, match=rf"^topk_counts: {shown}\. Pass e\.g\. topk_counts\(64, 256, 8\)"):
+            topk_counts(*args)
 
 
 # -- exactness ------------------------------------------------------------------------------------------------------
