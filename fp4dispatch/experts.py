@@ -36,7 +36,13 @@ def _per_expert(t: object, name: str, e: int, who: str) -> torch.Tensor:
     if isinstance(t, float) or (isinstance(t, int) and not isinstance(t, bool)):
         t = torch.tensor([float(t)])
     if isinstance(t, Sequence) and not isinstance(t, (torch.Tensor, str, bytes)):
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in t]) if len(t) else None
+        for i, v in enumerate(t):
+            one = isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, (float, int))
+            if not one or isinstance(v, bool):
+                got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise InvalidInputError(f"{who}: {name} as a sequence must hold one number or one-element tensor per "
+                                        f"expert ({kind}); item {i} is {got}. Pass one value per expert")
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in t]) if len(t) else torch.empty(0)
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise InvalidInputError(f"{who}: {name} must be float32 {kind}, one per expert; got "
                                 f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
@@ -89,7 +95,8 @@ class Fp4Experts(ModeChoice, nn.Module):
         Args:
             weight: uint8 (or float4_e2m1fn_x2) [E, N, K/2], or a sequence of E [N, K/2] tensors.
             weight_scale: float8_e4m3fn (or uint8) linear block scales [E, N, K/16], or a sequence of E [N, K/16].
-            weight_scale_2: each expert's fp32 weight decode scale: [E] or a sequence of E scalars.
+            weight_scale_2: each expert's fp32 weight decode scale: [E] or a sequence of E scalars (numbers or
+                one-element tensors; anything else is refused naming the item).
             input_scale: the experts' static activation decode scales ([E], a sequence, or one value); their max is
                 used for all rows (W4A4). None: dynamic activation scaling.
             mode: "auto", "w4a4" or "w4a16" (the module docstring).

@@ -89,6 +89,17 @@ def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
      r"str$"),
     (lambda wq, ws, s2: Fp4Experts.from_modelopt([wq[0], wq[1][:40], wq[2]], [ws[0], ws[1][:40], ws[2]], s2),
      r"^Fp4Experts.from_modelopt: every expert's weight must have one shape; got \[\(40, 64\), \(48, 64\)\]$"),
+    # a sequence of per-expert scales holding something else than one value each (raw torch errors before)
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, [torch.tensor([0.1, 0.1])] * 3),
+     r"^Fp4Experts.from_modelopt: weight_scale_2 as a sequence must hold one number or one-element tensor per expert "
+     r"\(decode scales amax/\(448\*6\)\); item 0 is shape \(2,\)\. Pass one value per expert$"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, s2, input_scale=[0.1, None, 0.2]),
+     r"^Fp4Experts.from_modelopt: input_scale as a sequence must hold .*; item 1 is NoneType\. Pass one value"),
+    (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(wq, ws, ["300"] * 3),
+     r"^Fp4Experts.from_compressed_tensors: weight_global_scale as a sequence must hold one number or one-element "
+     r"tensor per expert \(encode scales 448\*6/amax\); item 0 is str"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, []),
+     r"^Fp4Experts.from_modelopt: weight_scale_2 must hold one value per expert \(E=3\); got 0 values$"),
 ])
 def test_bad_checkpoint_tensors_are_refused_naming_tensor_and_expert(build, message):
     wq, ws, ws2, _, _ = _modelopt()
