@@ -198,6 +198,21 @@ def test_fp4_moe_experts_equals_one_token_at_a_time_and_drops_slots_of_other_ran
     assert torch.equal(layer(x, idx, w).view(torch.int16), got.to(torch.bfloat16).view(torch.int16))  # same bits
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_fp4_moe_experts_compiles_fullgraph_equal_to_eager_for_any_batch(mode):
+    """No graph break (the argument checks are on metadata, the routing is sorted and counted on the device) and the
+    compiled layer gives eager's bits at every T, int32 ids included."""
+    layer = _moe_module(input_scale=None, mode=mode)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    g = torch.Generator().manual_seed(2)
+    for t in (5, 3, 9):
+        x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+        idx = torch.randint(-1, E + 1, (t, TOP_K), generator=g, dtype=torch.int32)  # other ranks' slots too
+        w = torch.rand(t, TOP_K, generator=g)
+        assert torch.equal(compiled(x, idx, w), layer(x, idx, w)), t
+
+
 def test_fp4_moe_experts_refuses_mismatched_projections_and_routing():
     layer = _moe_module(input_scale=None)
     with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: up must be Fp4Experts\(E=8, in=64, out=32\) to "
