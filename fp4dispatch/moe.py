@@ -60,6 +60,10 @@ class Fp4MoeExperts(nn.Module):
                 got = f"dtype={v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
                 raise InvalidInputError(f"Fp4MoeExperts: {name} must be {_WANT[name]}; got {got}. Pass the router's "
                                         "outputs as transformers does (top_k_index: the int64 indices of topk)")
+        if not top_k_index.device == top_k_weights.device == hidden_states.device:
+            raise InvalidInputError(f"Fp4MoeExperts: hidden_states, top_k_index and top_k_weights must be on one "
+                                    f"device; got {hidden_states.device}, {top_k_index.device} and "
+                                    f"{top_k_weights.device}. Move the router's outputs to the tokens' device")
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise InvalidInputError(f"Fp4MoeExperts: hidden_states must be [T, {self.hidden_dim}]; got "
                                     f"{tuple(hidden_states.shape)}")

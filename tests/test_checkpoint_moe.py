@@ -248,6 +248,11 @@ def test_fp4_moe_experts_refuses_arguments_of_the_wrong_kind(args, said):
                                                 r"transformers does \(top_k_index: the int64 indices of topk\)$"):
         layer(*[have[a] if isinstance(a, str) else a for a in args])
     assert layer(have["x"], have["idx"].int(), have["w"].bfloat16()).shape == (3, 64)  # int32 ids, bf16 weights
+    for idx, w in ((have["idx"].to("meta"), have["w"]), (have["idx"], have["w"].to("meta"))):  # another device
+        with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: hidden_states, top_k_index and top_k_weights "
+                                                    r"must be on one device; got cpu, .* and .*\. Move the router's "
+                                                    r"outputs to the tokens' device$"):
+            layer(have["x"], idx, w)
 
 
 def test_a_missing_expert_tensor_is_named_with_its_module(tmp_path):
