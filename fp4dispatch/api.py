@@ -74,7 +74,9 @@ def fp4_mm(
     if torch.compiler.is_compiling():
         # traced as one opaque custom op (no graph break); eager stays on the direct path, which is cheaper
         return _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
-    d = _default if _default is not None else get_dispatcher()
+    d = _default  # read once: a set_dispatcher(None) in another thread must not make it None between reads
+    if d is None:
+        d = get_dispatcher()
     return run_fp4_mm(d, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend)
 
 
@@ -105,7 +107,9 @@ def w4a16_mm(
     """
     if torch.compiler.is_compiling():
         return _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend)
-    d = _default if _default is not None else get_dispatcher()
+    d = _default
+    if d is None:
+        d = get_dispatcher()
     return d.w4a16_mm(a, b, b_scale, alpha, out_dtype=out_dtype, out=out, scale_layout=scale_layout, backend=backend)
 
 
@@ -155,7 +159,9 @@ def fp4_grouped_mm(
                                                         backend)
         torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, al, offs, out, scale_layout, backend)
         return out
-    d = _default if _default is not None else get_dispatcher()
+    d = _default
+    if d is None:
+        d = get_dispatcher()
     return d.fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out_dtype, out=out,
                             scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
@@ -192,7 +198,9 @@ def w4a16_grouped_mm(
             return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, al, offs, out_dtype, scale_layout, backend)
         torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, al, offs, out, scale_layout, backend)
         return out
-    d = _default if _default is not None else get_dispatcher()
+    d = _default
+    if d is None:
+        d = get_dispatcher()
     return d.w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out_dtype, out=out, scale_layout=scale_layout,
                               backend=backend, check_offs=check_offs)
 
@@ -247,13 +255,15 @@ def _traced_alpha(alpha, a: torch.Tensor, call: str) -> torch.Tensor | None:
 def get_dispatcher():
     """The process-wide default :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher` (created on first use)."""
     global _default
-    if _default is None:
+    d = _default  # read once, as in the calls: set_dispatcher(None) in another thread may run at any time
+    if d is None:
         with _default_lock:
-            if _default is None:
+            d = _default
+            if d is None:
                 from .dispatch.dispatcher import Dispatcher
 
-                _default = Dispatcher()
-    return _default
+                d = _default = Dispatcher()
+    return d
 
 
 def set_dispatcher(dispatcher) -> None:

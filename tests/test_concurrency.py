@@ -1,0 +1,95 @@
+"""Threads around one dispatcher: calls from many threads on new and decided keys give the exact result, and
+``set_dispatcher`` may run while other threads call. Synchronised by events and barriers, never by sleeps."""
+from __future__ import annotations
+
+import dis
+import sys
+import threading
+
+import torch
+
+import fp4dispatch
+import fp4dispatch.api as api
+from fp4dispatch.backends.reference import ReferenceBackend
+from fp4dispatch.dispatch.dispatcher import Dispatcher
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
+
+TIMEOUT_S = 120  # generous: a loaded 2-core machine
+
+
+def _exact(a, b, sa, sb, alpha):
+    return fp4dispatch.dequantize_nvfp4(a, sa) @ fp4dispatch.dequantize_nvfp4(b, sb).T * float(alpha)
+
+
+def _in_threads(work, n):
+    """Run ``work(i, barrier)`` in ``n`` threads; returns the errors (tracebacks) and the threads still alive."""
+    import traceback
+
+    errors, barrier = [], threading.Barrier(n)
+
+    def run(i):
+        try:
+            work(i, barrier)
+        except Exception:  # noqa: BLE001 - reported by the test
+            errors.append(traceback.format_exc())
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    return errors, [t for t in threads if t.is_alive()]
+
+
+def test_threads_on_new_and_decided_keys_get_the_exact_result_and_tune_each_key_once(tmp_path):
+    fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)
+    d = Dispatcher([fast, slow], cache_dir=tmp_path / "c", do_bench=fake_do_bench)
+    shapes = [(m, 64, 128) for m in (1, 3, 17, 100)]
+    inputs = {s: make_nvfp4_inputs(*s, seed=s[0]) for s in shapes}
+    exact = {s: _exact(*inputs[s]) for s in shapes}
+    wrong = []
+
+    def work(i, barrier):
+        barrier.wait(TIMEOUT_S)
+        for it in range(12):
+            s = shapes[(i + it) % len(shapes)]
+            out = torch.empty(s[0], 64, dtype=torch.float32) if it % 2 else None
+            r = d.fp4_mm(*inputs[s], out_dtype=torch.float32, out=out)
+            if not torch.equal(r, exact[s]):
+                wrong.append((i, s))
+    errors, alive = _in_threads(work, 6)
+    assert not alive and not errors and not wrong, (errors, wrong)
+    decisions = d.cache_for("cpu").decisions
+    assert len(decisions) == len(shapes) and {e["backend"] for e in decisions.values()} == {"fast"}
+
+
+def test_set_dispatcher_none_between_a_calls_reads_of_the_default_does_not_break_the_call(tmp_path):
+    """``fp4_mm`` read the process-wide dispatcher twice (``_default if _default is not None else ...``): another
+    thread's ``set_dispatcher(None)`` between the two reads made it call ``None.memo`` (AttributeError). The swap is
+    made there deterministically, by an opcode trace of the call's frame."""
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    fp4dispatch.set_dispatcher(d)
+    args = make_nvfp4_inputs(4, 64, 128)
+    code = api.fp4_mm.__code__
+    first_read = next(i.offset for i in dis.get_instructions(code)
+                      if i.opname == "LOAD_GLOBAL" and i.argval == "_default")
+    swapped = []
+
+    def local(frame, event, arg):
+        if event == "opcode" and not swapped and frame.f_lasti > first_read:
+            swapped.append(frame.f_lasti)
+            fp4dispatch.set_dispatcher(None)  # as another thread would, right after the call read the default
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+    sys.settrace(tracer)
+    try:
+        out = fp4dispatch.fp4_mm(*args, out_dtype=torch.float32)
+    finally:
+        sys.settrace(None)
+    assert swapped, "the trace never reached the read of the default dispatcher"
+    assert torch.equal(out, _exact(*args))
+    assert d.cache_for("cpu").decisions  # the call was served by the dispatcher it read
