@@ -3,6 +3,7 @@ whole path of one — validate, decide, run — is ``run_fp4_mm`` below (the oth
 their own checks: the ``Dispatcher`` methods of their names)."""
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -17,6 +18,15 @@ __all__ = ["fp4_mm", "w4a16_mm", "fp4_grouped_mm", "w4a16_grouped_mm", "get_disp
 
 _default = None
 _default_lock = threading.Lock()
+
+
+def _renew_lock() -> None:  # a fork child: a thread of the parent making the default dispatcher held it
+    global _default_lock
+    _default_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 def run_fp4_mm(dispatcher, a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend) -> torch.Tensor:

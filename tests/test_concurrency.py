@@ -1,11 +1,14 @@
-"""Threads around one dispatcher: calls from many threads on new and decided keys give the exact result, and
-``set_dispatcher`` may run while other threads call. Synchronised by events and barriers, never by sleeps."""
+"""Threads and processes around one dispatcher: calls from many threads on new and decided keys give the exact
+result, ``set_dispatcher`` may run while other threads call, and a fork child can decide a new key although a
+thread of its parent held the dispatcher's lock at the fork. Synchronised by events and barriers, never by sleeps."""
 from __future__ import annotations
 
 import dis
+import multiprocessing
 import sys
 import threading
 
+import pytest
 import torch
 
 import fp4dispatch
@@ -93,3 +96,49 @@ def test_set_dispatcher_none_between_a_calls_reads_of_the_default_does_not_break
     assert swapped, "the trace never reached the read of the default dispatcher"
     assert torch.equal(out, _exact(*args))
     assert d.cache_for("cpu").decisions  # the call was served by the dispatcher it read
+
+
+def _child_decides_a_new_key(conn) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(TIMEOUT_S // 2, exit=True)  # a hang ends the child, with its stack
+    torch.set_num_threads(1)  # torch's OpenMP pool is not fork-safe here; the dispatcher's lock is what is tested
+    args = make_nvfp4_inputs(8, 32, 128, seed=3)
+    out = fp4dispatch.fp4_mm(*args, out_dtype=torch.float32)
+    conn.send(bool(torch.equal(out, _exact(*args))))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork start method")
+def test_a_fork_child_decides_a_new_key_while_a_parent_thread_held_the_dispatcher_lock(tmp_path):
+    """A thread of the parent was tuning a key (holding the dispatcher's lock) when the process forked: the child,
+    which has no such thread, waited for that lock forever at its first new key. The lock is made anew in the child."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(FakeBackend):  # blocks while tuning the N = 96 key, until released
+        def run(self, problem, ops, config):
+            if problem.n == 96:
+                entered.set()
+                release.wait(TIMEOUT_S)
+            super().run(problem, ops, config)
+    d = Dispatcher([Blocking("blocking"), ReferenceBackend()], cache_dir=tmp_path / "c")
+    fp4dispatch.set_dispatcher(d)
+    fp4dispatch.fp4_mm(*make_nvfp4_inputs(4, 64, 128), out_dtype=torch.float32)  # the device is probed
+    tuner = threading.Thread(target=lambda: fp4dispatch.fp4_mm(*make_nvfp4_inputs(4, 96, 128),
+                                                               out_dtype=torch.float32), daemon=True)
+    tuner.start()
+    try:
+        assert entered.wait(TIMEOUT_S)
+        ctx = multiprocessing.get_context("fork")
+        ours, theirs = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child_decides_a_new_key, args=(theirs,))
+        child.start()
+        child.join(TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        assert child.exitcode == 0, f"the fork child exited with {child.exitcode} (1: hung, its stack on stderr)"
+        assert ours.recv() is True
+    finally:
+        release.set()
+        tuner.join(TIMEOUT_S)
+    assert not tuner.is_alive()

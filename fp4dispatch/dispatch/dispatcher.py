@@ -16,7 +16,9 @@ tensors' metadata instead of validation and lookups (call_memo.py). The rules (d
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ __all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "r
 
 log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
+_live: "weakref.WeakSet[Dispatcher]" = weakref.WeakSet()  # renewed in a fork child (Dispatcher._after_fork)
 
 
 class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
@@ -83,6 +86,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._states: dict[torch.device, tuple[DecisionCache, dict[str, Verdict]]] = {}
         self._probed_ops: dict[torch.device, set[str]] = {}  # the ops whose backends have verdicts in _states
         self._lock = threading.RLock()
+        _live.add(self)
         self._warned: set[str] = set()
         self._keys_ahead: set[tuple] = set()  # the keys compile_keys was given (their kernels compiled together)
         # guard mode (fp4dispatch.dispatch.guard): checks outputs for non-finite values without a host sync per call
@@ -91,6 +95,18 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
             from .guard import Guard
 
             self.guard = Guard(every=self.settings.guard_every)
+
+    def _after_fork(self) -> None:
+        """In a fork child: a lock that another thread of the parent held (tuning a key, probing, writing the cache)
+        would never be released here, and the next new key would wait for it forever. The locks are made anew; a
+        probe that was under way then left its ops marked without their verdicts: they are probed again here."""
+        self._lock = threading.RLock()
+        if self.guard is not None:
+            self.guard._lock = threading.Lock()
+        for dev, (cache, health) in list(self._states.items()):
+            cache._mutex = threading.RLock()
+            self._probed_ops[dev] = {op for op in self._probed_ops.get(dev, ()) if all(
+                b.name in health for b in self.backends if computes(b, op))}
 
     def _check_disabled(self) -> None:
         from ..backends import names
@@ -353,3 +369,10 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
             return self._state(resolve_device(device))[0]  # the cache only: nothing is probed
 
 
+def _after_fork_in_child() -> None:
+    for d in list(_live):
+        d._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
