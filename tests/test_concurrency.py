@@ -142,3 +142,54 @@ def test_a_fork_child_decides_a_new_key_while_a_parent_thread_held_the_dispatche
         release.set()
         tuner.join(TIMEOUT_S)
     assert not tuner.is_alive()
+
+
+def test_two_threads_dropping_a_weights_failed_guard_at_once_do_not_raise(tmp_path, monkeypatch):
+    """Two threads whose calls both fail a remembered weight's guard (here: inside inference mode, the guard made
+    outside) each dropped it with ``del``: the second raised KeyError out of ``fp4_mm`` when the first had not put
+    a new one back (past MAX_REBUILDS). Thread A is held inside its drop until thread B's call is over."""
+    from fp4dispatch.dispatch import call_memo
+
+    if call_memo.TensorGuards is None:
+        pytest.skip("this torch has no dynamo TensorGuards: nothing is remembered")
+    monkeypatch.setattr(call_memo, "MAX_REBUILDS", 0)
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c")
+    args = make_nvfp4_inputs(2, 64, 128)
+    exact = _exact(*args)
+    d.fp4_mm(*args, out_dtype=torch.float32)  # remembered, guard made outside inference mode
+    (w,) = d.memo._weights.values()
+    in_drop, b_done = threading.Event(), threading.Event()
+    checks = {}
+
+    class Held:  # the real guard; thread A's second check (remember's, before its drop) waits for thread B
+        def __init__(self, guard):
+            self.guard = guard
+
+        def check(self, *tensors):
+            name = threading.current_thread().name
+            checks[name] = checks.get(name, 0) + 1
+            if name == "A" and checks[name] == 2:
+                in_drop.set()
+                b_done.wait(TIMEOUT_S)
+            return self.guard.check(*tensors)
+    w.guard = Held(w.guard)
+    results, errors = {}, []
+
+    def call(name):
+        try:
+            if name == "B":
+                in_drop.wait(TIMEOUT_S)
+            with torch.inference_mode():
+                results[name] = d.fp4_mm(*args, out_dtype=torch.float32).clone()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{name}: {e!r}")
+        finally:
+            if name == "B":
+                b_done.set()
+    threads = [threading.Thread(target=call, args=(n,), name=n, daemon=True) for n in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert checks.get("A") == 2 and all(torch.equal(results[n], exact) for n in ("A", "B"))

@@ -179,7 +179,7 @@ class CallMemo:
         rebuilds = 0
         if w is not None and not w.guard.check(*tensors):  # the weight changed, or its id is another tensor's now
             self._calls -= len(w.by_m)
-            del self._weights[key]
+            self._weights.pop(key, None)  # another thread's call may have dropped it already
             rebuilds, w = w.rebuilds + 1, None
             if rebuilds > MAX_REBUILDS:
                 self._unstable.add(key)
