@@ -193,3 +193,43 @@ def test_two_threads_dropping_a_weights_failed_guard_at_once_do_not_raise(tmp_pa
         t.join(TIMEOUT_S)
     assert not any(t.is_alive() for t in threads) and not errors, errors
     assert checks.get("A") == 2 and all(torch.equal(results[n], exact) for n in ("A", "B"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork start method")
+def test_a_fork_child_probes_again_the_op_whose_probe_a_parent_thread_had_under_way(tmp_path):
+    """A parent thread was probing the device (its op marked as probed, the verdicts not in yet) at the fork: the
+    child found no verdict for any backend of the op and raised NoUsableBackendError ("unknown backend") at its first
+    new key. The child probes that op again."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(FakeBackend):  # its first run, the probe's, blocks until released
+        def run(self, problem, ops, config):
+            if not entered.is_set():
+                entered.set()
+                release.wait(TIMEOUT_S)
+            super().run(problem, ops, config)
+    d = Dispatcher([ReferenceBackend(), Blocking("blocking")], cache_dir=tmp_path / "c")
+    fp4dispatch.set_dispatcher(d)
+    prober = threading.Thread(target=lambda: fp4dispatch.fp4_mm(*make_nvfp4_inputs(4, 96, 128),
+                                                                out_dtype=torch.float32), daemon=True)
+    prober.start()
+    try:
+        assert entered.wait(TIMEOUT_S)
+        ctx = multiprocessing.get_context("fork")
+        ours, theirs = ctx.Pipe(duplex=False)
+
+        def child_main(conn):  # a fork child runs this closure as it is (nothing is pickled)
+            release.set()  # the child's copy of the event: its own probe of the backend runs through
+            _child_decides_a_new_key(conn)
+        child = ctx.Process(target=child_main, args=(theirs,))
+        child.start()
+        child.join(TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        assert child.exitcode == 0, f"the fork child exited with {child.exitcode} (its error on stderr)"
+        assert ours.recv() is True
+    finally:
+        release.set()
+        prober.join(TIMEOUT_S)
+    assert not prober.is_alive()
