@@ -108,6 +108,21 @@ def _child_decides_a_new_key(conn) -> None:
     conn.send(bool(torch.equal(out, _exact(*args))))
 
 
+def _fork_child_decides(target) -> None:
+    """Run ``target(conn)`` in a fork child, which must send True and exit 0 within TIMEOUT_S (1: it hung, its stack
+    on stderr)."""
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=target, args=(theirs,))
+    child.start()
+    child.join(TIMEOUT_S)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0, f"the fork child exited with {child.exitcode} (1: hung, its stack on stderr)"
+    assert ours.recv() is True
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the fork start method")
 def test_a_fork_child_decides_a_new_key_while_a_parent_thread_held_the_dispatcher_lock(tmp_path):
     """A thread of the parent was tuning a key (holding the dispatcher's lock) when the process forked: the child,
@@ -128,16 +143,7 @@ def test_a_fork_child_decides_a_new_key_while_a_parent_thread_held_the_dispatche
     tuner.start()
     try:
         assert entered.wait(TIMEOUT_S)
-        ctx = multiprocessing.get_context("fork")
-        ours, theirs = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_child_decides_a_new_key, args=(theirs,))
-        child.start()
-        child.join(TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-            child.join()
-        assert child.exitcode == 0, f"the fork child exited with {child.exitcode} (1: hung, its stack on stderr)"
-        assert ours.recv() is True
+        _fork_child_decides(_child_decides_a_new_key)
     finally:
         release.set()
         tuner.join(TIMEOUT_S)
@@ -215,20 +221,10 @@ def test_a_fork_child_probes_again_the_op_whose_probe_a_parent_thread_had_under_
     prober.start()
     try:
         assert entered.wait(TIMEOUT_S)
-        ctx = multiprocessing.get_context("fork")
-        ours, theirs = ctx.Pipe(duplex=False)
-
         def child_main(conn):  # a fork child runs this closure as it is (nothing is pickled)
             release.set()  # the child's copy of the event: its own probe of the backend runs through
             _child_decides_a_new_key(conn)
-        child = ctx.Process(target=child_main, args=(theirs,))
-        child.start()
-        child.join(TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-            child.join()
-        assert child.exitcode == 0, f"the fork child exited with {child.exitcode} (its error on stderr)"
-        assert ours.recv() is True
+        _fork_child_decides(child_main)
     finally:
         release.set()
         prober.join(TIMEOUT_S)
