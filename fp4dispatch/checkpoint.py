@@ -218,13 +218,15 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             parent, _, child = job.name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
         made: dict[int, torch.Tensor] = {}
+        owners = None  # of meta tensors: indexed once, when the first is met
         with torch.no_grad():
             for n, t in copies:
                 src = shards.get(n)
                 if id(t) in made:  # a tied tensor made on this load
                     made[id(t)].copy_(src)
                 elif t.is_meta:
-                    made[id(t)] = _materialize(model, t, src.to(dev, t.dtype))
+                    owners = _owners(model) if owners is None else owners
+                    made[id(t)] = _materialize(owners, t, src.to(dev, t.dtype))
                 else:
                     t.copy_(src)
     finally:
@@ -288,16 +290,25 @@ def _inside(name: str, modules: set[str]) -> bool:
     return False
 
 
-def _materialize(model: nn.Module, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Put ``new`` (data) in place of the meta tensor ``old`` wherever the model holds it (tied weights: one
-    parameter, several owners); a parameter stays a parameter."""
-    if isinstance(old, nn.Parameter):
-        new = nn.Parameter(new, requires_grad=old.requires_grad)
+def _owners(model: nn.Module) -> dict[int, list[tuple[dict, str]]]:
+    """id of each meta tensor -> where the model holds it ((a module's parameter or buffer dict, key)): tied weights
+    have several owners. One walk of the model, however many tensors are materialized."""
+    out: dict[int, list[tuple[dict, str]]] = {}
     for m in model.modules():
         for store in (m._parameters, m._buffers):
             for k, v in store.items():
-                if v is old:
-                    store[k] = new
+                if v is not None and v.is_meta:
+                    out.setdefault(id(v), []).append((store, k))
+    return out
+
+
+def _materialize(owners: dict, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Put ``new`` (data) in place of the meta tensor ``old`` wherever the model holds it (``_owners``); a parameter
+    stays a parameter."""
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    for store, k in owners.get(id(old), ()):
+        store[k] = new
     return new
 
 
