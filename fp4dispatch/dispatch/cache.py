@@ -244,6 +244,10 @@ class DecisionCache:
             self.data = data
             return True
 
+    def renew_lock(self) -> None:
+        """In a fork child: a parent thread may have held the mutex at the fork; it would never be released here."""
+        self._mutex = threading.RLock()
+
     def pending_summary(self, most: int = 3) -> str:
         """The updates not written yet, per section: ``decisions: m16-n64-k64-float32, ... (+2 more)``; "" if none."""
         with self._mutex:

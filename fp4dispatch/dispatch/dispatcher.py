@@ -102,9 +102,9 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         probe that was under way then left its ops marked without their verdicts: they are probed again here."""
         self._lock = threading.RLock()
         if self.guard is not None:
-            self.guard._lock = threading.Lock()
+            self.guard.renew_lock()
         for dev, (cache, health) in list(self._states.items()):
-            cache._mutex = threading.RLock()
+            cache.renew_lock()
             self._probed_ops[dev] = {op for op in self._probed_ops.get(dev, ()) if all(
                 b.name in health for b in self.backends if computes(b, op))}
 

@@ -89,6 +89,10 @@ class Guard:
         self._lock = threading.Lock()
         self._unguarded: set[tuple] = set()
 
+    def renew_lock(self) -> None:
+        """In a fork child: a parent thread may have held the lock at the fork; it would never be released here."""
+        self._lock = threading.Lock()
+
     def after_run(self, dispatcher, choice, problem, ops) -> torch.Tensor:
         """Fold this call's output into its flag; every ``every`` calls, check. Returns the call's result."""
         if ops.out.numel() == 0:
