@@ -14,7 +14,8 @@ down: separate grouped GEMMs, so gate and up keep their own global scales, exact
    atomic adds: the same call returns the same bits).
 
 A slot routed to no expert of this module (an index outside [0, E), as expert parallelism marks another rank's
-experts) contributes zero. ``top_k_index`` must be an integer tensor, ``top_k_weights`` a floating-point one.
+experts) contributes zero, and with a dynamic activation scale its row enters as zeros, so that it cannot move the
+scale of this rank's rows. ``top_k_index`` must be an integer tensor, ``top_k_weights`` a floating-point one.
 """
 from __future__ import annotations
 
@@ -82,12 +83,21 @@ class Fp4MoeExperts(nn.Module):
         counts = torch.zeros(e, dtype=torch.long, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
         offs = torch.cumsum(counts, 0).to(torch.int32)
         x = hidden_states[order // k]
+        if self._scales_by_batch(x.device):
+            # a dynamic scale is the amax of all routed rows: another rank's slots (run on expert E-1) must not move
+            # it, so their rows enter as zeros (mid is then zero too); static and W4A16 rows are independent
+            x = torch.where(local[order].unsqueeze(1), x, 0.0)
         mid = self.act_fn(self.gate(x, offs, check_offs=False)) * self.up(x, offs, check_offs=False)
         y = self.down(mid, offs, check_offs=False)
         slots = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).float()
         w = torch.where(local, top_k_weights.reshape(-1).float(), 0.0).view(t, k, 1)
         out = torch.where(local.view(t, k, 1), slots * w, 0.0).sum(1)
         return out.to(hidden_states.dtype)
+
+    def _scales_by_batch(self, device: torch.device) -> bool:
+        """Whether a projection quantizes its rows with a per-call scale over all of them (dynamic W4A4)."""
+        return any(p.input_scale is None and p.input_global_scale is None and p.resolved_mode(device) == "w4a4"
+                   for p in (self.gate, self.up, self.down))
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"

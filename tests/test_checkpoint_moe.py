@@ -198,6 +198,26 @@ def test_fp4_moe_experts_equals_one_token_at_a_time_and_drops_slots_of_other_ran
     assert torch.equal(layer(x, idx, w).view(torch.int16), got.to(torch.bfloat16).view(torch.int16))  # same bits
 
 
+def test_fp4_moe_experts_with_a_dynamic_scale_gives_rows_of_other_ranks_no_say_in_it():
+    """Dynamic W4A4 scales all routed rows by one amax: the slots of another rank's experts (computed on expert E-1,
+    then dropped) must not move it. This rank's outputs stay the same bits when a token routed only elsewhere grows
+    1000-fold, and equal a call without that token."""
+    layer = _moe_module(input_scale=None, mode="w4a4")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, E, (6, TOP_K), generator=g)
+    idx[2] = torch.tensor([E, -1])  # token 2: another rank's experts only
+    idx[4, 0] = E  # token 4: one slot here, one elsewhere
+    w = torch.rand(6, TOP_K, generator=g)
+    got = layer(x, idx, w)
+    loud = x.clone()
+    loud[2] *= 1000
+    keep = [0, 1, 3, 4, 5]
+    assert torch.equal(layer(loud, idx, w)[keep].view(torch.int16), got[keep].view(torch.int16))
+    assert torch.equal(layer(x[keep], idx[keep], w[keep]).view(torch.int16), got[keep].view(torch.int16))
+    assert not got[2].any() and got[keep].abs().sum(1).min() > 0
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_fp4_moe_experts_compiles_fullgraph_equal_to_eager_for_any_batch(mode):
     """No graph break (the argument checks are on metadata, the routing is sorted and counted on the device) and the
