@@ -130,6 +130,8 @@ def test_argument_misuse_exits_2(capsys):
                        # was argparse's "expected one argument"
                        (["--shape", "-1,64,64"], "error: argument --shape: '-1,64,64': M must be a positive integer; "
                                                  "got -1"),
+                       (["--shape", "-2-5,64,64"],  # was "got ''"
+                        "error: argument --shape: '-2-5,64,64': the range start must be a positive integer; got -2"),
                        (["--preset", "llama-3.1-70b-nvfp4", "--m", "-1,16"],
                         "error: argument --m: '-1,16': M must be a positive integer; got -1"),
                        (["export"], "export needs a FILE"),

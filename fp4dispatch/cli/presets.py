@@ -306,7 +306,8 @@ def _m_items(items: list[str], spec: str) -> list[int]:
     ms: list[int] = []
     for item in items:
         if "-" in item[1:]:  # a range; "-1" is a negative M
-            lo_s, _, hi_s = item.partition("-")
+            cut = item.index("-", 1)  # "-2-5": the start is "-2", named as such
+            lo_s, hi_s = item[:cut], item[cut + 1:]
             lo, hi = _pos_int(lo_s, "the range start", spec), _pos_int(hi_s, "the range end", spec)
             if lo > hi:
                 raise ConfigError(f"{spec!r}: M range {item!r} must go up (start <= end), e.g. 1-8192")
