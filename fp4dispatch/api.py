@@ -222,8 +222,12 @@ def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend
         at, av = alpha if alpha is None else alpha.detach(), 1.0
     elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
         at, av = None, float(alpha)
-    else:
-        check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)  # raises the eager message
+    elif _is_numpy_number(alpha):
+        at, av = torch.as_tensor(alpha, dtype=torch.float32, device=a.device).reshape(1), 1.0
+    else:  # raises eager's message (a NumPy array's only through check_alpha: Dynamo cannot read its dtype)
+        if type(alpha).__module__ == "numpy":
+            check_alpha(alpha, a.device, "fp4_mm")
+        check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
         at, av = alpha, 1.0
     if out is None:
         return torch.ops.fp4dispatch.fp4_mm(a, b, a_scale, b_scale, at, av, out_dtype, scale_layout, backend)
@@ -252,14 +256,24 @@ def _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -
 def _traced_alpha(alpha, a: torch.Tensor, call: str) -> torch.Tensor | None:
     """A traced call's alpha as its custom op takes it, a tensor (None stays None): a Python number that fits float32
     becomes a float32 tensor on ``a``'s device; anything else goes through eager's check, which raises its message
-    (a bool, a str, a number past float32) or makes the tensor of what eager takes (NaN, inf, a NumPy number).
+    (a bool, a str, a number past float32) or makes the tensor of what eager takes (NaN, inf); a NumPy number, as
+    Dynamo holds it, is ``_is_numpy_number``'s.
     Detached: the ops have no autograd formula, and a traced result carries no autograd history, as eager's (an input
     that requires grad must not make AOTAutograd trace a backward through them)."""
     if alpha is None or isinstance(alpha, torch.Tensor):
         return alpha if alpha is None else alpha.detach()
     if isinstance(alpha, (float, int)) and not isinstance(alpha, bool) and abs(alpha) <= _F32_MAX:
         return torch.full((1,), float(alpha), dtype=torch.float32, device=a.device)
+    if _is_numpy_number(alpha):
+        return torch.as_tensor(alpha, dtype=torch.float32, device=a.device).reshape(1)
     return check_alpha(alpha, a.device, call)
+
+
+def _is_numpy_number(alpha) -> bool:
+    """A NumPy number, which eager takes as a float, as Dynamo holds it: a 0-d ndarray whose value the trace cannot
+    read (``float()`` of it is unsupported), so it goes to the op as a float32 tensor, unchecked. A value past float32
+    becomes inf there, as a float32 tensor alpha of inf would (eager refuses the number itself)."""
+    return type(alpha).__module__ == "numpy" and getattr(alpha, "ndim", None) == 0
 
 
 def get_dispatcher():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,23 @@ def test_compile_out_variant_float_alpha_and_backend(alpha):
         return out.float() - 1
 
     assert torch.equal(_compile(f)(a, b, sa, sb), f(a, b, sa, sb))
+
+
+@pytest.mark.parametrize("alpha", [np.float64(0.75), np.float32(0.75), np.int64(2)], ids=["f64", "f32", "i64"])
+def test_compile_takes_a_numpy_number_alpha_as_eager_does(alpha):
+    """Dynamo holds a NumPy number as a 0-d ndarray it cannot read (api._is_numpy_number): the compiled call must
+    still give eager's bits; a NumPy array fails at trace time with eager's message."""
+    a, b, sa, sb, _ = make_nvfp4_inputs(5, 32, 64)
+
+    def f(a, b, sa, sb, al):
+        return fp4dispatch.fp4_mm(a, b, sa, sb, al, backend="reference")
+
+    assert torch.equal(_compile(f)(a, b, sa, sb, alpha), f(a, b, sa, sb, alpha))
+    said = r"fp4_mm: alpha must be a float32 1-element tensor, a Python or NumPy float, or None; got numpy.ndarray"
+    with pytest.raises(InvalidInputError, match=said):
+        f(a, b, sa, sb, np.array([0.5, 1.0]))
+    with pytest.raises(Exception, match=said):
+        _compile(f)(a, b, sa, sb, np.array([0.5, 1.0]))
 
 
 def test_compile_reports_the_eager_message_at_trace_time():

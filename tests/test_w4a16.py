@@ -2,6 +2,7 @@
 (per-key checks, fallbacks, the cache key) applied to it unchanged with fake backends and a fake timer."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,12 +196,12 @@ def test_the_public_call_and_the_custom_op_agree(tmp_path, monkeypatch):
         fp4dispatch.set_dispatcher(None)
 
 
-def test_w4a16_mm_compiles_fullgraph_with_a_tensor_or_a_python_float_alpha(tmp_path, monkeypatch):
+def test_w4a16_mm_compiles_fullgraph_with_a_tensor_python_or_numpy_float_alpha(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
     fp4dispatch.set_dispatcher(None)
     try:
         a, wq, ws, alpha = _args()
-        for al in (alpha, 0.25):
+        for al in (alpha, 0.25, np.float64(0.25), np.float32(0.5)):  # NumPy: a 0-d ndarray to Dynamo
             fn = torch.compile(lambda x, al=al: fp4dispatch.w4a16_mm(x, wq, ws, al), fullgraph=True, backend="eager")
             assert torch.equal(fn(a), fp4dispatch.w4a16_mm(a, wq, ws, al))
     finally:
