@@ -160,8 +160,7 @@ def fp4_grouped_mm(
         [T, N] tensor of ``out_dtype`` (``out`` itself when given).
     """
     if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
-        if not isinstance(a, torch.Tensor) or (out is not None and (not isinstance(out, torch.Tensor)
-                                                                     or out.dtype != out_dtype)):
+        if not isinstance(a, torch.Tensor) or _out_not_of(out, out_dtype):
             check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
         al = _traced_alpha(1.0 if alpha is None else alpha, a, "fp4_grouped_mm")
         if out is None:
@@ -200,8 +199,7 @@ def w4a16_grouped_mm(
         out_dtype: None (default: ``a.dtype``), torch.bfloat16, torch.float16 or torch.float32. out: [T, N].
     """
     if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
-        if not isinstance(a, torch.Tensor) or (out is not None and (not isinstance(out, torch.Tensor) or out.dtype != (
-                a.dtype if out_dtype is None else out_dtype))):
+        if not isinstance(a, torch.Tensor) or _out_not_of(out, a.dtype if out_dtype is None else out_dtype):
             check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
         al, a = _traced_alpha(1.0 if alpha is None else alpha, a, "w4a16_grouped_mm"), a.detach()
         if out is None:
@@ -231,7 +229,7 @@ def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend
         at, av = alpha, 1.0
     if out is None:
         return torch.ops.fp4dispatch.fp4_mm(a, b, a_scale, b_scale, at, av, out_dtype, scale_layout, backend)
-    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype:
+    if _out_not_of(out, out_dtype):
         # the out op takes its dtype from out: a mismatch must fail with eager's message, not silently
         check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout)
     torch.ops.fp4dispatch.fp4_mm_out(a, b, a_scale, b_scale, at, av, out, scale_layout, backend)
@@ -247,10 +245,16 @@ def _traced_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout, backend) -
     al, a = _traced_alpha(alpha, a, "w4a16_mm"), a.detach()  # no autograd history, as eager (_traced_alpha)
     if out is None:
         return torch.ops.fp4dispatch.w4a16_mm(a, b, b_scale, al, out_dtype, scale_layout, backend)
-    if not isinstance(out, torch.Tensor) or out.dtype != (a.dtype if out_dtype is None else out_dtype):
+    if _out_not_of(out, a.dtype if out_dtype is None else out_dtype):
         check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout)  # raises eager's message
     torch.ops.fp4dispatch.w4a16_mm_out(a, b, b_scale, al, out, scale_layout, backend)
     return out
+
+
+def _out_not_of(out, dtype: torch.dtype) -> bool:
+    """A traced call's ``out`` that its out op would take without a word (the op's dtype is out's): one that is not
+    a tensor of the call's dtype goes to eager's check, which raises its message."""
+    return out is not None and (not isinstance(out, torch.Tensor) or out.dtype != dtype)
 
 
 def _traced_alpha(alpha, a: torch.Tensor, call: str) -> torch.Tensor | None:
