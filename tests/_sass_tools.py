@@ -245,3 +245,23 @@ def build_gvws(R: int, BW: int, MB: int, STAGES: int, WARPS: int, CTAS: int = 1,
         del sig["M"]
         consts["M"] = 1
     return build(gv.gvws_kernel, sig, consts, WARPS, ("out_ptr", "N"), **gv.reg_cap(WARPS, CTAS))
+
+
+def build_tma_mma(cfg, dt: torch.dtype) -> dict:
+    """``build`` of ``tma_mma_w4a16.tma_mma_w4a16_kernel`` for the ``TmaMmaW4A16Config`` ``cfg`` with activations of
+    dtype ``dt``, specialized as a launch is (M = 1 becomes a constant), with its launcher's register cap."""
+    from fp4dispatch.kernels.gemv import tma_mma_w4a16 as tm
+    from fp4dispatch.kernels.gemv.tma_warp_specialized import reg_cap
+
+    n, k = 8192, 8192
+    d = tm.descriptors(torch.zeros(cfg.rows, k, dtype=dt), torch.zeros(n, k // 2, dtype=torch.uint8),
+                       torch.zeros(n, k // 16, dtype=torch.uint8), cfg.rows_per_quarter, cfg.k_blocks, cfg.rows)
+    sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
+           "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "TILES": "i32", "STEPS": "i32"}
+    consts = {"R": cfg.rows_per_quarter, "BW": cfg.k_blocks, "MB": cfg.rows, "STAGES": cfg.stages,
+              "KW": cfg.k_warps, "BF16": dt == torch.bfloat16}
+    if cfg.rows == 1:  # Triton specializes an int argument equal to 1
+        del sig["M"]
+        consts["M"] = 1
+    return build(tm.tma_mma_w4a16_kernel, sig, consts, cfg.warps, ("out_ptr", "N"),
+                 **reg_cap(cfg.warps, cfg.ctas_per_sm))

@@ -73,6 +73,36 @@ def test_tma_gemv_refuses_what_tma_cannot_describe():
         run(torch.zeros(2, 1024, dtype=torch.uint8), torch.zeros(256, 1024, dtype=torch.uint8), s, s, s, s, cfg)
 
 
+
+def test_tma_mma_w4a16_refuses_what_tma_cannot_describe_and_more_tokens_than_its_box(monkeypatch):
+    """Its launcher names the config, the need, what it got and where to look; a good call builds the three
+    descriptors (the weight one 8-block chunk a box) and a persistent grid of ctas_per_sm CTAs per SM."""
+    from fp4dispatch.kernels import runtime
+    from fp4dispatch.kernels.config import TmaMmaW4A16Config
+
+    mod = _gluon_module("gemv.tma_mma_w4a16")
+    cfg = TmaMmaW4A16Config(1, 16, 32, 5, k_warps=1, ctas_per_sm=2)
+    b, s = torch.zeros(1024, 1024, dtype=torch.uint8), torch.zeros(1024, 128, dtype=torch.uint8)
+    x, alpha = torch.zeros(1, 2048, dtype=torch.bfloat16), torch.ones(1)
+    for a, w, what in ((torch.zeros(2, 2048, dtype=torch.bfloat16), b, r"M=2, rows=1, N=1024, K=2048"),
+                       (x, torch.zeros(1000, 1024, dtype=torch.uint8), r"M=1, rows=1, N=1000, K=2048"),
+                       (torch.zeros(1, 2064, dtype=torch.bfloat16), torch.zeros(1024, 1032, dtype=torch.uint8),
+                        r"M=1, rows=1, N=1024, K=2064")):
+        with pytest.raises(ValueError, match=r"^w4a16_mm: TmaMmaW4A16Config needs M <= rows, N % 32 == 0, K % 32 == 0 "
+                                             rf"and 16-byte aligned a, b and b_scale; got {what}, data_ptr\(\) % 16 "
+                                             r"of \(a, b, b_scale\) = \(0, 0, 0\)\. Use another config from "
+                                             r"w4a16_configs_for\(\)$"):
+            mod.run(a, w, s, alpha, torch.empty(a.shape[0], w.shape[0]), cfg)
+    got = []
+    monkeypatch.setattr(mod, "launch", lambda fn, grid, *args, **kw: got.append((grid, args, kw)))
+    monkeypatch.setattr(mod, "tma_desc", lambda ptr, dtype, shape, strides, block, layout: (shape, block))
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 8)
+    mod.run(x, b, s, alpha, torch.empty(1, 1024), cfg)
+    (grid, args, kw), = got
+    assert grid == (16,) and args[:3] == (((32, 32, 128), (4, 16, 8)), ((8, 32, 128), (1, 8, 64)), ((1, 512), (1, 128)))
+    assert args[5:] == (1, 1024, 16, 4)  # M, N, tiles (8 groups of 128 rows, 2 tiles each), steps (128 blocks / 32)
+    assert kw == dict(R=16, BW=32, MB=1, STAGES=5, KW=1, BF16=True, num_warps=4, maxnreg=128)
+
 def test_grouped_tma_gemv_refuses_what_tma_cannot_describe_and_launches_nothing_for_no_rows(monkeypatch):
     from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig
 

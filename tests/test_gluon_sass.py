@@ -3,8 +3,10 @@ tests/_sass_tools.py). ``wgmma_warp_specialized``: no write to the register oper
 rolled K loop that did this gave wrong results), no register spills in the K loop, shared memory within an SM's
 227 KB; a racy rolled loop is the checker's positive control. ``tma_warp_specialized``: the proxy fence before each
 ring slot is freed, no spills in its step loop, its CTAs per SM within the shared memory. ``wgmma_decode_warps``: the
-fence before the decoded tile is handed over. And Gluon's count of shared-memory bank conflicts of the loads that
-carry the most bytes (no kernel built). Runs only with the Triton the kernels are written for."""
+fence before the decoded tile is handed over. ``tma_mma_w4a16``: the fence before each slot is freed, no spills and
+no shared-memory layout shuffles in its step loop, its CTAs per SM within the shared memory. And Gluon's count of
+shared-memory bank conflicts of the loads that carry the most bytes (no kernel built). Runs only with the Triton the
+kernels are written for."""
 from __future__ import annotations
 
 import re
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from fp4dispatch.kernels import gluon_missing
-from fp4dispatch.kernels.heuristics import DECODE_WARPS, TMA_GEMV_TILES, WARP_SPECIALIZED_TILES
+from fp4dispatch.kernels.heuristics import DECODE_WARPS, TMA_GEMV_TILES, WARP_SPECIALIZED_TILES, tma_mma_w4a16
 
 pytestmark = pytest.mark.skipif(gluon_missing() is not None, reason=str(gluon_missing()))
 
@@ -135,3 +137,28 @@ def test_gvws_sass_fences_before_freeing_a_slot_no_loop_spills_and_fits(tile, mb
         # register before every prmt (a few copies of loop indices remain)
         assert len([x for x in body if re.match(r"IMAD\.U32 R\d+, RZ, RZ, UR\d+", x)]) < 8
 
+
+
+_TMA_MMA_BUILDS = [(cfg, dt) for m in (1, 8, 16) for cfg in tma_mma_w4a16(m) for dt in ("bf16", "fp16")]
+
+
+@pytest.mark.parametrize("cfg, dt", _TMA_MMA_BUILDS,
+                         ids=[f"rows{c.rows}-R{c.rows_per_quarter}-BW{c.k_blocks}-S{c.stages}-KW{c.k_warps}-{dt}"
+                              for c, dt in _TMA_MMA_BUILDS])
+def test_tma_mma_w4a16_sass_fences_before_freeing_a_slot_no_loop_spills_or_shuffles_and_fits(cfg, dt):
+    """Every offered tile: in the consumer's step loop (the one that issues mma.sync) the proxy fence comes before the
+    arrive that frees the slot (as in tma_warp_specialized), nothing spills, and no layout conversion goes through
+    shared memory (the decode, the scales and the token pairs are built in the MMA fragments' own layout: an STS
+    there would be a convert_layout that is not free); ctas_per_sm CTAs fit an SM's shared memory."""
+    race = _tools()
+    built = race.build_tma_mma(cfg, torch.bfloat16 if dt == "bf16" else torch.float16)
+    code = race._parse(built["sass"])
+    loops = race.hot_loops(code, "HMMA")
+    assert loops, "no mma.sync loop found in the SASS"
+    first, last = min(loops, key=lambda fl: fl[1] - fl[0])
+    body = [x for _, x in code[first:last + 1]]
+    arrive = next(i for i, x in enumerate(body) if "SYNCS.ARRIVE" in x)
+    assert any("MEMBAR" in x for x in body[:arrive]), "no fence before the slot is freed"
+    assert not [x for _, x in code if "STL" in x or "LDL" in x]
+    assert not [x for x in body if x.startswith("STS")]
+    assert built["shared"] * cfg.ctas_per_sm <= SMEM_SM90

@@ -129,3 +129,29 @@ def test_w4a16_warp_specialized_every_tile_passes_the_hostile_check(m, adt):
             cfg = WgmmaWarpSpecializedW4A16Config(*tile)
             for c in (cfg, replace(cfg, persistent=True)):
                 assert check_run(backend, case, c) is None, (odt, c)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 16])
+@pytest.mark.parametrize("adt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_w4a16_tma_mma_every_tile_passes_the_hostile_check(m, adt):
+    """The Gluon mma.sync GEMV (offered at M <= 16) at every tile its heuristics offer for M: K = 2080 (130 blocks: a
+    last step and a last 8-block chunk past K, zero-filled by its TMA), N = 1056 (a last 128-row group of one
+    32-row quarter); bf16/fp16 activations, their dtype and fp32 out; the same bits twice."""
+    from fp4dispatch.backends import default_backends
+    from fp4dispatch.backends.reference import reference_mm
+    from fp4dispatch.dispatch.verify import check_run, make_case
+    from fp4dispatch.kernels import gluon_missing
+    from fp4dispatch.kernels.heuristics import tma_mma_w4a16
+    from fp4dispatch.problem import Problem
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_missing():
+        pytest.skip(gluon_missing() or "the mma.sync Gluon GEMV is SM90 only")
+    backend = next(b for b in default_backends() if b.name == "triton:w4a16")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for odt in (adt, torch.float32):
+        case = make_case(Problem(m, 1056, 2080, odt, dev, adt), 13 * m + 1, reference_mm)
+        for cfg in tma_mma_w4a16(m):
+            assert check_run(backend, case, cfg) is None, (odt, cfg)
+            first = case.ops.out.clone()
+            assert check_run(backend, case, cfg) is None, (odt, cfg)
+            assert torch.equal(first.view(torch.uint8), case.ops.out.view(torch.uint8)), (odt, cfg)

@@ -442,3 +442,48 @@ def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
     assert C.decode_warps_work(300, 992, 130, DECODE_WARPS) == (16, 48, 17)
     assert decode_warps_split(12, 3, 132) == 1  # parts of >= 2 steps
     assert decode_warps_split(12, 96, 132) == 6 and decode_warps_split(132, 48, 132) == 1
+
+
+@pytest.mark.parametrize("cap, gluon, offered", [((9, 0), True, True), ((9, 0), False, False), ((8, 9), True, False)])
+def test_w4a16_tma_mma_offered_after_the_first_tile_up_to_m16_on_sm90_with_gluon(monkeypatch, cap, gluon, offered):
+    """gemv/tma_mma_w4a16 (its own config class) at M <= 16, after the first register-operand tile: a token box of 1
+    row at M = 1, 8 to M = 8, 16 to M = 16; each ring the deepest (<= 6 slots) whose CTAs fit an SM's shared memory;
+    its boxes need N % 32 == 0 and K % 32 == 0."""
+    from fp4dispatch.kernels.heuristics import SMEM_SM90, TMA_MMA_W4A16_TILES, w4a16_configs_for
+
+    cuda = _cuda(monkeypatch, cap, gluon=gluon)
+    for m, rows in ((1, 1), (2, 8), (8, 8), (9, 16), (16, 16), (17, None)):
+        cfgs = w4a16_configs_for(m, 8192, 8192, cuda)
+        got = _of(cfgs, C.TmaMmaW4A16Config)
+        assert [from_json(json.loads(json.dumps(c.to_json()))) for c in cfgs] == cfgs
+        if not offered or rows is None:
+            assert not got, (m, cfgs)
+            continue
+        assert cfgs[1:1 + len(got)] == got and len(got) == len(TMA_MMA_W4A16_TILES) and len(cfgs) <= 7, (m, cfgs)
+        for c, (r, bw, kw, ctas) in zip(got, TMA_MMA_W4A16_TILES):
+            assert (c.rows, c.rows_per_quarter, c.k_blocks, c.k_warps, c.ctas_per_sm) == (rows, r, bw, kw, ctas)
+            stage = bw * (36 * r + 32 * rows)  # weight words, scales, token rows (bytes)
+            assert 2 <= c.stages <= 6 and c.stages * stage * ctas <= SMEM_SM90, c
+            assert c.stages == 6 or (c.stages + 1) * stage * ctas > SMEM_SM90, c
+    assert not _of(w4a16_configs_for(1, 8200, 8192, cuda) + w4a16_configs_for(1, 8192, 8208, cuda),
+                   C.TmaMmaW4A16Config)
+
+
+def test_tma_mma_w4a16_config_refuses_what_its_kernel_cannot_run_naming_the_field():
+    from fp4dispatch.errors import InvalidInputError
+
+    ok = C.TmaMmaW4A16Config(1, 16, 32, 5, k_warps=1, ctas_per_sm=2)
+    assert ok.warps == 4 and C.TmaMmaW4A16Config(16, 8, 64, 3, k_warps=4).warps == 8
+    assert from_json(ok.to_json()) == ok and ok.to_json()["family"] == "w4a16_gemv_tma_mma"
+    base = dict(rows=1, rows_per_quarter=16, k_blocks=32, stages=5)
+    bad = [(dict(rows=2), r"rows must be 1, 8 or 16 \(one token, or whole mma.sync columns\); got 2"),
+           (dict(rows_per_quarter=32), r"rows_per_quarter must be 8 or 16; got 32"),
+           (dict(rows_per_quarter=8), r"k_warps must be a power of two, warps % 4 == 0; got 1"),
+           (dict(k_warps=3), r"k_warps must be a power of two, warps % 4 == 0; got 3"),
+           (dict(k_blocks=8, k_warps=2), r"k_blocks must be a power of two, a multiple of 8 \* k_warps \(each warp "
+                                         r"whole 8-block chunks\); got 8"),
+           (dict(k_blocks=48), r"k_blocks must be a power of two"),
+           (dict(stages=1), r"stages must be >= 2 \(the producer refills a slot while the next is read\); got 1")]
+    for change, msg in bad:
+        with pytest.raises(InvalidInputError, match=f"^TmaMmaW4A16Config.{msg}"):
+            C.TmaMmaW4A16Config(**{**base, **change})

@@ -363,6 +363,30 @@ class MmaW4A16Config(KernelConfig):
         _check_dot_tile(self)
 
 
+@dataclass(frozen=True)
+class TmaMmaW4A16Config(KernelConfig):
+    """``gemv/tma_mma_w4a16`` (SM90, Gluon): ``w4a16_mm`` at M <= ``rows`` by mma.sync fed by a TMA ring; tiles of
+    ``rows_per_quarter`` rows of each 32-row quarter, ``k_blocks`` per step shared by ``k_warps`` warps."""
+
+    family: ClassVar[str] = "w4a16_gemv_tma_mma"
+    rows: int
+    rows_per_quarter: int
+    k_blocks: int
+    stages: int
+    k_warps: int = 1
+    ctas_per_sm: int = 1
+
+    warps = property(lambda self: self.rows_per_quarter // 4 * self.k_warps)  # a warp per 16 rows per K share
+
+    def check(self) -> None:
+        self._require("rows", self.rows in (1, 8, 16), "1, 8 or 16 (one token, or whole mma.sync columns)")
+        self._require("rows_per_quarter", self.rows_per_quarter in (8, 16), "8 or 16")
+        self._require("k_warps", _pow2(self.k_warps) and self.warps % 4 == 0, "a power of two, warps % 4 == 0")
+        self._require("k_blocks", _pow2(self.k_blocks) and self.k_blocks % (8 * self.k_warps) == 0,
+                      "a power of two, a multiple of 8 * k_warps (each warp whole 8-block chunks)")
+        self._require("stages", self.stages >= 2, ">= 2 (the producer refills a slot while the next is read)")
+
+
 def register_a_resident(block_m: int, warps: int) -> int:
     """CTAs of a ``WgmmaRegisterAConfig`` tile resident per SM on SM90 (its registers and shared memory): 4-warp tiles
     of block_m <= 64 fit 4, 8-warp tiles 2, block_m >= 128 one."""

@@ -15,8 +15,9 @@ import torch
 
 from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
-                     MmaW4A16Config, TmaGemvConfig, WgmmaDecodeWarpsConfig, WgmmaDecodeWarpsW4A16Config,
-                     WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedConfig,
+                     MmaW4A16Config, TmaGemvConfig, TmaMmaW4A16Config, WgmmaDecodeWarpsConfig,
+                     WgmmaDecodeWarpsW4A16Config, WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config,
+                     WgmmaWarpSpecializedConfig,
                      WgmmaWarpSpecializedW4A16Config, decode_warps_work, register_a_resident)
 from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig, TmaGemvGroupedConfig
 
@@ -218,6 +219,10 @@ W4A16_MMA_TILES = {
     1 << 62: [(128, 256, 4, 8, 3), (128, 128, 4, 8, 4), (256, 128, 4, 8, 3)],
 }
 W4A16_GEMV_TILES = ((32, 16), (64, 8))
+# gemv/tma_mma_w4a16 tiles (rows_per_quarter, k_blocks, k_warps, ctas_per_sm), first guesses: both tile heights at
+# 2 CTAs per SM (R 8 doubles the tiles of an 8192-row weight); each ring the deepest (<= 6) that fits
+TMA_MMA_W4A16_TILES = ((16, 32, 1, 2), (8, 32, 2, 2))
+SMEM_SM90 = 227 * 1024  # the most shared memory one SM gives its CTAs
 
 
 def _fill_split(tiles: int, steps: int, sms: int) -> int:
@@ -254,7 +259,20 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
         out = _warp_specialized(m, n, WgmmaWarpSpecializedW4A16Config) + sk + [c for c in out if c not in sk]
     elif 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
         out = out[:1] + _decode_warps(_Problem(m, n, k, device), WgmmaDecodeWarpsW4A16Config) + out[1:]
+    elif m <= 16 and rank == 2 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
+        out = out[:1] + tma_mma_w4a16(m) + out[1:]
     return out[:MAX_CONFIGS]
+
+
+def tma_mma_w4a16(m: int) -> list[TmaMmaW4A16Config]:
+    """``gemv/tma_mma_w4a16``'s tiles at M <= 16: its token box of 1, 8 or 16 rows, each ring as deep as fits (a
+    stage: BW blocks of 4R weight rows at 8 bytes, their scales, BW * 32 bytes per token row)."""
+    rows = 1 if m == 1 else 8 if m <= 8 else 16
+    out = []
+    for r, bw, kw, ctas in TMA_MMA_W4A16_TILES:
+        stages = min(6, SMEM_SM90 // ctas // (bw * (36 * r + 32 * rows)))
+        out.append(TmaMmaW4A16Config(rows, r, bw, stages, k_warps=kw, ctas_per_sm=ctas))
+    return out
 
 
 def _register_a_w4a16(p: _Problem) -> list[WgmmaRegisterAW4A16Config]:

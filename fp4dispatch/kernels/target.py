@@ -32,9 +32,10 @@ def triton_missing() -> str | None:
 @functools.cache
 def gluon_missing() -> str | None:
     """Why the Gluon kernels (``gemm.wgmma_warp_specialized``, ``gemm.wgmma_decode_warps``,
-    ``gemv.tma_warp_specialized`` and its grouped form: TMA, mbarriers, async wgmma, warp specialization) cannot be
-    built with this Triton, or None. Gluon is experimental and its API moves between releases, so only the release
-    the kernels were written for counts (Triton 3.9, for one, refuses 64-bit TMA descriptors)."""
+    ``gemv.tma_warp_specialized``, its grouped form and ``gemv.tma_mma_w4a16``: TMA, mbarriers, async wgmma, warp
+    specialization) cannot be built with this Triton, or None. Gluon is experimental and its API moves between
+    releases, so only the release the kernels were written for counts (Triton 3.9, for one, refuses 64-bit TMA
+    descriptors)."""
     try:
         import triton
 
@@ -42,7 +43,7 @@ def gluon_missing() -> str | None:
             return (f"the Gluon kernels (wgmma_warp_specialized, wgmma_decode_warps, tma_warp_specialized) are "
                     f"written for Triton {GLUON_TRITON}'s Gluon; this is Triton {triton.__version__}")
         from .gemm import wgmma_decode_warps, wgmma_warp_specialized  # noqa: F401
-        from .gemv import tma_warp_specialized, tma_warp_specialized_grouped  # noqa: F401
+        from .gemv import tma_mma_w4a16, tma_warp_specialized, tma_warp_specialized_grouped  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
         return f"triton.experimental.gluon lacks what the Gluon kernels use ({type(e).__name__}: {e})"
     return None

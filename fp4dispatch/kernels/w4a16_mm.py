@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import plan
-from .config import (CudaCoreW4A16Config, KernelConfig, MmaW4A16Config, WgmmaDecodeWarpsW4A16Config,
-                     WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedW4A16Config)
+from .config import (CudaCoreW4A16Config, KernelConfig, MmaW4A16Config, TmaMmaW4A16Config,
+                     WgmmaDecodeWarpsW4A16Config, WgmmaRegisterAW4A16Config, WgmmaWarpSpecializedW4A16Config)
 from .launchers import LauncherTable
 
 __all__ = ["w4a16_mm", "LAUNCHERS", "PLANS"]
@@ -14,6 +14,7 @@ __all__ = ["w4a16_mm", "LAUNCHERS", "PLANS"]
 # config class -> the module (under fp4dispatch.kernels) whose run(a, b, sb, alpha, out, config) launches it
 LAUNCHERS: dict[type[KernelConfig], str] = {
     CudaCoreW4A16Config: "gemv.cuda_core_w4a16",
+    TmaMmaW4A16Config: "gemv.tma_mma_w4a16",
     MmaW4A16Config: "gemm.mma_w4a16",
     WgmmaRegisterAW4A16Config: "gemm.wgmma_register_a_w4a16",
     WgmmaDecodeWarpsW4A16Config: "gemm.wgmma_decode_warps_w4a16",
