@@ -86,6 +86,18 @@ def mma_step(w_s, a_s, ready, it, sb, acc, RAW: gl.constexpr, DOT: gl.constexpr,
 
 
 @gluon.jit
+def ring_barriers(n: gl.constexpr):
+    """The ready and empty barriers of a ring of n slots (one arrival each: the producer's expect, the consumer's
+    release)."""
+    ready = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def first_tile(c, TILES):
     """The first of CTA c's tiles: TILES are shared out in order, TILES // grid per CTA and one more to the first
     TILES % grid (a grid of TILES CTAs: one each)."""

@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 itself
 
-from .gluon_tiles import dec16, epilogue, first_tile, operand_layout, raw_layout, store_layout, tile_offsets
+from .gluon_tiles import (dec16, epilogue, first_tile, operand_layout, raw_layout, ring_barriers, store_layout,
+                          tile_offsets)
 from ..gemv.tma_warp_specialized import plain, weight_descriptors
 from .. import runtime, workspace
 from ..config import WgmmaDecodeWarpsConfig, decode_warps_work
@@ -277,17 +278,6 @@ def _mma(d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, c
             epilogue(acc, alpha_ptr, out_ptr, g * 128 + i0, (tile // NT) * BM, M, N, False, BN // 4, UNDO)
 
 
-@gluon.jit
-def _barriers(n: gl.constexpr):
-    """The ready and empty barriers of a ring of n slots."""
-    ready = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    return ready, empty
-
-
 # SPLIT is never a constexpr: a launch specializes an int equal to 1 to one, and Triton 3.6 then fails to lower the
 # split epilogue it still emits under a constant-false branch (an assertion in ConvertTritonGPUToLLVM)
 @gluon.jit(do_not_specialize=["SPLIT"])
@@ -309,9 +299,9 @@ def wgds_kernel(x_desc, s_desc, y_desc, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     a_s = gl.allocate_shared_memory(y_desc.dtype, [ASTAGES, BM, BKB * 16], y_desc.layout)
     d_s = gl.allocate_shared_memory(y_desc.dtype, [DSTAGES, BN, BKB * 16],
                                     gl.NVMMASharedLayout.get_default_for([BN, BKB * 16], y_desc.dtype))
-    wready, wempty = _barriers(STAGES)
-    aready, aempty = _barriers(ASTAGES)
-    dready, dempty = _barriers(DSTAGES)
+    wready, wempty = ring_barriers(STAGES)
+    aready, aempty = ring_barriers(ASTAGES)
+    dready, dempty = ring_barriers(DSTAGES)
     # (the partitions' functions are spelled out per branch: jit code cannot hold a function in a tuple variable)
     mma = (d_s, a_s, aready, aempty, dready, dempty, alpha_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, UNITS, NT, SPLIT, SPS,
            STEPS, UNDO)

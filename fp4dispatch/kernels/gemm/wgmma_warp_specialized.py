@@ -36,8 +36,8 @@ from triton.language.extra.cuda import gdc_wait  # Triton >= 3.4, as Gluon 3.6 i
 from .. import runtime
 from ..config import WgmmaWarpSpecializedConfig
 from ..runtime import cdiv, launch, tma_desc
-from .gluon_tiles import (epilogue, first_tile, load_scales, mma_step, operand_layout, raw_layout, scale_ptrs,
-                          word_tile_layout)
+from .gluon_tiles import (epilogue, first_tile, load_scales, mma_step, operand_layout, raw_layout, ring_barriers,
+                          scale_ptrs, word_tile_layout)
 from .wgmma_register_a import pdl_after_predecode, predecode
 from .wgmma_register_a_w4a16 import W4A16_UNDO
 
@@ -152,11 +152,7 @@ def wgws_kernel(x_desc, y_desc, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, NT, TI
     W4A16: Y is the 16-bit activations in the weight decode's K order (``y_desc``'s dtype, fp16 or bf16; no SWAP)."""
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES, BN, BKB], x_desc.layout)
     a_s = gl.allocate_shared_memory(y_desc.dtype, [STAGES, BM, BKB * 16], y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     args = (w_s, a_s, ready, empty, sx_ptr, alpha_ptr, out_ptr, M, N, KB, CB, TILES, NT, STEPS)
     load = (x_desc, y_desc, w_s, a_s, ready, empty, TILES, NT, STEPS)
     if W4A16:

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .. import runtime
 from ..config import TmaMmaW4A16Config
-from ..gemm.gluon_tiles import first_tile
+from ..gemm.gluon_tiles import first_tile, ring_barriers
 from ..numerics import bf16x2 as _b2, fp16x2 as _h2
 from ..runtime import launch, tma_desc
 from .tma_warp_specialized import _e4m3, plain, reg_cap
@@ -285,11 +285,7 @@ def tma_mma_w4a16_kernel(w_desc, ws_desc, a_desc, alpha_ptr, out_ptr, M, N, TILE
     w_s = gl.allocate_shared_memory(gl.int64, [STAGES * (BW // 8), 4, R, 8], w_desc.layout)
     ws_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * R], ws_desc.layout)
     a_s = gl.allocate_shared_memory(gl.int64, [STAGES, MB, BW * 4], a_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize([(_consume, (w_s, ws_s, a_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEPS, KW, BF16)),
                         (_producer, (w_desc, ws_desc, a_desc, w_s, ws_s, a_s, ready, empty, TILES, STEPS))],
                        [1], [40])

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .. import runtime
 from ..config import TmaGemvConfig
-from ..gemm.gluon_tiles import first_tile
+from ..gemm.gluon_tiles import first_tile, ring_barriers
 from ..numerics import fp16x2 as _h2, int8_dot as _dp4
 from ..runtime import launch, tma_desc
 
@@ -210,11 +210,7 @@ def ring(w_desc, ws_desc, a_desc, as_desc, R: gl.constexpr, BW: gl.constexpr, MB
     ws_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * R], ws_desc.layout)
     a_s = gl.allocate_shared_memory(gl.int64, [STAGES, MB, BW], a_desc.layout)
     as_s = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BW // 4, 4 * MB], as_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     return w_s, ws_s, a_s, as_s, ready, empty
 
 
