@@ -180,13 +180,12 @@ def _scales(ws_s, s, RG: gl.constexpr, KW: gl.constexpr, C: gl.constexpr, L: gl.
 
 
 @gluon.jit
-def _step(w_s, ws_s, a_s, s, acc, acc2, L: gl.constexpr, BF16: gl.constexpr):
-    """Ring slot s's products added to the accumulators (acc2: tokens 8..15, where the box has 16 rows)."""
+def _step(w_s, ws_s, a_s, s, acc, acc2, L: gl.constexpr, NT: gl.constexpr, BF16: gl.constexpr):
+    """Ring slot s's products added to the accumulators (acc2: tokens 8..15, with NT = 2 token tiles)."""
     STAGES: gl.constexpr = ws_s.type.shape[0]
     RG: gl.constexpr = acc[0].type.shape[0]
     KW: gl.constexpr = acc[0].type.shape[2]
     C: gl.constexpr = acc[0].type.shape[3]
-    NT: gl.constexpr = a_s.type.shape[1] // 8 if a_s.type.shape[1] > 8 else 1
     LW: gl.constexpr = gl.BlockedLayout([1, C, 1, 2, 1, 1, 2], [1, 1, 1, 1, 8, 4, 1], [KW, 1, RG, 1, 1, 1, 1],
                                         [6, 3, 1, 5, 4, 0, 2])
     w = w_s._reinterpret(gl.int64, [STAGES, KW, C, RG, 2, 8, 4, 2], plain(7)).index(s).load(LW)
@@ -252,7 +251,7 @@ def _consume(w_s, ws_s, a_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEP
     R: gl.constexpr = w_s.type.shape[2]
     C: gl.constexpr = w_s.type.shape[0] // STAGES // KW
     L: gl.constexpr = lanes(R // 4, KW, C)
-    NT: gl.constexpr = 2 if a_s.type.shape[1] > 8 else 1
+    NT: gl.constexpr = 2 if a_s.type.shape[1] > 8 else 1  # n8 token tiles: a box of 16 rows has two
     alpha = gl.load(alpha_ptr)
     lo = first_tile(gl.program_id(0), TILES)
     for tile in range(lo, first_tile(gl.program_id(0) + 1, TILES)):
@@ -263,7 +262,7 @@ def _consume(w_s, ws_s, a_s, ready, empty, alpha_ptr, out_ptr, M, N, TILES, STEP
             it = (tile - lo) * STEPS + ks
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc, acc2 = _step(w_s, ws_s, a_s, s, acc, acc2, L, BF16)
+            acc, acc2 = _step(w_s, ws_s, a_s, s, acc, acc2, L, NT, BF16)
             # as in tma_warp_specialized: the next TMA write into the slot must not overtake a read in flight
             fence_async_shared()
             mbarrier.arrive(empty.index(s))
