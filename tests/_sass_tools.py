@@ -259,7 +259,7 @@ def build_tma_mma(cfg, dt: torch.dtype) -> dict:
     sig = {"w_desc": mangle_type(d[0]), "ws_desc": mangle_type(d[1]), "a_desc": mangle_type(d[2]),
            "alpha_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "TILES": "i32", "STEPS": "i32"}
     consts = {"R": cfg.rows_per_quarter, "BW": cfg.k_blocks, "MB": cfg.rows, "STAGES": cfg.stages,
-              "KW": cfg.k_warps, "BF16": dt == torch.bfloat16}
+              "KW": cfg.k_warps, "BF16": dt == torch.bfloat16, "SWZ": tm.swizzled_tokens(cfg.rows, cfg.k_blocks, k)}
     if cfg.rows == 1:  # Triton specializes an int argument equal to 1
         del sig["M"]
         consts["M"] = 1

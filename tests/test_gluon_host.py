@@ -95,13 +95,26 @@ def test_tma_mma_w4a16_refuses_what_tma_cannot_describe_and_more_tokens_than_its
             mod.run(a, w, s, alpha, torch.empty(a.shape[0], w.shape[0]), cfg)
     got = []
     monkeypatch.setattr(mod, "launch", lambda fn, grid, *args, **kw: got.append((grid, args, kw)))
-    monkeypatch.setattr(mod, "tma_desc", lambda ptr, dtype, shape, strides, block, layout: (shape, block))
+    monkeypatch.setattr(mod, "tma_desc", lambda ptr, dtype, shape, strides, block, layout: (
+        shape, strides, block, layout.swizzle_byte_width))
     monkeypatch.setattr(runtime, "num_sms", lambda device: 8)
     mod.run(x, b, s, alpha, torch.empty(1, 1024), cfg)
     (grid, args, kw), = got
-    assert grid == (16,) and args[:3] == (((32, 32, 128), (4, 16, 8)), ((8, 32, 128), (1, 8, 64)), ((1, 512), (1, 128)))
+    # one token row, K % 64 == 0, 32 blocks a step: its lines as one swizzled box per step (8 lines of 16 int64)
+    assert grid == (16,) and args[:3] == (((32, 32, 128), (4096, 128, 1), (4, 16, 8), 0),
+                                          ((8, 32, 128), (4096, 128, 1), (1, 8, 64), 0),
+                                          ((1, 32, 16), (512, 16, 1), (1, 8, 16), 128))
     assert args[5:] == (1, 1024, 16, 4)  # M, N, tiles (8 groups of 128 rows, 2 tiles each), steps (128 blocks / 32)
-    assert kw == dict(R=16, BW=32, MB=1, STAGES=5, KW=1, BF16=True, num_warps=4, maxnreg=128)
+    assert kw == dict(R=16, BW=32, MB=1, STAGES=5, KW=1, BF16=True, SWZ=True, num_warps=4, maxnreg=128)
+    # 16 token rows: a swizzled box [16, 2, 16] per 8-block chunk; K % 64 == 32: the unswizzled box of whole rows
+    for k, acts, swz in ((2048, ((12, 32, 16), (512, 16, 1), (16, 2, 16), 128), True),
+                         (2080, ((12, 520), (520, 1), (16, 128), 0), False)):
+        got.clear()
+        w, sk = torch.zeros(1024, k // 2, dtype=torch.uint8), torch.zeros(1024, -(-k // 64) * 4, dtype=torch.uint8)
+        mod.run(torch.zeros(12, k, dtype=torch.bfloat16), w, sk, alpha, torch.empty(12, 1024),
+                TmaMmaW4A16Config(16, 16, 32, 4, k_warps=1, ctas_per_sm=2))
+        (_, args, kw), = got
+        assert args[2] == acts and kw["SWZ"] is swz and kw["MB"] == 16
 
 def test_grouped_tma_gemv_refuses_what_tma_cannot_describe_and_launches_nothing_for_no_rows(monkeypatch):
     from fp4dispatch.kernels.config_grouped import TmaGemvGroupedConfig

@@ -162,3 +162,25 @@ def test_tma_mma_w4a16_sass_fences_before_freeing_a_slot_no_loop_spills_or_shuff
     assert not [x for _, x in code if "STL" in x or "LDL" in x]
     assert not [x for x in body if x.startswith("STS")]
     assert built["shared"] * cfg.ctas_per_sm <= SMEM_SM90
+
+
+@pytest.mark.parametrize("cfg", sorted({c for m in (1, 8, 16) for c in tma_mma_w4a16(m)}, key=str), ids=str)
+def test_tma_mma_w4a16_reads_its_tokens_and_words_from_shared_memory_without_bank_conflicts(cfg):
+    """Gluon's own count of the excess accesses per wavefront: none for the words nor for the swizzled token boxes
+    that every offered tile gets at K % 64 == 0 (``swizzled_tokens``). The unswizzled boxes of whole token rows are
+    the checker's control: every row starts in the same bank, so 4 lanes of a quarter warp meet in one with 8 or
+    16 rows, 2 with one row."""
+    from triton.experimental.gluon import language as gl
+
+    from fp4dispatch.kernels.gemv import mma_sync_operands as ops, tma_mma_w4a16 as tm
+    from fp4dispatch.kernels.gemv.tma_warp_specialized import plain
+
+    race = _tools()
+    mb, kw, rg = cfg.rows, cfg.k_warps, cfg.rows_per_quarter // 4
+    c = cfg.k_blocks // 8 // kw
+    assert tm.swizzled_tokens(mb, cfg.k_blocks, 8192) and not tm.swizzled_tokens(mb, cfg.k_blocks, 8192 + 32)
+    swizzled = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=64, rank=3)
+    assert race.bank_conflicts(ops.token_lanes(mb, c, kw, rg), swizzled, [kw * c * mb, 2, 16], 64) == 0
+    rows = race.bank_conflicts(ops.row_token_lanes(c, kw, rg), plain(5), [8 if mb > 1 else 1, kw, c, 4, 16], 32)
+    assert rows == (3 if mb > 1 else 1)
+    assert race.bank_conflicts(ops.weight_lanes(c, kw, rg), plain(7), [kw, c, rg, 2, 8, 4, 2], 64) == 0

@@ -135,8 +135,9 @@ def test_w4a16_warp_specialized_every_tile_passes_the_hostile_check(m, adt):
 @pytest.mark.parametrize("adt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_w4a16_tma_mma_every_tile_passes_the_hostile_check(m, adt):
     """The Gluon mma.sync GEMV (offered at M <= 16) at every tile its heuristics offer for M: K = 2080 (130 blocks: a
-    last step and a last 8-block chunk past K, zero-filled by its TMA), N = 1056 (a last 128-row group of one
-    32-row quarter); bf16/fp16 activations, their dtype and fp32 out; the same bits twice."""
+    last step and a last 8-block chunk past K, zero-filled by its TMA; boxes of whole token rows) and K = 2112 (132
+    blocks, the same with swizzled token lines: ``swizzled_tokens``), N = 1056 (a last 128-row group of one 32-row
+    quarter); bf16/fp16 activations, their dtype and fp32 out; the same bits twice."""
     from fp4dispatch.backends import default_backends
     from fp4dispatch.backends.reference import reference_mm
     from fp4dispatch.dispatch.verify import check_run, make_case
@@ -148,10 +149,10 @@ def test_w4a16_tma_mma_every_tile_passes_the_hostile_check(m, adt):
         pytest.skip(gluon_missing() or "the mma.sync Gluon GEMV is SM90 only")
     backend = next(b for b in default_backends() if b.name == "triton:w4a16")
     dev = torch.device("cuda", torch.cuda.current_device())
-    for odt in (adt, torch.float32):
-        case = make_case(Problem(m, 1056, 2080, odt, dev, adt), 13 * m + 1, reference_mm)
+    for odt, k in ((adt, 2080), (torch.float32, 2080), (adt, 2112), (torch.float32, 2112)):
+        case = make_case(Problem(m, 1056, k, odt, dev, adt), 13 * m + k, reference_mm)
         for cfg in tma_mma_w4a16(m):
-            assert check_run(backend, case, cfg) is None, (odt, cfg)
+            assert check_run(backend, case, cfg) is None, (odt, k, cfg)
             first = case.ops.out.clone()
-            assert check_run(backend, case, cfg) is None, (odt, cfg)
-            assert torch.equal(first.view(torch.uint8), case.ops.out.view(torch.uint8)), (odt, cfg)
+            assert check_run(backend, case, cfg) is None, (odt, k, cfg)
+            assert torch.equal(first.view(torch.uint8), case.ops.out.view(torch.uint8)), (odt, k, cfg)
