@@ -445,8 +445,8 @@ def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
 
 
 @pytest.mark.parametrize("cap, gluon, offered", [((9, 0), True, True), ((9, 0), False, False), ((8, 9), True, False)])
-def test_w4a16_tma_mma_offered_after_the_first_tile_up_to_m16_on_sm90_with_gluon(monkeypatch, cap, gluon, offered):
-    """gemv/tma_mma_w4a16 (its own config class) at M <= 16, after the first register-operand tile: a token box of 1
+def test_w4a16_tma_mma_offered_first_up_to_m16_on_sm90_with_gluon(monkeypatch, cap, gluon, offered):
+    """gemv/tma_mma_w4a16 (its own config class) at M <= 16, before the register-operand tiles: a token box of 1
     row at M = 1, 8 to M = 8, 16 to M = 16; each ring the deepest (<= 6 slots) whose CTAs fit an SM's shared memory;
     its boxes need N % 32 == 0 and K % 32 == 0."""
     from fp4dispatch.kernels.heuristics import SMEM_SM90, TMA_MMA_W4A16_TILES, w4a16_configs_for
@@ -459,7 +459,8 @@ def test_w4a16_tma_mma_offered_after_the_first_tile_up_to_m16_on_sm90_with_gluon
         if not offered or rows is None:
             assert not got, (m, cfgs)
             continue
-        assert cfgs[1:1 + len(got)] == got and len(got) == len(TMA_MMA_W4A16_TILES) and len(cfgs) <= 7, (m, cfgs)
+        assert cfgs[:len(got)] == got and len(got) == len(TMA_MMA_W4A16_TILES) and len(cfgs) <= 7, (m, cfgs)
+        assert isinstance(cfgs[len(got)], C.WgmmaRegisterAW4A16Config), (m, cfgs)
         for c, (r, bw, kw, ctas) in zip(got, TMA_MMA_W4A16_TILES):
             assert (c.rows, c.rows_per_quarter, c.k_blocks, c.k_warps, c.ctas_per_sm) == (rows, r, bw, kw, ctas)
             stage = bw * (36 * r + 32 * rows)  # weight words, scales, token rows (bytes)

@@ -260,7 +260,7 @@ def w4a16_configs_for(m: int, n: int, k: int, device: torch.device) -> list[Kern
     elif 64 < m <= 128 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
         out = out[:1] + _decode_warps(_Problem(m, n, k, device), WgmmaDecodeWarpsW4A16Config) + out[1:]
     elif m <= 16 and rank == 2 and n % 32 == 0 and k % 32 == 0 and target.gluon_ok(device):
-        out = out[:1] + tma_mma_w4a16(m) + out[1:]
+        out = tma_mma_w4a16(m) + out  # first: on the H200 it beat the register-operand tiles (RESULTS.md)
     return out[:MAX_CONFIGS]
 
 
