@@ -458,3 +458,26 @@ def test_proving_a_new_m_does_not_rewrite_the_cache_file(tmp_path):
     proven = json.loads(path.read_text())["verified"]["m16-n64-k128-float32"]["x|default"]
     assert sorted(proven) == [9, 10, 11, 12, 16]
 
+
+
+def test_two_backends_of_one_name_are_refused_at_construction(tmp_path):
+    """A backend is probed, banned and cached by name: the second of a name would be judged by the first one's
+    verdicts (here the correct one was refused as 'incorrect: all zeros')."""
+    with pytest.raises(InvalidInputError, match=r"^Dispatcher: backends must have distinct names \(.*\); got 'x' at "
+                                                r"positions 0 and 2\. Give each backend a name of its own"):
+        _disp([FakeBackend("x"), ReferenceBackend(), FakeBackend("x", result="zeros")], tmp_path)
+
+
+@pytest.mark.parametrize("backends, said", [
+    pytest.param(ReferenceBackend(), r"backends must be a list of backend objects in priority order, or None for "
+                 r"every built-in one; got <backend reference>\. Pass e\.g\. \[ReferenceBackend\(\)\]", id="one"),
+    pytest.param("reference", r"backends must be a list of backend objects .*; got 'reference'\.", id="str"),
+    pytest.param(["reference"], r"backends\[0\] must be a backend \(an object with a non-empty str name and a run "
+                 r"method, .*\); got 'reference'\. Pass backend objects, .* To leave built-in backends out by name, "
+                 r"set FP4DISPATCH_DISABLE$", id="names"),
+    pytest.param([ReferenceBackend(), None], r"backends\[1\] must be a backend .*; got None\. Pass backend objects",
+                 id="none-item"),
+])
+def test_backends_that_are_not_a_list_of_backends_are_refused_at_construction(tmp_path, backends, said):
+    with pytest.raises(InvalidInputError, match=r"^Dispatcher: " + said):
+        _disp(backends, tmp_path)

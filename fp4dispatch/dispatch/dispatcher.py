@@ -39,6 +39,7 @@ from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .key_tuning import KeyTuning
+from .options import check_backends
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report, check_ops
 from .timer import DoBench
@@ -56,7 +57,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     """Chooses, per device and shape, the fastest backend proven correct there.
 
     Args:
-        backends: ordered backends (priority order); default: every built-in backend.
+        backends: ordered backends (priority order), of distinct names; default: every built-in backend.
         cache_dir: decision cache directory; default ``FP4DISPATCH_CACHE_DIR`` or platformdirs' user cache dir.
         do_bench: ``fn -> milliseconds``; default on CUDA the median GPU time of CUDA-graph replays
             (``FP4DISPATCH_TIMER=eager``: eager launches). On the CPU nothing is timed unless ``do_bench`` is given:
@@ -73,7 +74,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                  do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None,
                  screen_bench: DoBench | None = None):
         self.settings = settings or read_settings()
-        self.backends: list[Backend] = list(backends) if backends is not None else default_backends()
+        self.backends: list[Backend] = check_backends(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}
         self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())

@@ -1,0 +1,34 @@
+"""Checks of the :class:`~fp4dispatch.dispatch.dispatcher.Dispatcher` constructor's arguments, made once when a
+dispatcher is created: a wrong one is refused there, not found later inside a probe or a tuning run (where it would
+read as the backends' fault and be written to the disk cache)."""
+from __future__ import annotations
+
+from ..errors import InvalidInputError
+
+__all__ = ["check_backends"]
+
+
+def check_backends(backends) -> list:
+    """``backends`` as a list, each an object with a ``name`` (a non-empty str) and a ``run`` method, no two of the
+    same name: the dispatcher probes, bans and caches a backend by its name, so a second one of a name would be judged
+    by the first one's verdicts."""
+    if isinstance(backends, (str, bytes)) or not hasattr(backends, "__iter__"):
+        raise InvalidInputError(f"Dispatcher: backends must be a list of backend objects in priority order, or None "
+                                f"for every built-in one; got {backends!r}. Pass e.g. [ReferenceBackend()], or "
+                                "fp4dispatch.backends.default_backends() for the built-in ones")
+    out = list(backends)
+    seen: dict[str, int] = {}
+    for i, b in enumerate(out):
+        name = getattr(b, "name", None)
+        if not isinstance(name, str) or not name or not callable(getattr(b, "run", None)):
+            hint = (" To leave built-in backends out by name, set FP4DISPATCH_DISABLE" if isinstance(b, str) else "")
+            raise InvalidInputError(f"Dispatcher: backends[{i}] must be a backend (an object with a non-empty str name "
+                                    f"and a run method, e.g. a fp4dispatch.backends.base.BaseBackend subclass); got "
+                                    f"{b!r}. Pass backend objects, e.g. fp4dispatch.backends.default_backends()."
+                                    + hint)
+        if name in seen:
+            raise InvalidInputError(f"Dispatcher: backends must have distinct names (a backend is probed, banned and "
+                                    f"cached by its name); got {name!r} at positions {seen[name]} and {i}. Give each "
+                                    "backend a name of its own, or pass it once")
+        seen[name] = i
+    return out
