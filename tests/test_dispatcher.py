@@ -481,3 +481,16 @@ def test_two_backends_of_one_name_are_refused_at_construction(tmp_path):
 def test_backends_that_are_not_a_list_of_backends_are_refused_at_construction(tmp_path, backends, said):
     with pytest.raises(InvalidInputError, match=r"^Dispatcher: " + said):
         _disp(backends, tmp_path)
+
+
+@pytest.mark.parametrize("which", ["do_bench", "screen_bench"])
+def test_a_timer_that_is_not_callable_is_refused_before_it_bans_every_backend_on_disk(tmp_path, which):
+    """Taken as given, every timing run raised TypeError and each backend was banned from the key in the cache file,
+    where the next dispatcher, with a right timer, still found no usable backend."""
+    kw = {"do_bench": fake_do_bench, which: 5}
+    with pytest.raises(InvalidInputError, match=rf"^Dispatcher: {which} must be None \(the default timer\) or a "
+                                                r"callable that takes a function and returns its time in "
+                                                r"milliseconds; got 5\. Pass e\.g\. triton\.testing\.do_bench"):
+        Dispatcher([FakeBackend("f"), FakeBackend("g")], cache_dir=tmp_path / "c", **kw)
+    out, ref = _call(_disp([FakeBackend("f"), FakeBackend("g")], tmp_path), 4)
+    assert _close(out, ref)

@@ -39,7 +39,7 @@ from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .key_tuning import KeyTuning
-from .options import check_backends
+from .options import check_backends, check_timer
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report, check_ops
 from .timer import DoBench
@@ -78,7 +78,8 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._by_name = {b.name: b for b in self.backends}
         self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
-        self._do_bench, self._screen_bench = do_bench, screen_bench
+        self._do_bench = check_timer("do_bench", do_bench)
+        self._screen_bench = check_timer("screen_bench", screen_bench)
         self._forced = self.settings.forced_backend
         self._choices: dict[tuple, Choice] = {}
         self.memo = CallMemo(self._choices)  # repeat calls skip validation and lookup (dispatch/call_memo.py)

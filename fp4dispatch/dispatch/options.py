@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import InvalidInputError
 
-__all__ = ["check_backends"]
+__all__ = ["check_backends", "check_timer"]
 
 
 def check_backends(backends) -> list:
@@ -32,3 +32,13 @@ def check_backends(backends) -> list:
                                     "backend a name of its own, or pass it once")
         seen[name] = i
     return out
+
+
+def check_timer(name: str, fn):
+    """``do_bench`` / ``screen_bench``: None or a callable. Anything else would fail every backend's timing run, and
+    each backend would be banned from the key on disk as if it had failed."""
+    if fn is not None and not callable(fn):
+        raise InvalidInputError(f"Dispatcher: {name} must be None (the default timer) or a callable that takes a "
+                                f"function and returns its time in milliseconds; got {fn!r}. Pass e.g. "
+                                "triton.testing.do_bench, or fp4dispatch.testing.fake_do_bench in tests")
+    return fn
