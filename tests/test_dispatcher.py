@@ -494,3 +494,17 @@ def test_a_timer_that_is_not_callable_is_refused_before_it_bans_every_backend_on
         Dispatcher([FakeBackend("f"), FakeBackend("g")], cache_dir=tmp_path / "c", **kw)
     out, ref = _call(_disp([FakeBackend("f"), FakeBackend("g")], tmp_path), 4)
     assert _close(out, ref)
+
+
+@pytest.mark.parametrize("kw, said", [
+    pytest.param({"cache_dir": 5}, r"cache_dir must be None \(FP4DISPATCH_CACHE_DIR, else the user cache dir\), a str "
+                 r"or a path; got 5\. Pass e\.g\. cache_dir=", id="cache_dir"),
+    pytest.param({"settings": {"tune": False}}, r"settings must be None \(read from the FP4DISPATCH_\* variables\) or "
+                 r"a fp4dispatch\.settings\.Settings; got dict \{'tune': False\}\. Pass e\.g\. dataclasses\.replace",
+                 id="settings"),
+    pytest.param({"guard": "0"}, r"guard must be None \(FP4DISPATCH_GUARD\), True or False; got '0'\. Pass guard=True",
+                 id="guard"),
+])
+def test_options_of_the_wrong_type_are_refused_at_construction(tmp_path, kw, said):
+    with pytest.raises(InvalidInputError, match=r"^Dispatcher: " + said):
+        Dispatcher([ReferenceBackend()], **{"cache_dir": tmp_path / "c", **kw})

@@ -39,7 +39,7 @@ from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
 from .health import device_health, wrong_when_probed
 from .key_tuning import KeyTuning
-from .options import check_backends, check_timer
+from .options import check_backends, check_options, check_timer
 from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report, check_ops
 from .timer import DoBench
@@ -73,6 +73,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def __init__(self, backends: list[Backend] | None = None, *, cache_dir: str | Path | None = None,
                  do_bench: DoBench | None = None, settings: Settings | None = None, guard: bool | None = None,
                  screen_bench: DoBench | None = None):
+        check_options(cache_dir, settings, guard)
         self.settings = settings or read_settings()
         self.backends: list[Backend] = check_backends(backends) if backends is not None else default_backends()
         self._by_name = {b.name: b for b in self.backends}

@@ -3,9 +3,12 @@ dispatcher is created: a wrong one is refused there, not found later inside a pr
 read as the backends' fault and be written to the disk cache)."""
 from __future__ import annotations
 
-from ..errors import InvalidInputError
+import os
 
-__all__ = ["check_backends", "check_timer"]
+from ..errors import InvalidInputError
+from ..settings import Settings
+
+__all__ = ["check_backends", "check_timer", "check_options"]
 
 
 def check_backends(backends) -> list:
@@ -42,3 +45,18 @@ def check_timer(name: str, fn):
                                 f"function and returns its time in milliseconds; got {fn!r}. Pass e.g. "
                                 "triton.testing.do_bench, or fp4dispatch.testing.fake_do_bench in tests")
     return fn
+
+
+def check_options(cache_dir, settings, guard) -> None:
+    """``cache_dir``: None, a str or a path; ``settings``: None or a Settings; ``guard``: None or a bool (a string
+    such as "0" would read as true)."""
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise InvalidInputError(f"Dispatcher: cache_dir must be None (FP4DISPATCH_CACHE_DIR, else the user cache dir), "
+                                f"a str or a path; got {cache_dir!r}. Pass e.g. cache_dir='/tmp/fp4cache'")
+    if settings is not None and not isinstance(settings, Settings):
+        raise InvalidInputError(f"Dispatcher: settings must be None (read from the FP4DISPATCH_* variables) or a "
+                                f"fp4dispatch.settings.Settings; got {type(settings).__name__} {settings!r}. Pass e.g. "
+                                "dataclasses.replace(fp4dispatch.settings.read_settings(), tune=False)")
+    if guard is not None and not isinstance(guard, bool):
+        raise InvalidInputError(f"Dispatcher: guard must be None (FP4DISPATCH_GUARD), True or False; got {guard!r}. "
+                                "Pass guard=True to turn guard mode on")
