@@ -581,3 +581,16 @@ def test_run_benchmarks_measures_and_replaces_only_its_section(tmp_path, mode):
     text = results.read_text()
     assert "keep 1" in text and "keep 2" in text and "stale" not in text
     assert text.count("## Backend comparison") == 1 and "### N=32, K=64" in text and "| 20 |" in text
+
+
+@pytest.mark.parametrize("wrong, said", [
+    pytest.param("reference", r"str 'reference'", id="name"),
+    pytest.param(Dispatcher, r"the class itself", id="class"),
+])
+def test_set_dispatcher_refuses_what_is_not_a_dispatcher_before_a_call_trips_on_it(wrong, said):
+    with pytest.raises(InvalidInputError, match=r"^set_dispatcher: dispatcher must be a fp4dispatch\.dispatch\."
+                                                rf"dispatcher\.Dispatcher or None \(a fresh one on next use\); got "
+                                                rf"{said}\. Pass e\.g\. Dispatcher\(cache_dir=\.\.\.\)$"):
+        fp4dispatch.set_dispatcher(wrong)
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 32, 64)
+    assert fp4dispatch.fp4_mm(a, b, sa, sb, alpha).shape == (4, 32)  # the default dispatcher is still in place
