@@ -1,6 +1,7 @@
 """Helpers for tests — fp4dispatch's own and users': random NVFP4 inputs, fake backends, a fake timer."""
 from __future__ import annotations
 
+import numbers
 import os
 import signal
 import threading
@@ -11,6 +12,8 @@ import torch
 
 from .backends.base import BaseBackend, Config
 from .backends.reference import reference_mm
+from .dispatch.choice import resolve_device
+from .errors import InvalidInputError
 from .format_grouped import swizzle_grouped_scales, unswizzle_grouped_scales
 from .problem import Operands, Problem
 from .dispatch.verify import random_operands
@@ -20,13 +23,27 @@ __all__ = ["make_nvfp4_inputs", "FakeBackend", "fake_do_bench", "make_operands"]
 
 def make_nvfp4_inputs(m: int, n: int, k: int, *, device="cpu", seed: int = 0):
     """Random NVFP4 operands ``(a, b, a_scale, b_scale, alpha)`` for fp4_mm: codes of both signs, positive e4m3
-    scales in [2^-3, 2^3] (swizzled, zero-padded), alpha a float32 [1] tensor. Never zeros."""
+    scales in [2^-3, 2^3] (swizzled, zero-padded), alpha a float32 [1] tensor. Never zeros.
+    InvalidInputError when M, N, K are not ints >= 0 with K % 16 == 0, the device cannot hold data here, or the seed
+    is not an int that torch.manual_seed takes."""
+    for name, v in (("m", m), ("n", n), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise InvalidInputError(f"make_nvfp4_inputs: {name} must be an int >= 0 (the {name.upper()} of the "
+                                    f"M x K by N x K product); got {v!r}. Pass e.g. make_nvfp4_inputs(4, 64, 128)")
     if k % 16:
-        raise ValueError(f"make_nvfp4_inputs: K must be a multiple of 16; got {k}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"make_nvfp4_inputs: device={device!r}, but CUDA is not available here; use device='cpu'")
-    return random_operands(m, n, k, dev, seed)
+        raise InvalidInputError(f"make_nvfp4_inputs: k must be a multiple of 16 (one e4m3 scale per 16 values); got "
+                                f"{k}. Pass k={-(-k // 16) * 16}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise InvalidInputError(f"make_nvfp4_inputs: seed must be an int in [-2**63, 2**64) (torch.manual_seed's "
+                                f"range); got {seed!r}. Pass e.g. seed=0")
+    try:
+        cuda = torch.device(device).type == "cuda"
+    except (TypeError, RuntimeError, ValueError):
+        cuda = False  # not a device: resolve_device says so
+    if cuda and not torch.cuda.is_available():
+        raise InvalidInputError(f"make_nvfp4_inputs: device={device!r}, but CUDA is not available here; use "
+                                "device='cpu'")
+    return random_operands(int(m), int(n), int(k), resolve_device(device, "make_nvfp4_inputs"), int(seed))
 
 
 def make_operands(problem: Problem, seed: int = 0) -> Operands:
