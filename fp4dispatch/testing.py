@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .backends.base import BaseBackend, Config
+from .backends.base import OPS, BaseBackend, Config
 from .backends.reference import reference_mm
 from .dispatch.choice import resolve_device
 from .errors import InvalidInputError
@@ -71,6 +71,7 @@ def fake_do_bench(fn: Callable[[], object]) -> float:
 RESULTS = ("correct", "zeros", "nan", "transposed", "scaled", "abs_alpha", "nan_scale_as_zero", "one_expert")
 _INPUT_NAMES = (*Operands._fields[:5], "offs")
 OUT_FAULTS = ("resize", "past_end", "transposed_strides")
+CRASHES = ("exit", "segv", "hang")
 
 
 class FakeBackend(BaseBackend):
@@ -109,6 +110,11 @@ class FakeBackend(BaseBackend):
             raise ValueError(f"FakeBackend: out_fault must be one of {OUT_FAULTS}; got {out_fault!r}")
         if mutates not in (None, *_INPUT_NAMES):
             raise ValueError(f"FakeBackend: mutates must name an input {_INPUT_NAMES}; got {mutates!r}")
+        if crash not in (None, *CRASHES):
+            raise InvalidInputError(f"FakeBackend: crash must be None or one of {CRASHES}; got {crash!r}")
+        if isinstance(ops, str) or not ops or any(op not in OPS for op in ops):
+            raise InvalidInputError(f"FakeBackend: ops must be a tuple of op names from {OPS}; got {ops!r}. Pass e.g. "
+                                    "ops=('w4a16',)")
         self.name = name
         self.cost = cost
         self.result = result

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fp4dispatch.errors import InvalidInputError
-from fp4dispatch.testing import make_nvfp4_inputs
+from fp4dispatch.testing import FakeBackend, make_nvfp4_inputs
 
 
 @pytest.mark.parametrize("args, said", [
@@ -40,3 +40,18 @@ def test_make_nvfp4_inputs_takes_numpy_ints_and_empty_sizes():
     a, b, sa, sb, alpha = make_nvfp4_inputs(np.int64(4), 32, np.int32(64), seed=np.int64(3))
     assert (a.shape, b.shape, alpha.shape) == ((4, 32), (32, 32), (1,))
     assert make_nvfp4_inputs(0, 32, 64)[0].shape == (0, 32)
+
+
+@pytest.mark.parametrize("kw, said", [
+    pytest.param({"crash": "abort"}, r"crash must be None or one of \('exit', 'segv', 'hang'\); got 'abort'$",
+                 id="crash"),
+    pytest.param({"ops": "w4a16"}, r"ops must be a tuple of op names from \('fp4_mm', 'w4a16', 'grouped', "
+                 r"'w4a16_grouped'\); got 'w4a16'\. Pass e\.g\. ops=\('w4a16',\)$", id="ops-str"),
+    pytest.param({"ops": ("w4a16_mm",)}, r"ops must be a tuple of op names .*; got \('w4a16_mm',\)\.", id="ops-name"),
+    pytest.param({"ops": ()}, r"ops must be a tuple of op names .*; got \(\)\.", id="ops-empty"),
+])
+def test_fake_backend_refuses_a_crash_or_ops_it_would_silently_ignore(kw, said):
+    """A crash it does not know ran without crashing; ops='w4a16' made a backend of the ops 'w', '4', 'a', ...,
+    which computes none: a test meaning to script a failure would pass without one."""
+    with pytest.raises(InvalidInputError, match=r"^FakeBackend: " + said):
+        FakeBackend("x", **kw)
