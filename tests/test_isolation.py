@@ -241,3 +241,33 @@ def test_isolated_probes_overlap_the_in_process_ones(tmp_path, monkeypatch):
     recs = {r.name: r for r in d.report(CPU)}
     assert (recs["safe"].status, recs["safe"].reason) == ("ok", "")
     assert recs["native"].status == "ok"
+
+
+class InterruptedThere(FakeBackend):
+    """SIGINT reaches its probe worker (Ctrl-C signals a terminal's whole process group) while this process goes on,
+    as an application that handles SIGINT itself does. ``die``: the worker has SIGINT's default action (killed by
+    it, as an uncaught KeyboardInterrupt ends Python); else the probe sees a KeyboardInterrupt."""
+
+    def __init__(self, name: str, die: bool):
+        super().__init__(name, risky=True)
+        self.maker, self.die = os.getpid(), die
+
+    def run(self, problem, ops, config):
+        if os.getpid() != self.maker:
+            if self.die:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGINT)
+        super().run(problem, ops, config)
+
+
+@pytest.mark.parametrize("die", [False, True], ids=["keyboard-interrupt", "killed-by-sigint"])
+def test_a_probe_worker_interrupted_by_sigint_is_not_cached_as_the_backends_verdict(tmp_path, die):
+    """Before: 'failed: KeyboardInterrupt' (or 'worker died (signal 2, SIGINT)') went to the cache file, and a healthy
+    backend stayed failed on this device until ``tune clear``."""
+    d = Dispatcher([InterruptedThere("healthy", die), FakeBackend("safe")], cache_dir=tmp_path,
+                   settings=Settings(isolate=True, probe_timeout_s=120.0))
+    status = {r.name: (r.status, r.reason) for r in d.report(CPU)}
+    assert status["healthy"][0] == "failed"
+    assert re.match(r"^probe worker interrupted by SIGINT \(not cached: probed again by the next process\)"
+                    + (rf" \(signal {int(signal.SIGINT)}, SIGINT\)$" if die else "$"), status["healthy"][1])
+    assert "healthy" not in d.cache_for(CPU).health and "safe" in d.cache_for(CPU).health

@@ -21,6 +21,9 @@ from .probe import Verdict, describe_exception, unavailable_reason
 __all__ = ["probe_isolated", "main"]
 
 CANCEL_POLL_S = 0.25  # how often a waiting caller looks at its cancel event
+# Ctrl-C in a terminal signals its whole process group, the workers too, while this process may go on (an
+# application that handles SIGINT itself, or a probe run by another thread than the main one)
+_INTERRUPTED = "probe worker interrupted by SIGINT (not cached: probed again by the next process)"
 
 
 def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
@@ -28,6 +31,8 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
 
     try:
         return probe_backend(backend, torch.device(device_str), upcoming=upcoming).to_json()
+    except KeyboardInterrupt:  # SIGINT here says nothing of the backend: the parent's verdict is transient
+        return {"status": "failed", "reason": _INTERRUPTED, "interrupted": True}
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
         return {"status": "failed", "reason": describe_exception(e)}
 
@@ -64,6 +69,7 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
     ``first_run_unit``; ``timeout_s`` must allow them.
     A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
     ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict.
+    A worker interrupted by SIGINT (not the backend's fault) is a transient verdict.
     ``check_here``: ``backend.unavailable`` runs in this process once the worker has started (its library's import
     overlaps the worker's start); a reason there kills the worker and is the verdict."""
     if type(backend).__module__ == "__main__":
@@ -79,9 +85,13 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
             return Verdict("unavailable", why)
         if _wait(answers, timeout_s, cancel):
             try:
-                return Verdict.from_json(worker_process.read_answer(answers, 0))
+                answer = worker_process.read_answer(answers, 0)
             except EOFError:
                 pass  # the worker died before it could answer
+            else:
+                if isinstance(answer, dict) and answer.get("interrupted"):
+                    return Verdict("failed", _INTERRUPTED, transient=True)
+                return Verdict.from_json(answer)
         elif cancel is not None and cancel.is_set():
             return Verdict("failed", "probe interrupted (worker killed)", transient=True)
         else:
@@ -92,6 +102,8 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         except Exception:  # noqa: BLE001 - closed its pipe but lives on: killed below
             code = None
         how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
+        if code == -signal.SIGINT:  # a KeyboardInterrupt no one caught (during its imports, say)
+            return Verdict("failed", f"{_INTERRUPTED} ({how})", transient=True)
         if upcoming:  # the probe or one of the keys' shapes: kept out of this process, probed again by the next
             return Verdict("failed", f"worker died ({how}) while probing and making the first runs of "
                            f"{len(upcoming)} new keys (not cached)", transient=True)
