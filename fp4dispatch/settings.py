@@ -13,7 +13,7 @@
 | FP4DISPATCH_PROBE_TIMEOUT| seconds a probe worker may take                                          | 30      |
 | FP4DISPATCH_GUARD        | 1: guard mode (device-side non-finite check, see fp4dispatch.dispatch.guard)      | 0       |
 | FP4DISPATCH_GUARD_EVERY  | calls between two guard checks (each is one host sync)                   | 64      |
-| FP4DISPATCH_COMPILE_WORKERS | processes compiling many keys' kernels at once (0: threads only) | (cores-2)/ranks, 1-14 |
+| FP4DISPATCH_COMPILE_WORKERS | compile processes (0: threads only; at most the cores) | (cores-2)/ranks, 1-14 |
 | FP4DISPATCH_BACKGROUND_COMPILE | 0: a new key's shape's other M buckets are not compiled ahead (Humming) | 1 |
 """
 from __future__ import annotations
@@ -142,12 +142,15 @@ def fingerprint_env() -> dict[str, str]:
 
 
 def _count(name: str) -> int | None:
-    """A count >= 0 from the variable, or None when unset."""
+    """A count of processes from 0 to the machine's cores from the variable, or None when unset: each process
+    imports torch, so a count past the cores only costs memory (a huge one would start processes until none can)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
-    if not raw.isdigit():
-        raise _bad(name, raw, "a whole number >= 0 (0: none)", "unset: a share of every core but two, 1 to 14")
+    most = os.cpu_count() or 1
+    if not raw.isdigit() or int(raw) > most:
+        raise _bad(name, raw, f"a whole number from 0 (0: none) to {most} (this machine's cores)",
+                   "unset: a share of every core but two, 1 to 14")
     return int(raw)
 
 

@@ -134,11 +134,16 @@ def test_the_compile_workers_knob(monkeypatch):
     assert read_settings().compile_workers is None and 1 <= cp.worker_count() <= 14
     monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "0")
     assert read_settings().compile_workers == 0 and warmup._compile_processes(0) is None  # threads only
-    monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "-2")
-    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_COMPILE_WORKERS='-2' is not valid; accepted: a whole "
-                       r"number >= 0 \(0: none\)\. Unset it for the default "
-                       r"'unset: a share of every core but two, 1 to 14'"):
-        read_settings()
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", "16")
+    assert read_settings().compile_workers == 16
+    # a count past the cores: each worker imports torch; 100000 of them started processes until none could start
+    for raw in ("-2", "17", "100000"):
+        monkeypatch.setenv("FP4DISPATCH_COMPILE_WORKERS", raw)
+        with pytest.raises(InvalidInputError, match=rf"^FP4DISPATCH_COMPILE_WORKERS='{raw}' is not valid; accepted: a "
+                           r"whole number from 0 \(0: none\) to 16 \(this machine's cores\)\. Unset it for the "
+                           r"default 'unset: a share of every core but two, 1 to 14'$"):
+            read_settings()
 
 
 def test_closing_stops_a_busy_worker_and_leaves_no_job_waiting():
