@@ -172,6 +172,13 @@ def test_processes_compiling_at_once_share_the_cores(monkeypatch):
     monkeypatch.setattr(distributed.os, "environ", dict(os.environ))  # what a --devices process sets for itself
     distributed._child_env(4)
     assert distributed.os.environ["FP4DISPATCH_COMPILE_WORKERS"] == "3"
+    # set but blank reads as unset (read_settings): before, it was kept, and each of the 4 processes took 14 workers
+    monkeypatch.setattr(distributed.os, "environ", {**os.environ, "FP4DISPATCH_COMPILE_WORKERS": " "})
+    distributed._child_env(4)
+    assert distributed.os.environ["FP4DISPATCH_COMPILE_WORKERS"] == "3"
+    monkeypatch.setattr(distributed.os, "environ", {**os.environ, "FP4DISPATCH_COMPILE_WORKERS": "2"})
+    distributed._child_env(4)
+    assert distributed.os.environ["FP4DISPATCH_COMPILE_WORKERS"] == "2"  # the user's own count stands
 
 
 def test_a_job_the_worker_cannot_rebuild_is_answered_and_the_worker_goes_on(tmp_path, monkeypatch):

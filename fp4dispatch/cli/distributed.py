@@ -286,8 +286,10 @@ def split_shares(devices: list[str], shapes: list) -> list[list]:
 def _child_env(devices: int) -> None:
     # NVLink multicast (NVLS) must stay off on the shared test machines; no child uses NCCL, but keep it safe
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    # the device processes compile at once: each gets its share of the cores for its compile workers
-    os.environ.setdefault("FP4DISPATCH_COMPILE_WORKERS", str(worker_count(devices)))
+    # the device processes compile at once: each gets its share of the cores for its compile workers, unless the
+    # variable says otherwise (empty or blank is unset, as read_settings reads it)
+    if not os.environ.get("FP4DISPATCH_COMPILE_WORKERS", "").strip():
+        os.environ["FP4DISPATCH_COMPILE_WORKERS"] = str(worker_count(devices))
 
 
 def _device_job(device: str, shapes: list, opts, position: int, devices: int) -> dict:
