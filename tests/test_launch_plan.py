@@ -338,3 +338,21 @@ def test_the_plans_of_an_op_record_once_per_key_replay_after_and_stay_bounded(fa
     other = (torch.randn(8, 64, dtype=torch.bfloat16), *ops[1:4], torch.empty(8, 32, dtype=torch.bfloat16))
     plans(other, cfg, (id(cfg), other[0].shape, 0))  # a third key: the oldest (cfg at M = 4) goes
     assert list(plans.table) == [(id(cfg2), ops[0].shape, 0), (id(cfg), other[0].shape, 0)]
+
+
+def test_workspace_prepare_takes_a_device_string_and_refuses_what_it_cannot_use(monkeypatch):
+    """graphs.py tells users to call ``workspace.prepare(device, stream)`` before capturing on their own stream: a
+    device string raised AttributeError, a CUDA device on a machine without CUDA torch's AssertionError."""
+    from fp4dispatch.errors import InvalidInputError
+
+    monkeypatch.setattr(workspace, "_COUNTERS", {})
+    workspace.prepare("cpu", tiles=8)
+    assert workspace._COUNTERS[("cpu", 0)].numel() == workspace.MIN_COUNTERS
+    with pytest.raises(InvalidInputError, match=r"^workspace\.prepare: stream must be None \(the current stream\) or "
+                                                r"a torch\.cuda\.Stream; got 's'\. Pass the stream the graph will be "
+                                                r"captured on$"):
+        workspace.prepare("cpu", "s")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(InvalidInputError, match=r"^workspace\.prepare: device cuda:0 was asked for, but CUDA is not "
+                                                r"available here .*; use CPU tensors$"):
+        workspace.prepare(torch.device("cuda", 0))

@@ -132,7 +132,19 @@ def address(need: tuple, device: torch.device, stream: int, capturing: bool, kee
 
 def prepare(device: torch.device, stream: torch.cuda.Stream | None = None, tiles: int = MIN_COUNTERS) -> None:
     """Create (zeroed) the counter buffer of ``stream`` (default: the current one) with room for ``tiles``; call it
-    outside capture, e.g. for a stream that will capture a graph."""
+    outside capture, e.g. for a stream that will capture a graph. ``device``: a torch.device or what it takes
+    ('cuda:0'); InvalidInputError for one that cannot hold data here, or a ``stream`` that is not a CUDA stream."""
+    from ..dispatch.choice import resolve_device
+    from ..errors import InvalidInputError
+
+    device = resolve_device(device, "workspace.prepare")
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise InvalidInputError(f"workspace.prepare: stream must be None (the current stream) or a torch.cuda.Stream; "
+                                f"got {stream!r}. Pass the stream the graph will be captured on")
+    _prepare(device, stream, tiles)
+
+
+def _prepare(device: torch.device, stream: torch.cuda.Stream | None, tiles: int) -> None:
     key = _key(device, stream)
     have = _COUNTERS.get(key)
     if have is None or have.numel() < tiles:
@@ -169,7 +181,7 @@ def _counters(tiles: int, device: torch.device) -> tuple[torch.Tensor, bool]:
     if _capturing(device):
         log.debug("fp4dispatch: split-K counters zeroed inside the CUDA graph (no prepared buffer for this stream)")
         return torch.zeros(tiles, dtype=torch.int32, device=device), False
-    prepare(device, None, tiles)
+    _prepare(device, None, tiles)
     return _COUNTERS[key], True
 
 
