@@ -43,7 +43,7 @@ def check_timer(name: str, fn):
     if fn is not None and not callable(fn):
         raise InvalidInputError(f"Dispatcher: {name} must be None (the default timer) or a callable that takes a "
                                 f"function and returns its time in milliseconds; got {fn!r}. Pass e.g. "
-                                "triton.testing.do_bench, or fp4dispatch.testing.fake_do_bench in tests")
+                                "triton.testing.do_bench (tests: a fake timer)")
     return fn
 
 
