@@ -4,7 +4,7 @@
 |--------------------------|--------------------------------------------------------------------------|---------|
 | FP4DISPATCH_BACKEND      | force one backend by name for the ops it computes (error if unhealthy)   | unset   |
 | FP4DISPATCH_DISABLE      | comma list of backend names never to use                                 | unset   |
-| FP4DISPATCH_CACHE_DIR    | directory of the decision cache (else platformdirs' user cache dir)      | unset   |
+| FP4DISPATCH_CACHE_DIR    | decision cache directory, ~ expanded (else platformdirs' user cache dir) | unset   |
 | FP4DISPATCH_TUNE         | 0: healthy backends in priority order, verified but not timed            | 1       |
 | FP4DISPATCH_TIMER        | CUDA timing while tuning: graph (GPU time of graph replays) or eager     | graph   |
 | FP4DISPATCH_SEARCH       | fast: screen every candidate, time the best few in full; full: time all  | fast    |
@@ -95,10 +95,17 @@ class Settings:
     background_compile: bool = True  # a key tuned on its first call compiles its shape's other buckets ahead
 
 
+def _env_cache_dir() -> Path | None:
+    """FP4DISPATCH_CACHE_DIR as a path, ``~`` expanded; unset, empty or blank: None (a directory named by spaces, or
+    one named "~" in the working directory, is never what was meant)."""
+    raw = os.environ.get("FP4DISPATCH_CACHE_DIR", "").strip()
+    return Path(raw).expanduser() if raw else None
+
+
 def default_cache_dir() -> Path:
-    env = os.environ.get("FP4DISPATCH_CACHE_DIR")
-    if env:
-        return Path(env)
+    env = _env_cache_dir()
+    if env is not None:
+        return env
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("fp4dispatch"))
@@ -111,7 +118,7 @@ def read_settings() -> Settings:
     return Settings(
         forced_backend=os.environ.get("FP4DISPATCH_BACKEND", "").strip() or None,
         disabled=disabled,
-        cache_dir=Path(os.environ["FP4DISPATCH_CACHE_DIR"]) if os.environ.get("FP4DISPATCH_CACHE_DIR") else None,
+        cache_dir=_env_cache_dir(),
         tune=_flag("FP4DISPATCH_TUNE", True),
         isolate=_flag("FP4DISPATCH_ISOLATE", False),
         probe_timeout_s=_positive("FP4DISPATCH_PROBE_TIMEOUT", 30.0, float, "a positive number of seconds"),

@@ -5,6 +5,8 @@ import json
 import logging
 import threading
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -314,6 +316,22 @@ def test_settings_read_from_env(monkeypatch, tmp_path):
     s = read_settings()
     assert s == Settings(forced_backend=None, disabled=frozenset({"a", "b"}), cache_dir=s.cache_dir, tune=False,
                          isolate=True, probe_timeout_s=30.0, guard=False)
+
+
+@pytest.mark.parametrize("raw, want", [("  ", None), ("", None), (" /tmp/fp4c ", "/tmp/fp4c"), ("~/fp4c", "HOME/fp4c")])
+def test_cache_dir_variable_is_stripped_and_expanded(monkeypatch, tmp_path, raw, want):
+    """A blank FP4DISPATCH_CACHE_DIR was a directory named by its spaces, and "~" a directory of that name in the
+    working directory; blank is unset, and ~ is the home directory."""
+    from fp4dispatch.settings import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", raw)
+    got = read_settings().cache_dir
+    assert got == (None if want is None else Path(want.replace("HOME", str(tmp_path))))
+    if got is None:
+        assert "fp4dispatch" in default_cache_dir().parts  # platformdirs' user cache dir
+    else:
+        assert default_cache_dir() == got
 
 
 def test_timer_knob(monkeypatch):
