@@ -535,6 +535,14 @@ def test_report_and_warmup_name_themselves_for_a_bad_device(tmp_path, device, sa
         graphs.warmup([(4, 32, 64)], device=device, dispatcher=d)
 
 
+@pytest.mark.parametrize("dispatcher", ["reference", Dispatcher], ids=["str", "class"])
+def test_warmup_refuses_a_dispatcher_that_is_not_one(dispatcher):
+    with pytest.raises(InvalidInputError, match=r"^warmup: dispatcher must be None \(the process-wide one, which "
+                                                r"fp4_mm uses\) or a fp4dispatch\.dispatch\.dispatcher\.Dispatcher; "
+                                                r"got (str 'reference'|type <class .*Dispatcher'>)\. Pass the "):
+        graphs.warmup([(4, 32, 64)], device="cpu", dispatcher=dispatcher)  # was AttributeError
+
+
 def test_warmup_refuses_during_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
