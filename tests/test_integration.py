@@ -543,6 +543,14 @@ def test_warmup_refuses_a_dispatcher_that_is_not_one(dispatcher):
         graphs.warmup([(4, 32, 64)], device="cpu", dispatcher=dispatcher)  # was AttributeError
 
 
+def test_cpu_0_is_the_cpu_every_cpu_tensor_is_on(tmp_path):
+    """torch.device("cpu:0") != torch.device("cpu"), the device of every CPU tensor: warmup(device="cpu:0") kept its
+    decisions under a device no call looks up, in a second cache object of the same file."""
+    d = Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c", do_bench=fake_do_bench)
+    graphs.warmup([(4, 32, 64)], device="cpu:0", dispatcher=d, run=False)
+    assert d.cache_for("cpu:0") is d.cache_for("cpu") and d.cache_for("cpu").decisions
+
+
 def test_warmup_refuses_during_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

@@ -58,4 +58,6 @@ def resolve_device(device, who: str = "fp4_mm") -> torch.device:
         raise InvalidInputError(f"{who}: device must be None, a torch.device, a string like 'cuda:0' or 'cpu', or a "
                                 f"CUDA index; got {device!r}") from None
     check_device(d, who)
+    if d.type == "cpu":  # CPU tensors' device is "cpu", never "cpu:0": a key decided for "cpu:0" no call would use
+        return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
