@@ -3,6 +3,8 @@ the few candidates worth a full timing, the phase seconds of each tuned key, the
 next to tuned ones, and the compile-ahead switch of the kernel launcher."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -74,6 +76,15 @@ def test_full_search_times_every_correct_candidate_and_failures_stay_last():
     assert full.calls == 4
     assert [t.backend for t in tuning.trials] == ["ok"] * 4 + ["bad"]
     assert tuning.trials[-1].reason.startswith("incorrect")
+
+
+@pytest.mark.parametrize("ms, said", [(-1.0, "timer returned a negative time (-1.0 ms)"),
+                                       (float("nan"), "timer returned a non-finite time")])
+def test_a_time_the_timer_cannot_have_measured_is_no_time(ms, said):
+    """A negative time won the key, and its decision was dropped as malformed each time the cache file was read: the
+    key was tuned again in every process."""
+    tuning = tune(problem(4), [FakeBackend("f", cost=1e-5)], lambda fn: ms, search=FULL)
+    assert [(t.time_ms, t.reason) for t in tuning.trials] == [(math.inf, said)]
 
 
 def test_a_screened_out_candidate_ranks_behind_every_fully_timed_one():

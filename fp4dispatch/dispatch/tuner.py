@@ -112,7 +112,10 @@ def _bench(do_bench: DoBench, fn) -> tuple[float, str]:
         ms = float(do_bench(fn))
     except Exception as e:  # noqa: BLE001
         return math.inf, f"failed while timing: {describe_exception(e)}"
-    return (ms, "") if math.isfinite(ms) else (math.inf, "timer returned a non-finite time")
+    if not math.isfinite(ms):
+        return math.inf, "timer returned a non-finite time"
+    # a negative time would win, and its decision is dropped as malformed when the cache file is read again
+    return (ms, "") if ms >= 0 else (math.inf, f"timer returned a negative time ({ms} ms)")
 
 
 def tune(problem: Problem, candidates: list[Backend], do_bench: DoBench, seed: int = 7, *,
