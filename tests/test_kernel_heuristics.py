@@ -448,7 +448,8 @@ def test_decode_warps_split_k_where_its_tiles_leave_sms_idle(monkeypatch):
 def test_w4a16_tma_mma_offered_first_up_to_m16_on_sm90_with_gluon(monkeypatch, cap, gluon, offered):
     """gemv/tma_mma_w4a16 (its own config class) at M <= 16, before the register-operand tiles: a token box of 1
     row at M = 1, 8 to M = 8, 16 to M = 16; each ring the deepest (<= 6 slots) whose CTAs fit an SM's shared memory;
-    its boxes need N % 32 == 0 and K % 32 == 0."""
+    its boxes need N % 32 == 0 and K % 32 == 0, and it is offered at K % 64 == 0 only (the form that has run on a
+    GPU)."""
     from fp4dispatch.kernels.heuristics import SMEM_SM90, TMA_MMA_W4A16_TILES, w4a16_configs_for
 
     cuda = _cuda(monkeypatch, cap, gluon=gluon)
@@ -467,6 +468,9 @@ def test_w4a16_tma_mma_offered_first_up_to_m16_on_sm90_with_gluon(monkeypatch, c
             assert 2 <= c.stages <= 6 and c.stages * stage * ctas <= SMEM_SM90, c
             assert c.stages == 6 or (c.stages + 1) * stage * ctas > SMEM_SM90, c
     assert not _of(w4a16_configs_for(1, 8200, 8192, cuda) + w4a16_configs_for(1, 8192, 8208, cuda),
+                   C.TmaMmaW4A16Config)
+    # K % 64 == 32 (its whole-row token boxes, not yet run on a GPU) is not offered
+    assert not _of(w4a16_configs_for(1, 8192, 8224, cuda) + w4a16_configs_for(16, 8192, 2080, cuda),
                    C.TmaMmaW4A16Config)
 
 
