@@ -29,8 +29,15 @@ __all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_fr
            "log_to_parent"]
 
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
-# environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe)
-_START = ("import importlib, importlib.util, json, sys\n"
+# environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe).
+# A worker whose parent is gone (killed: no finally of its ran) exits: a hung probe or compile would run on forever.
+_START = ("import importlib, importlib.util, json, os, sys, threading, time\n"
+          "def orphaned(parent=int(os.environ.get('FP4DISPATCH_WORKER_PARENT') or 0)):\n"
+          "    while parent and os.getppid() == parent:\n"
+          "        time.sleep(1)\n"
+          "    if parent:\n"
+          "        os._exit(1)\n"
+          "threading.Thread(target=orphaned, daemon=True).start()\n"
           "path = json.loads(sys.argv[3])\n"
           "sys.path[:] = [p for p in sys.path if p] if path is None else path\n"
           "spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
@@ -49,8 +56,9 @@ def command(module: str, path: list[str] | None = None) -> list[str]:
 
 def _environment() -> dict:
     """A worker's environment: this one, with Triton's cache dir as this process uses it (it may have been set in
-    code)."""
+    code), and this process's pid, which the worker watches."""
     env = dict(os.environ)
+    env["FP4DISPATCH_WORKER_PARENT"] = str(os.getpid())  # its parent-death watch (_START)
     try:
         from triton import knobs
 

@@ -2,8 +2,14 @@
 stdout (which ``tune --json`` writes), and its answers come back on their own pipe whatever it prints."""
 from __future__ import annotations
 
+import os
 import pickle
+import signal
+import subprocess
 import sys
+import time
+
+import pytest
 
 from fp4dispatch import worker_process
 
@@ -87,3 +93,38 @@ def test_a_failure_is_described_with_its_causes_and_cut_in_the_middle():
         assert text.startswith("RuntimeError: at 12:8:\nsource line")
         assert text.endswith("source line\ncaused by KeyError: 'the real reason'")
         assert describe_failure(e, limit=100_000).count("source line") == 300
+
+
+# a parent that starts a worker hanging in its main(), prints the worker's pid, and waits to be killed
+_PARENT = ("import sys, time\nfrom fp4dispatch import worker_process\n"
+           "proc, _ = worker_process.start(worker_process.command('hang_worker', [sys.argv[1], *sys.path]))\n"
+           "print(proc.pid, flush=True)\ntime.sleep(600)\n")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited (nobody reaped it yet)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's state from /proc (Linux)")
+def test_a_worker_whose_parent_is_killed_exits(tmp_path):
+    """SIGKILL leaves a parent no finally to stop its workers: a worker hung in a probe or a compile ran on forever.
+    It watches its parent and exits when it is gone."""
+    (tmp_path / "hang_worker.py").write_text("import time\n\n\ndef main():\n    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        assert _running(worker)
+    finally:
+        parent.kill()
+        parent.wait(60)
+    deadline = time.monotonic() + 60  # the watch looks every second; a loaded machine may take longer to run it
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _running(worker)
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive
