@@ -79,8 +79,7 @@ def experts_job(name, module, fmt, shards, names, used, report, dev, mode, stati
     for proj in naming:
         used.update(f"{prefix}{x}.{proj}.{k}" for x in range(e) for k in (*fmt.required, fmt.input_name)
                     if f"{prefix}{x}.{proj}.{k}" in names)
-    static_of = {p: m.input_scale is not None or m.input_global_scale is not None
-                 for p, m in zip(("gate", "up", "down"), (probe.gate, probe.up, probe.down))}
+    static_of = {p: m.static_scale for p, m in zip(("gate", "up", "down"), (probe.gate, probe.up, probe.down))}
     scale = ("static" if all(static_of.values()) else "dynamic" if not any(static_of.values()) else
              f"static for {', '.join(p for p, s in static_of.items() if s)}; dynamic for "
              f"{', '.join(p for p, s in static_of.items() if not s)} (not every expert stores one)")

@@ -187,9 +187,14 @@ class Fp4Experts(ModeChoice, nn.Module):
         return fp4_grouped_mm(xq, self.weight, sa, self.weight_scale.view(torch.float8_e4m3fn), alpha, offs,
                               out_dtype=x.dtype, check_offs=check_offs)
 
+    @property
+    def static_scale(self) -> bool:
+        """Whether an activation scale is stored (``input_scale`` or ``input_global_scale``): in W4A4 each row is
+        then quantized on its own; else with one scale per call over all rows."""
+        return self.input_scale is not None or self.input_global_scale is not None
+
     def extra_repr(self) -> str:
-        static = self.input_scale is not None or self.input_global_scale is not None
-        scale = "static" if static else "dynamic"
+        scale = "static" if self.static_scale else "dynamic"
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, mode={self.mode_repr()}, activation_scale={scale}")
 

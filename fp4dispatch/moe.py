@@ -96,8 +96,7 @@ class Fp4MoeExperts(nn.Module):
 
     def _scales_by_batch(self, device: torch.device) -> bool:
         """Whether a projection quantizes its rows with a per-call scale over all of them (dynamic W4A4)."""
-        return any(p.input_scale is None and p.input_global_scale is None and p.resolved_mode(device) == "w4a4"
-                   for p in (self.gate, self.up, self.down))
+        return any(not p.static_scale and p.resolved_mode(device) == "w4a4" for p in (self.gate, self.up, self.down))
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
