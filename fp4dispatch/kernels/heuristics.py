@@ -17,8 +17,8 @@ from . import runtime, target
 from .config import (BytewiseGemvConfig, CudaCoreGemvConfig, CudaCoreW4A16Config, KernelConfig, MmaBf16Config,
                      MmaW4A16Config, TmaGemvConfig, TmaMmaW4A16Config, WgmmaDecodeWarpsConfig,
                      WgmmaDecodeWarpsW4A16Config, WgmmaRegisterAConfig, WgmmaRegisterAW4A16Config,
-                     WgmmaWarpSpecializedConfig,
-                     WgmmaWarpSpecializedW4A16Config, decode_warps_work, register_a_resident)
+                     WgmmaWarpSpecializedConfig, WgmmaWarpSpecializedW4A16Config, decode_warps_work,
+                     register_a_resident)
 from .config_grouped import GemvGroupedConfig, MmaGroupedConfig, MmaW4A16GroupedConfig, TmaGemvGroupedConfig
 
 __all__ = ["configs_for", "w4a16_configs_for", "grouped_configs_for", "w4a16_grouped_configs_for",
