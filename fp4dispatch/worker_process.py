@@ -31,7 +31,9 @@ __all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_fr
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
 # environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe).
 # A worker whose parent is gone (killed: no finally of its ran) exits: a hung probe or compile would run on forever.
-_START = ("import importlib, importlib.util, json, os, sys, threading, time\n"
+# Ctrl-C signals the terminal's whole process group: a worker that SIGINT interrupts dies by it (the exit status its
+# parent reads, dispatch/isolate.py) without a traceback each, which said nothing the parent does not say.
+_START = ("import importlib, importlib.util, json, os, signal, sys, threading, time\n"
           "def orphaned(parent=int(os.environ.get('FP4DISPATCH_WORKER_PARENT') or 0)):\n"
           "    while parent and os.getppid() == parent:\n"
           "        time.sleep(1)\n"
@@ -40,10 +42,14 @@ _START = ("import importlib, importlib.util, json, os, sys, threading, time\n"
           "threading.Thread(target=orphaned, daemon=True).start()\n"
           "path = json.loads(sys.argv[3])\n"
           "sys.path[:] = [p for p in sys.path if p] if path is None else path\n"
-          "spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
-          "sys.modules['fp4dispatch'] = package = importlib.util.module_from_spec(spec)\n"
-          "spec.loader.exec_module(package)\n"
-          "importlib.import_module(sys.argv[2]).main()\n")
+          "try:\n"
+          "    spec = importlib.util.spec_from_file_location('fp4dispatch', sys.argv[1])\n"
+          "    sys.modules['fp4dispatch'] = package = importlib.util.module_from_spec(spec)\n"
+          "    spec.loader.exec_module(package)\n"
+          "    importlib.import_module(sys.argv[2]).main()\n"
+          "except KeyboardInterrupt:\n"
+          "    signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+          "    os.kill(os.getpid(), signal.SIGINT)\n")
 
 
 def command(module: str, path: list[str] | None = None) -> list[str]:

@@ -128,3 +128,25 @@ def test_a_worker_whose_parent_is_killed_exits(tmp_path):
     if alive:
         os.kill(worker, signal.SIGKILL)
     assert not alive
+
+
+def test_a_worker_that_sigint_interrupts_dies_by_it_without_a_traceback(tmp_path):
+    """Ctrl-C signals the terminal's whole process group: each worker printed a KeyboardInterrupt traceback. It dies
+    by SIGINT (the status dispatch/isolate.py reads as an interrupted probe), silently."""
+    (tmp_path / "wait_worker.py").write_text(
+        "import os, sys\n\n\ndef main():\n    out = os.fdopen(int(sys.argv[-1]), 'w')\n"
+        "    out.write('ready\\n')\n    out.flush()\n    sys.stdin.buffer.read()\n")
+    read, write = os.pipe()
+    cmd = worker_process.command("wait_worker", [str(tmp_path), *sys.path])
+    proc = subprocess.Popen([*cmd, str(write)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write,))
+    os.close(write)
+    try:
+        with os.fdopen(read) as ready:
+            assert ready.readline() == "ready\n"  # in main(), waiting on stdin
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGINT
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode(errors="replace")
