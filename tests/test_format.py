@@ -213,6 +213,16 @@ FORMAT_ARGUMENT_ERRORS = [
     ("gs-past-f32", lambda: quantize_nvfp4(torch.randn(2, 16), 1e39),
      rf"^quantize_nvfp4: {_GS_NUMBER}1e\+39 \(float\)"),
     ("gs-bool-quantize", lambda: quantize_nvfp4(torch.randn(2, 16), True), rf"^quantize_nvfp4: {_GS_NUMBER}True"),
+    ("gs-tensor-zero", lambda: quantize_nvfp4(torch.randn(2, 16), torch.zeros(1)),
+     r"^quantize_nvfp4: global_scale must hold a positive finite encode scale \(448\*6/amax\); got a tensor holding "
+     r"0\.0\. An amax of 0 or inf/NaN in the data gives such a scale: compute it from data with a finite, nonzero "
+     r"amax$"),
+    ("gs-tensor-inf", lambda: dequantize_nvfp4(_Q, _S, torch.full((1,), float("inf"))),
+     r"^dequantize_nvfp4: global_scale must hold a positive finite encode scale .*; got a tensor holding inf\."),
+    ("gs-tensor-nan", lambda: dequantize_nvfp4(_Q, _S, torch.full((1, 1), float("nan"))),
+     r"^dequantize_nvfp4: global_scale must hold .*; got a tensor holding nan\."),
+    ("gs-tensor-negative", lambda: quantize_nvfp4(torch.randn(2, 16), torch.tensor([-2.0])),
+     r"^quantize_nvfp4: global_scale must hold .*; got a tensor holding -2\.0\."),
     ("gs-per-row-quantize", lambda: quantize_nvfp4(torch.randn(2, 16), torch.ones(2)),
      rf"^quantize_nvfp4: {_GS_TENSOR}dtype=torch.float32, shape=\(2,\) {_PER_TENSOR}"),
     ("packed-none", lambda: dequantize_nvfp4(None, _S),
