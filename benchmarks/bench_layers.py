@@ -2,7 +2,7 @@
 
 Per (N x K, M), one run, bf16 in / bf16 out, layers rotated through R copies (R x the weight's bytes > 3x the L2, as
 layer after layer in a model; bench_eager.py's method), one CUDA graph of R calls replayed, time per call:
-  auto           Fp4Linear(mode="auto") (the mode it resolved to is printed)
+  auto           Fp4Linear(mode="auto") (printed: the mode it resolved to, the backend and config family it ran)
   w4a16          Fp4Linear(mode="w4a16"): w4a16_mm, activations as they are
   w4a4 static    Fp4Linear(mode="w4a4") with a calibrated input_scale: one quantize launch, then fp4_mm
   w4a4 dynamic   Fp4Linear(mode="w4a4") without one: amax, quantize, fp4_mm
@@ -85,6 +85,8 @@ def cell(m: int, n: int, k: int) -> dict:
         row["err"][name] = _rel(y, ref)
         row["us"][name] = _graph_us(lambda i, ls=ls: ls[i](x), r)
     row["auto_mode"] = layers["auto"][0].resolved_mode(x.device)
+    row["auto_pick"] = auto_pick(Problem(m, n, k, torch.bfloat16, x.device,
+                                         torch.bfloat16 if row["auto_mode"] == "w4a16" else torch.uint8))
     row["us"]["quant static"], row["us"]["quant dynamic"] = quant_us(x)
     row["us"]["bf16"] = _graph_us(lambda i: dense[i](x), rb)
     row["err"]["bf16"] = _rel(dense[0](x), ref)
@@ -104,6 +106,21 @@ def cell(m: int, n: int, k: int) -> dict:
         row["us"]["humming-nosk"] = _graph_us(lambda i: hb.run(p, ops[i], {}), r)
     torch.cuda.empty_cache()
     return row
+
+
+def auto_pick(problem) -> dict:
+    """What the default dispatcher decided for ``problem``'s key (the layer's op): the backend, its config, the
+    tuner's time and its ranking's first four (backend, config family, µs), so that a cell says which kernel ran."""
+    from fp4dispatch import get_dispatcher
+
+    e = get_dispatcher().entry_for(problem) or {}
+    top = [(t["backend"], (t.get("config") or {}).get("family"), t.get("time_us")) for t in e.get("ranking", [])[:4]]
+    return {"backend": e.get("backend"), "config": e.get("config"), "time_us": e.get("time_us"), "top": top}
+
+
+def _ran(pick: dict) -> str:
+    family = (pick.get("config") or {}).get("family")
+    return f"{pick.get('backend')}" + (f" {family}" if family else "")
 
 
 def quant_us(x: torch.Tensor) -> tuple[float, float]:
@@ -133,11 +150,13 @@ def _clone(base, mode: str, input_scale: float | None = None):
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| N x K | M | " + " | ".join(COLUMNS) + " | auto is |", "|---|---|" + "---|" * (len(COLUMNS) + 1)]
+    lines = ["| N x K | M | " + " | ".join(COLUMNS) + " | auto is | auto ran |",
+             "|---|---|" + "---|" * (len(COLUMNS) + 2)]
     for r in rows:
         cells = [f"{r['us'][c]:.1f}" + (f" ({r['err'][c]:.4f})" if c in r["err"] else "") if c in r["us"] else "-"
                  for c in COLUMNS]
-        lines.append(f"| {r['n']}x{r['k']} | {r['m']} | " + " | ".join(cells) + f" | {r['auto_mode']} |")
+        lines.append(f"| {r['n']}x{r['k']} | {r['m']} | " + " | ".join(cells) + f" | {r['auto_mode']} | "
+                     f"{_ran(r.get('auto_pick', {}))} |")
     return lines
 
 
