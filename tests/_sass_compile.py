@@ -24,15 +24,17 @@ def nvidia_tools_missing() -> str | None:
 
 
 def compile_sm90(make_source, sig: dict, consts: dict, warps: int, div16: tuple, out: str | None = None,
-                 **opts) -> dict:
+                 arg_names: list | None = None, **opts) -> dict:
     """``make_source(kernel signature, constants, attrs)`` (Triton's ``ASTSource`` or Gluon's, with the kernel bound)
     compiled for sm_90a: {"sass", "ptxas" (its -v report), "shared" (bytes)}; with ``out``, its TTGIR, PTX, cubin and
     SASS are also written there. ``div16`` names the arguments to specialize as multiples of 16, as a launch with such
-    values would; ``opts`` are further compile options (``num_stages``, ``maxnreg``)."""
+    values would, found by their place among the kernel's ``arg_names`` (Triton's attributes go by a parameter's
+    index there; default: the order of ``sig``, then ``consts``); ``opts`` are further compile options
+    (``num_stages``, ``maxnreg``)."""
     from triton.backends.compiler import GPUTarget
 
     sig = dict(sig, **{k: "constexpr" for k in consts})
-    names = list(sig)
+    names = list(arg_names) if arg_names is not None else list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     # FP fusion on, as every Triton the kernels run on defaults to (Triton 3.9 warns that its default will change)
     c = triton.compile(make_source(sig, consts, attrs), target=GPUTarget("cuda", 90, 32),

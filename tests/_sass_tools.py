@@ -155,7 +155,7 @@ def build(kernel, sig: dict, consts: dict, warps: int, div16: tuple, out: str | 
     from _sass_compile import compile_sm90
 
     return compile_sm90(lambda sig_, consts_, attrs: GluonASTSource(kernel, sig_, consts_, attrs=attrs), sig, consts,
-                        warps, div16, out, **opts)
+                        warps, div16, out, kernel.arg_names, **opts)
 
 
 def bank_conflicts(reg_layout, shared_layout, shape: list, bits: int) -> int:

@@ -31,7 +31,7 @@ def _build(kernel, consts: dict, warps: int, stages: int = 3, **ptr_types) -> li
     sig = {n: {**_PTR_TYPES, **ptr_types}.get(n, "*u8") if n.endswith("_ptr") else "i32"
            for n in kernel.arg_names if n not in consts}
     built = compile_sm90(lambda s, c, a: ASTSource(kernel, s, c, attrs=a), sig, consts, warps,
-                         tuple(n for n in sig if n not in _ODD), num_stages=stages)
+                         tuple(n for n in sig if n not in _ODD), arg_names=kernel.arg_names, num_stages=stages)
     return opcodes(built["sass"])
 
 
