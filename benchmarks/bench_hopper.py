@@ -179,7 +179,7 @@ def run_ab(old_root: str, args) -> bool:
             out = tempfile.mkdtemp(prefix=f"ab-{name}-")
             env = dict(os.environ, PYTHONPATH=trees[name] + os.pathsep + os.environ.get("PYTHONPATH", ""))
             cmd = [sys.executable, os.path.abspath(__file__), "--candidates", "--out", out, "--shapes", args.shapes,
-                   "--ms", args.ms]
+                   "--ms", args.ms, "--op", args.op]
             subprocess.run(cmd, env=env, check=True)
             with open(os.path.join(out, "bench_hopper.json")) as f:
                 doc = json.load(f)
@@ -314,7 +314,7 @@ def plot(rows, bw: float, path: str, gpu: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--candidates", action="store_true", help="time every candidate config of triton:fused")
-    ap.add_argument("--ab", default="", metavar="OLD", help="--candidates of the tree OLD against this one's")
+    ap.add_argument("--ab", default="", metavar="OLD", help="--candidates (of --op) of the tree OLD against this one's")
     ap.add_argument("--ab-rounds", type=int, default=2, help="(old, new) pairs of child runs in --ab (default 2)")
     ap.add_argument("--ab-tol", type=float, default=0.03, help="flag cells off by more than this (default 0.03)")
     ap.add_argument("--op", choices=("fp4_mm", "w4a16"), default="fp4_mm",
