@@ -14,8 +14,8 @@ from ..numerics import bf16x2 as _b2, fp16x2 as _h2
 from .tma_warp_specialized import _e4m3, plain
 
 _pair_bf16 = gluon.jit(_b2.pair_bf16.fn)
+_scaled_bf16 = gluon.jit(_b2.scaled_bf16.fn)
 _pair_f16 = gluon.jit(_h2._pair.fn)
-TWO_119 = gl.constexpr(6.646139978924579e35)  # bf16: folds the placement's 2**-126 into the scale, leaving 2**-7
 TWO_7 = gl.constexpr(128.0)  # fp16: the placement's 2**-14 times scale * 2**7 leaves 2**-7
 _MMA_BF16 = gl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
                          "{$10,$11,$12,$13};")
@@ -25,10 +25,10 @@ _MMA_F16 = gl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$
 
 @gluon.jit
 def _scale(u8, BF16: gl.constexpr):
-    """e4m3 bytes -> the pair multiplier with the scale in both halves: bf16x2 of scale * 2**119 or fp16x2 of
-    scale * 2**7 (exact; a NaN scale stays NaN)."""
+    """e4m3 bytes -> the pair multiplier with the scale in both halves: bf16x2 of scale * 2**119 (``bf16x2``'s) or
+    fp16x2 of scale * 2**7 (exact; a NaN scale stays NaN)."""
     if BF16:
-        h = (_e4m3(u8) * TWO_119).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+        h = (_e4m3(u8) * _b2.TWO_119).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
     else:
         h = (_e4m3(u8) * TWO_7).to(gl.float16).to(gl.uint16, bitcast=True).to(gl.uint32)
     return h | (h << 16)
@@ -36,11 +36,10 @@ def _scale(u8, BF16: gl.constexpr):
 
 @gluon.jit
 def value(w, J: gl.constexpr, sc, BF16: gl.constexpr):
-    """Nibbles J, J+4 of the words times their block scale: exact pairs of e2m1 * e4m3 * 2**-7 (for bf16 the -0.0
-    addend keeps a zero product's sign, as ``bf16x2.scaled_bf16``)."""
+    """Nibbles J, J+4 of the words times their block scale: exact pairs of e2m1 * e4m3 * 2**-7 (bf16:
+    ``bf16x2.scaled_bf16``)."""
     if BF16:
-        return gl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
-                                         "=r,r,r", [_pair_bf16(w, J), sc], dtype=gl.uint32, is_pure=True, pack=1)
+        return _scaled_bf16(_pair_bf16(w, J), sc)
     else:
         return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [_pair_f16(w, J), sc],
                                          dtype=gl.uint32, is_pure=True, pack=1)
