@@ -31,8 +31,9 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
 
     try:
         return probe_backend(backend, torch.device(device_str), upcoming=upcoming).to_json()
-    except KeyboardInterrupt:  # SIGINT here says nothing of the backend: the parent's verdict is transient
-        return {"status": "failed", "reason": _INTERRUPTED, "interrupted": True}
+    except KeyboardInterrupt:
+        # says nothing of the backend: the worker dies by SIGINT (worker_process), a transient verdict for the parent
+        raise
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
         return {"status": "failed", "reason": describe_exception(e)}
 
@@ -85,13 +86,9 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
             return Verdict("unavailable", why)
         if _wait(answers, timeout_s, cancel):
             try:
-                answer = worker_process.read_answer(answers, 0)
+                return Verdict.from_json(worker_process.read_answer(answers, 0))
             except EOFError:
                 pass  # the worker died before it could answer
-            else:
-                if isinstance(answer, dict) and answer.get("interrupted"):
-                    return Verdict("failed", _INTERRUPTED, transient=True)
-                return Verdict.from_json(answer)
         elif cancel is not None and cancel.is_set():
             return Verdict("failed", "probe interrupted (worker killed)", transient=True)
         else:
@@ -102,7 +99,7 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         except Exception:  # noqa: BLE001 - closed its pipe but lives on: killed below
             code = None
         how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
-        if code == -signal.SIGINT:  # a KeyboardInterrupt no one caught (during its imports, say)
+        if code == -signal.SIGINT:  # interrupted, wherever it was (worker_process: a worker dies by SIGINT)
             return Verdict("failed", f"{_INTERRUPTED} ({how})", transient=True)
         if upcoming:  # the probe or one of the keys' shapes: kept out of this process, probed again by the next
             return Verdict("failed", f"worker died ({how}) while probing and making the first runs of "
