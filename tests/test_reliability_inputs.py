@@ -60,7 +60,8 @@ def test_13_cuda_asked_for_without_cuda(tmp_path):
     for call in (lambda: d.warmup([(4, 48, 64)], device="cuda"), lambda: d.report("cuda")):
         with pytest.raises(InvalidInputError, match=r"device cuda was asked for, but CUDA is not available here"):
             call()
-    with pytest.raises(ValueError, match=r"device='cuda', but CUDA is not available here"):
+    with pytest.raises(InvalidInputError, match=r"^make_nvfp4_inputs: device cuda was asked for, but CUDA is not "
+                                                 r"available here"):
         make_nvfp4_inputs(4, 48, 64, device="cuda")
 
 
