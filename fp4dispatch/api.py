@@ -222,7 +222,7 @@ def _traced(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout, backend
     elif isinstance(alpha, (float, int)) and not isinstance(alpha, bool):
         at, av = None, float(alpha)
     elif _is_numpy_number(alpha):
-        at, av = torch.as_tensor(alpha, dtype=torch.float32, device=a.device).reshape(1), 1.0
+        at, av = _traced_alpha(alpha, a, "fp4_mm"), 1.0
     else:  # raises eager's message (a NumPy array's only through check_alpha: Dynamo cannot read its dtype)
         if type(alpha).__module__ == "numpy":
             check_alpha(alpha, a.device, "fp4_mm")
