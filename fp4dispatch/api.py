@@ -8,7 +8,6 @@ import threading
 
 import torch
 
-from .errors import InvalidInputError
 from .validate import check_alpha, check_fp4_mm_args, check_w4a16_mm_args
 from .validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 
@@ -299,11 +298,8 @@ def set_dispatcher(dispatcher) -> None:
     """Replace the process-wide default dispatcher (None: a fresh one is made on next use). InvalidInputError for
     anything else than a Dispatcher: the next call anywhere in the process would fail on it, far from here."""
     global _default
-    from .dispatch.dispatcher import Dispatcher
+    from .dispatch.dispatcher import check_dispatcher
 
-    if dispatcher is not None and not isinstance(dispatcher, Dispatcher):
-        what = "the class itself" if dispatcher is Dispatcher else f"{type(dispatcher).__name__} {dispatcher!r}"
-        raise InvalidInputError(f"set_dispatcher: dispatcher must be a fp4dispatch.dispatch.dispatcher.Dispatcher or "
-                                f"None (a fresh one on next use); got {what}. Pass e.g. Dispatcher(cache_dir=...)")
+    check_dispatcher("set_dispatcher", dispatcher, "a fresh one on next use", "Pass e.g. Dispatcher(cache_dir=...)")
     with _default_lock:
         _default = dispatcher

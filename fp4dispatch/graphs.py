@@ -74,7 +74,7 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
             here, dispatcher is not a Dispatcher, or this is called during CUDA graph capture.
     """
     from .api import get_dispatcher
-    from .dispatch.dispatcher import Dispatcher, resolve_device
+    from .dispatch.dispatcher import check_dispatcher, resolve_device
     from .dispatch.verify import random_grouped_operands, random_operands
 
     from .problem import OUT_DTYPES
@@ -92,10 +92,8 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
         raise InvalidInputError(f"warmup: experts must be 0 (dense calls) or the E > 0 of fp4_grouped_mm / "
                                 f"w4a16_grouped_mm calls; got experts={experts!r}")
-    if dispatcher is not None and not isinstance(dispatcher, Dispatcher):
-        raise InvalidInputError(f"warmup: dispatcher must be None (the process-wide one, which fp4_mm uses) or a "
-                                f"fp4dispatch.dispatch.dispatcher.Dispatcher; got {type(dispatcher).__name__} "
-                                f"{dispatcher!r}. Pass the dispatcher your calls go through, or leave it out")
+    check_dispatcher("warmup", dispatcher, "the process-wide one, which fp4_mm uses",
+                     "Pass the dispatcher your calls go through, or leave it out")
     d = dispatcher if dispatcher is not None else get_dispatcher()
     dev = resolve_device(device, "warmup")
     choices = d.warmup(todo, out_dtype=out_dtype, device=dev, activations=activations or torch.uint8, experts=experts)

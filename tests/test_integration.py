@@ -539,7 +539,7 @@ def test_report_and_warmup_name_themselves_for_a_bad_device(tmp_path, device, sa
 def test_warmup_refuses_a_dispatcher_that_is_not_one(dispatcher):
     with pytest.raises(InvalidInputError, match=r"^warmup: dispatcher must be None \(the process-wide one, which "
                                                 r"fp4_mm uses\) or a fp4dispatch\.dispatch\.dispatcher\.Dispatcher; "
-                                                r"got (str 'reference'|type <class .*Dispatcher'>)\. Pass the "):
+                                                r"got (str 'reference'|the class itself)\. Pass the "):
         graphs.warmup([(4, 32, 64)], device="cpu", dispatcher=dispatcher)  # was AttributeError
 
 
@@ -604,8 +604,8 @@ def test_run_benchmarks_measures_and_replaces_only_its_section(tmp_path, mode):
     pytest.param(Dispatcher, r"the class itself", id="class"),
 ])
 def test_set_dispatcher_refuses_what_is_not_a_dispatcher_before_a_call_trips_on_it(wrong, said):
-    with pytest.raises(InvalidInputError, match=r"^set_dispatcher: dispatcher must be a fp4dispatch\.dispatch\."
-                                                rf"dispatcher\.Dispatcher or None \(a fresh one on next use\); got "
+    with pytest.raises(InvalidInputError, match=r"^set_dispatcher: dispatcher must be None \(a fresh one on next "
+                                                r"use\) or a fp4dispatch\.dispatch\.dispatcher\.Dispatcher; got "
                                                 rf"{said}\. Pass e\.g\. Dispatcher\(cache_dir=\.\.\.\)$"):
         fp4dispatch.set_dispatcher(wrong)
     a, b, sa, sb, alpha = make_nvfp4_inputs(4, 32, 64)

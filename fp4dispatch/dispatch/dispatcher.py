@@ -46,7 +46,8 @@ from .timer import DoBench
 from .warmup import Warmup
 from .verify import check_run, make_case
 
-__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device"]
+__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device",
+           "check_dispatcher"]
 
 log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process
@@ -370,6 +371,15 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:
             return self._state(resolve_device(device))[0]  # the cache only: nothing is probed
+
+
+def check_dispatcher(who: str, dispatcher, none_is: str, fix: str) -> None:
+    """``dispatcher`` as ``who`` takes it: None (``none_is``) or a Dispatcher; anything else (a name, the class) is
+    refused here, before a call trips over it far from the cause."""
+    if dispatcher is not None and not isinstance(dispatcher, Dispatcher):
+        what = "the class itself" if dispatcher is Dispatcher else f"{type(dispatcher).__name__} {dispatcher!r}"
+        raise InvalidInputError(f"{who}: dispatcher must be None ({none_is}) or a "
+                                f"fp4dispatch.dispatch.dispatcher.Dispatcher; got {what}. {fix}")
 
 
 def _after_fork_in_child() -> None:
