@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from fp4dispatch.kernels import gluon_missing
-from fp4dispatch.kernels.heuristics import DECODE_WARPS, TMA_GEMV_TILES, WARP_SPECIALIZED_TILES, tma_mma_w4a16
+from fp4dispatch.kernels.heuristics import (DECODE_WARPS, SMEM_SM90, TMA_GEMV_TILES, WARP_SPECIALIZED_TILES,
+                                            tma_mma_w4a16)
 
 pytestmark = pytest.mark.skipif(gluon_missing() is not None, reason=str(gluon_missing()))
-
-SMEM_SM90 = 227 * 1024  # the most shared memory one CTA may use on an H100/H200
 
 
 def _tools():
