@@ -74,7 +74,8 @@ def warmup(shapes: Iterable[tuple[int, int, int]], *, out_dtype: torch.dtype = t
             here, dispatcher is not a Dispatcher, or this is called during CUDA graph capture.
     """
     from .api import get_dispatcher
-    from .dispatch.dispatcher import check_dispatcher, resolve_device
+    from .devices import resolve_device
+    from .dispatch.dispatcher import check_dispatcher
     from .dispatch.verify import random_grouped_operands, random_operands
 
     from .problem import OUT_DTYPES

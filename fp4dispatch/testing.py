@@ -12,7 +12,7 @@ import torch
 
 from .backends.base import OPS, BaseBackend, Config
 from .backends.reference import reference_mm
-from .dispatch.choice import resolve_device
+from .devices import resolve_device
 from .errors import InvalidInputError
 from .format_grouped import swizzle_grouped_scales, unswizzle_grouped_scales
 from .problem import Operands, Problem

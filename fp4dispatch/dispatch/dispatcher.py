@@ -26,6 +26,7 @@ import torch
 from ..backends import default_backends
 from ..backends.base import OPS, Backend, Config, computes, config_json
 from ..backends.reference import reference_mm
+from ..devices import check_device, resolve_device
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
@@ -33,7 +34,7 @@ from ..validate import check_fp4_mm_args, check_w4a16_mm_args
 from ..validate_grouped import check_fp4_grouped_mm_args, check_w4a16_grouped_mm_args
 from .cache import DecisionCache
 from .call_memo import CallMemo
-from .choice import Choice, add_proven, check_device, ident, resolve_device
+from .choice import Choice, add_proven, ident
 from .faults import FAULT_LIMIT, FaultRecovery
 from .untuned import UntunedChoices
 from .fingerprint import device_fingerprint
@@ -46,8 +47,7 @@ from .timer import DoBench
 from .warmup import Warmup
 from .verify import check_run, make_case
 
-__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "resolve_device",
-           "check_dispatcher"]
+__all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "check_dispatcher"]
 
 log = logging.getLogger("fp4dispatch")
 MAX_VERIFIED_M = 256  # proven M remembered on disk per key; beyond that they are proven again in each process

@@ -9,9 +9,10 @@ import time
 
 import torch
 
+from ..devices import resolve_device
 from ..errors import describe_exception
 from ..problem import Problem
-from .choice import Choice, resolve_device
+from .choice import Choice
 from .records import key_str
 from .precompile import compile_keys_ahead, compiling_keys
 from ..kernels.runtime import can_hand_out

@@ -31,6 +31,8 @@ import threading
 
 import torch
 
+from ..devices import resolve_device
+from ..errors import InvalidInputError
 from .runtime import capturing, cuda_index, note_buffer, raw_stream
 
 __all__ = ["scratch", "counters", "address", "buffers", "prepare", "prepare_capture", "thread_key", "MAX_KEPT_BYTES"]
@@ -134,9 +136,6 @@ def prepare(device: torch.device, stream: torch.cuda.Stream | None = None, tiles
     """Create (zeroed) the counter buffer of ``stream`` (default: the current one) with room for ``tiles``; call it
     outside capture, e.g. for a stream that will capture a graph. ``device``: a torch.device or what it takes
     ('cuda:0'); InvalidInputError for one that cannot hold data here, or a ``stream`` that is not a CUDA stream."""
-    from ..dispatch.choice import resolve_device
-    from ..errors import InvalidInputError
-
     device = resolve_device(device, "workspace.prepare")
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
         raise InvalidInputError(f"workspace.prepare: stream must be None (the current stream) or a torch.cuda.Stream; "
