@@ -1,6 +1,6 @@
 """The shape of the package, checked statically (no Triton needed): no module of fp4dispatch imports, directly or
 through others (lazy imports included), a module that imports it back; no file over 400 lines; no runtime module
-imports the test helpers; and backends/triton_fused.py reaches a kernel through fp4_mm only."""
+imports the test helpers; the kernels import no layer above them; and backends/triton_fused.py reaches a kernel through fp4_mm only."""
 from __future__ import annotations
 
 import ast
@@ -89,3 +89,13 @@ def test_kernel_families_only_launch_and_take_scratch_from_the_workspace():
     # every family's launcher was looked at: those of fp4_mm's, w4a16_mm's and grouped_mm's tables
     from fp4dispatch.kernels import fp4_mm, grouped_mm, w4a16_mm
     assert checked == len({*fp4_mm.LAUNCHERS.values(), *w4a16_mm.LAUNCHERS.values(), *grouped_mm.LAUNCHERS.values()})
+
+
+def test_kernels_import_no_layer_above_them():
+    """The kernels are the bottom layer: they may use the device checks, the errors and the worker process, never
+    the dispatcher, the backends or the API that choose and call them."""
+    mods = _modules()
+    below = {"fp4dispatch.devices", "fp4dispatch.errors", "fp4dispatch.worker_process"}
+    above = {m: sorted(x for x in _imports(m, p, mods) if not x.startswith("fp4dispatch.kernels") and x not in below)
+             for m, p in mods.items() if m.startswith("fp4dispatch.kernels")}
+    assert not {m: a for m, a in above.items() if a}
