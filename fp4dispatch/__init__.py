@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .version import __version__
 from .api import fp4_grouped_mm, fp4_mm, get_dispatcher, set_dispatcher, w4a16_grouped_mm, w4a16_mm
-from .errors import BackendError, FP4DispatchError, InvalidInputError, NoUsableBackendError
+from .errors import BackendError, DeviceMemoryError, FP4DispatchError, InvalidInputError, NoUsableBackendError
 from .format import dequantize_nvfp4, quantize_nvfp4, swizzle_scales, unswizzle_scales
 from .graphs import warmup
 from . import nn, torch_ops  # noqa: F401  (torch_ops registers torch.ops.fp4dispatch.*)
@@ -31,4 +31,5 @@ __all__ = [
     "InvalidInputError",
     "BackendError",
     "NoUsableBackendError",
+    "DeviceMemoryError",
 ]

@@ -80,6 +80,8 @@ def fp4_mm(
     Raises:
         InvalidInputError: the call breaks the contract (the message says which argument and how to fix it).
         NoUsableBackendError: no backend can compute this problem (every backend's reason is listed).
+        DeviceMemoryError: the device ran out of memory while the backends were checked, timed or run (also a
+            ``torch.OutOfMemoryError``; nothing is recorded against them).
     """
     if torch.compiler.is_compiling():
         # traced as one opaque custom op (no graph break); eager stays on the direct path, which is cheaper

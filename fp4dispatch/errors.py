@@ -5,8 +5,10 @@ All classes pickle (they cross process boundaries when probes run in worker proc
 """
 from __future__ import annotations
 
-__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError", "describe_exception",
-           "describe_failure"]
+import torch
+
+__all__ = ["FP4DispatchError", "InvalidInputError", "BackendError", "NoUsableBackendError", "DeviceMemoryError",
+           "MEMORY_ADVICE", "out_of_memory", "describe_exception", "describe_failure"]
 
 
 class FP4DispatchError(Exception):
@@ -30,6 +32,32 @@ class NoUsableBackendError(FP4DispatchError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.reasons))
+
+
+class DeviceMemoryError(FP4DispatchError, torch.OutOfMemoryError):
+    """The device ran out of memory while fp4dispatch checked or tuned backends for a call (or while every backend
+    ran it); ``reasons`` per backend. A state of the process, not a verdict on any backend: nothing is recorded
+    against them. Also a ``torch.OutOfMemoryError``, so code that catches that (to retry with a smaller batch)
+    catches this too."""
+
+    def __init__(self, message: str, reasons: dict[str, str] | None = None):
+        super().__init__(message)
+        self.reasons = dict(reasons or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.reasons))
+
+
+# how every DeviceMemoryError ends
+MEMORY_ADVICE = ("Nothing was recorded against the backends: the call can be made again once memory is free. Decide "
+                 "and prove your shapes before the GPU fills up (fp4dispatch.warmup, python -m fp4dispatch.tune), or "
+                 "leave more memory free")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the device ran out of memory: torch's allocator (``torch.OutOfMemoryError``) or a
+    library's CUDA call (``CUDA error: out of memory``). Such a failure says nothing about the backend that met it."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def describe_exception(e: BaseException) -> str:

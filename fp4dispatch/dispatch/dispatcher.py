@@ -27,7 +27,8 @@ from ..backends import default_backends
 from ..backends.base import OPS, Backend, Config, computes, config_json
 from ..backends.reference import reference_mm
 from ..devices import check_device, resolve_device
-from ..errors import BackendError, InvalidInputError, NoUsableBackendError, describe_exception
+from ..errors import (MEMORY_ADVICE, BackendError, DeviceMemoryError, InvalidInputError, NoUsableBackendError,
+                      describe_exception)
 from ..problem import Operands, Problem, m_bucket
 from ..settings import Settings, default_cache_dir, read_settings
 from ..validate import check_fp4_mm_args, check_w4a16_mm_args
@@ -45,7 +46,7 @@ from .records import Verdict, key_str
 from .report import BackendRecord, Report, build_report, check_ops
 from .timer import DoBench
 from .warmup import Warmup
-from .verify import check_run, make_case
+from .verify import OUT_OF_MEMORY, check_run, make_case
 
 __all__ = ["Dispatcher", "BackendRecord", "Choice", "key_str", "FAULT_LIMIT", "check_dispatcher"]
 
@@ -287,6 +288,11 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                 c.verified.add(m)
                 self._remember_proven(cache, key, m, ident(c.backend, c.config))
                 return c
+            if outcome[0] == OUT_OF_MEMORY:  # no verdict: the call fails as any would that the memory cannot hold
+                raise DeviceMemoryError(f"{problem.call}: the device ran out of memory while fp4dispatch proved "
+                                        f"{c.backend.name} right at M={m}, a new M of {key_str(key)} (each backend is "
+                                        f"proven at every new M before it serves it): {outcome[1]}. {MEMORY_ADVICE}",
+                                        {c.backend.name: outcome[1]})
             self._ban(cache, key, c.backend.name, f"{outcome[0]} when proven at M={m}: {outcome[1]}")
             c = self._next(c) if walk else None
         if c is not None:
@@ -306,13 +312,6 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         ks = key_str(key)
         cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
         self._warn(f"ban:{ks}:{name}", "fp4dispatch: backend %s is banned from %s: %s", name, ks, reason)
-
-    def _no_backend(self, problem: Problem, reasons: dict[str, str]) -> NoUsableBackendError:
-        lines = "\n".join(f"  {n}: {r}" for n, r in reasons.items())
-        return NoUsableBackendError(
-            f"{problem.call}: no usable backend for {problem} on {problem.device}:\n{lines}\n"
-            "Install a backend's library, unset FP4DISPATCH_DISABLE, or clear the cache (python -m fp4dispatch.tune "
-            "clear) if a library was fixed.", reasons)
 
     def _warn(self, what: str, message: str, *args) -> None:
         if what not in self._warned:

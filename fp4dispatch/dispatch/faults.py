@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..errors import NoUsableBackendError, describe_exception
+from ..errors import MEMORY_ADVICE, DeviceMemoryError, NoUsableBackendError, describe_exception, out_of_memory
 from ..problem import Operands, Problem
 from .choice import Choice, add_faults
 from .records import key_str
@@ -23,9 +23,11 @@ class FaultRecovery:
     def _recover(self, first: Choice, problem: Problem, ops: Operands, e: Exception) -> torch.Tensor:
         """Redo a call whose backend raised: on its verified fallbacks, then on the key's whole cached ranking (a
         backend benched earlier may work again), each proven at this M, skipping those that raised on this call.
-        The faults are recorded only once one of them computed the call."""
+        The faults are recorded only once one of them computed the call, and one for want of device memory never
+        (the process's state, not the backend's: it is only benched for this process)."""
         reset_cuda_error(problem.device)
         faults = {first.backend.name: describe_exception(e)}
+        starved = [first.backend.name] if out_of_memory(e) else []
         key = first.key
         for c in self._alternatives(first, problem):
             if c.backend.name in faults:
@@ -40,12 +42,17 @@ class FaultRecovery:
             except Exception as e2:  # noqa: BLE001
                 reset_cuda_error(problem.device)
                 faults[c.backend.name] = describe_exception(e2)
+                starved += [c.backend.name] if out_of_memory(e2) else []
                 continue
-            self._record_faults(key, problem, faults, c)
+            self._record_faults(key, problem, faults, starved, c)
             if self.guard is not None:
                 return self.guard.after_run(self, c, problem, ops)
             return ops.out
         lines = "\n".join(f"  {n}: {r}" for n, r in faults.items())
+        if starved:
+            raise DeviceMemoryError(f"{problem.call}: every backend raised on this call ({problem} on "
+                                    f"{problem.device}), {', '.join(starved)} for want of device memory:\n{lines}\n"
+                                    f"{MEMORY_ADVICE}", faults) from e
         raise NoUsableBackendError(
             f"{problem.call}: every backend raised on this call ({problem} on {problem.device}):\n{lines}\nNothing was "
             "recorded against them: when no backend can run a call, the call itself (its tensors or the process's "
@@ -62,11 +69,21 @@ class FaultRecovery:
             yield c
             c = self._next(c)
 
-    def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], good: Choice) -> None:
+    def _record_faults(self, key: tuple, problem: Problem, faults: dict[str, str], starved: list[str],
+                       good: Choice) -> None:
+        """``faults`` recorded (``starved``, those for want of device memory, only warned of) once ``good``
+        computed the call; every faulted backend benched for ``key`` in this process."""
         ks = key_str(key)
         now = round(time.time(), 3)
         with self._lock:
             self._choices[key] = good  # the faulted backends are benched for this key in this process
+            for name in starved:
+                self._warn(f"memory:{ks}:{name}", "fp4dispatch: backend %s ran short of device memory on %s (%s); "
+                           "this call was redone on %s, which serves the key for the rest of this process (not "
+                           "recorded)", name, problem, faults[name], good.backend.name)
+            faults = {n: r for n, r in faults.items() if n not in starved}
+            if not faults:
+                return
             cache, _ = self._states[key[0]]
             cache.update("faults", {ks: {n: {"count": 1, "last": now, "reason": f"{r} (at M={problem.m})"}
                                          for n, r in faults.items()}}, merge=add_faults)

@@ -57,7 +57,9 @@ def device_health(backends, device: torch.device, cache: DecisionCache, settings
     try:
         # in process: safe backends first, risky ones last (isolation off): a crash must not take the safe verdicts
         for b in sorted(local, key=lambda b: bool(b.risky)):
-            health[b.name] = fresh[b.name] = probe_backend(b, device)
+            health[b.name] = v = probe_backend(b, device)
+            if not v.transient:  # short of memory: probed again next process
+                fresh[b.name] = v
         if meanwhile is not None and isolated:  # with no worker to wait for, the caller compiles after this
             try:
                 meanwhile(dict(health))

@@ -16,7 +16,8 @@ import torch
 
 from .. import worker_process
 from ..backends.base import Backend
-from .probe import Verdict, describe_exception, unavailable_reason
+from ..errors import out_of_memory
+from .probe import Verdict, describe_exception, memory_verdict, unavailable_reason
 
 __all__ = ["probe_isolated", "main"]
 
@@ -35,6 +36,8 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
         # says nothing of the backend: the worker dies by SIGINT (worker_process), a transient verdict for the parent
         raise
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
+        if out_of_memory(e):  # its probe's inputs did not fit: no verdict on the backend
+            return memory_verdict(describe_exception(e)).to_json()
         return {"status": "failed", "reason": describe_exception(e)}
 
 

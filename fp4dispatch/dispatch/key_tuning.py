@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 
 from ..backends.base import Backend, computes
-from ..errors import describe_exception
+from ..errors import MEMORY_ADVICE, DeviceMemoryError, NoUsableBackendError, describe_exception
 from ..problem import Problem
 from .choice import Choice, add_proven, ident
 from .health import wrong_when_probed
+from .probe import memory_short
+from .verify import OUT_OF_MEMORY
 from .neighbours import neighbour_picks, offered_configs
 from .records import key_str
 from .timer import DoBench, for_device, screen_for_device
@@ -125,14 +127,21 @@ class KeyTuning:
     def _settle(self, key: tuple, problem: Problem, tuning: Tuning, reasons: dict[str, str],
                 sources: tuple[str, ...]) -> Choice:
         """Record ``tuning`` as ``key``'s decision (entry, bans of the backends that failed, proven M) and return the
-        choice: its best trial, the other correct backends as fallbacks. Raises NoUsableBackendError."""
+        choice: its best trial, the other correct backends as fallbacks. A trial short of device memory bans nothing,
+        and it or a probe short of memory keeps the decision out of the cache (this process's only: the next one tunes
+        the key again, with a verdict on every backend). Raises NoUsableBackendError, or DeviceMemoryError when memory
+        was what every backend lacked."""
         cache, health = self._states[key[0]]
         ks = key_str(key)
         trials = tuning.trials
         best: dict[str, object] = {}
         for t in trials:  # sorted: the first trial of a backend is its best config
             best.setdefault(t.backend, t)
-        bad = {n: t.reason for n, t in best.items() if not t.ok}
+        starved: dict[str, str] = {}  # no verdict on these: neither banned nor left out of a recorded decision
+        for t in trials:
+            if t.short_of_memory:
+                starved.setdefault(t.backend, t.reason)
+        bad = {n: t.reason for n, t in best.items() if not t.ok and n not in starved}
         bad.update((n, r) for n, r in reasons.items() if n in health and r == wrong_when_probed(health[n], key[1]))
         if bad:
             cache.update("shape_blacklist", {ks: bad}, merge_nested=True, defer=True)  # one write per key, below
@@ -140,7 +149,7 @@ class KeyTuning:
         ok = [t for t in best.values() if t.ok]
         if not ok:
             cache.flush()
-            raise self._no_backend(problem, reasons)
+            raise self._no_backend(problem, {**reasons, **starved})
         timed = self._timer(problem) is not None
         entry = {**ok[0].to_json(), "ranking": [t.to_json() for t in trials], "tuned_at_m": problem.m,
                  "mode": ("neighbours" if sources else "tuned") if timed else "priority", "at": round(time.time()),
@@ -151,9 +160,29 @@ class KeyTuning:
             self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
         cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven,
                      defer=True)
-        cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
+        unjudged = {**{n: health[n].reason for n in reasons if n in health and memory_short(health[n])}, **starved}
+        if unjudged:
+            cache.flush()  # the bans and proven M only
+            self._warn(f"memory:{ks}", "fp4dispatch: %s decided for this process only (%s): %s ran short of device "
+                       "memory while probed, checked or timed; the next process tunes it again", ks, ok[0].backend,
+                       ", ".join(unjudged))
+        else:
+            cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
         log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
         return self._choice(key, *ranked[0], ranked[1:])
+
+    def _no_backend(self, problem: Problem, reasons: dict[str, str]) -> NoUsableBackendError | DeviceMemoryError:
+        """The error of a key no backend can serve: DeviceMemoryError where one ran short of memory (probed, checked
+        or timed: it may serve once memory is free), else NoUsableBackendError; each with every backend's reason."""
+        lines = "\n".join(f"  {n}: {r}" for n, r in reasons.items())
+        if any(OUT_OF_MEMORY in r for r in reasons.values()):
+            return DeviceMemoryError(f"{problem.call}: no backend served {problem} on {problem.device}, and the "
+                                     f"device ran short of memory while they were probed, checked or timed:\n"
+                                     f"{lines}\n{MEMORY_ADVICE}", reasons)
+        return NoUsableBackendError(
+            f"{problem.call}: no usable backend for {problem} on {problem.device}:\n{lines}\n"
+            "Install a backend's library, unset FP4DISPATCH_DISABLE, or clear the cache (python -m fp4dispatch.tune "
+            "clear) if a library was fixed.", reasons)
 
     # -- two rounds: beside the probe workers, then with every verdict ----------------------------------------------
     def decide_beside(self, problems, rounds: dict[tuple, FirstRound], wait=lambda key: None) -> None:
@@ -186,8 +215,8 @@ class KeyTuning:
         """Each first round completed now that every verdict is in: the backends that were pending and are usable on
         the key are searched on it (next to already recorded keys, their best few only), and the two tunings are
         recorded as one decision (``merge_tunings``: ranked as one search). A first-round trial of a backend that
-        can no longer serve the key is dropped, and so is one that raised (the GPU was shared with the workers then):
-        neither bans its backend, which the next tune of the key tries again. Returns how many keys were decided; a
+        can no longer serve the key is dropped; a backend that raised in the first round (the GPU was shared with the
+        workers then: their load, their memory) is not banned for it but searched again in the second. Returns how many keys were decided; a
         key that is decided already, or that this fails on, is left to the usual decision (which raises
         NoUsableBackendError with every reason when none can serve it). ``wait(key)``: as in ``decide_beside``."""
         done = 0
@@ -197,9 +226,11 @@ class KeyTuning:
                     continue
                 candidates, reasons = self._candidates(key, r.problem)
                 usable = {b.name for b in candidates}
-                first = [t for t in r.tuning.trials if t.backend in usable and not t.reason.startswith("failed")]
+                # a backend that raised beside the workers (their load, their memory) is searched again now, whole
+                raised = {t.backend for t in r.tuning.trials if t.reason.startswith("failed") or t.short_of_memory}
+                first = [t for t in r.tuning.trials if t.backend in usable and t.backend not in raised]
                 tuning, sources = Tuning(first, r.tuning.seconds), r.sources
-                if late := [b for b in candidates if b.name in r.pending]:
+                if late := [b for b in candidates if b.name in r.pending or b.name in raised]:
                     wait(key)
                     more, near = self._search(key, r.problem, late, self._states[key[0]][0].decisions)
                     search, screen = self._rule(r.problem)

@@ -1,7 +1,8 @@
 """Probe: does a backend run on this device, and is it right? A verdict is data, never an exception.
 
 Statuses: ``ok``, ``unavailable`` (cannot run here: library missing, SM refused), ``unsupported`` (runs here but
-refused every probe problem), ``failed`` (raised, crashed or hung), ``incorrect`` (wrong at every probe M).
+refused every probe problem), ``failed`` (raised, crashed or hung; short of device memory: a transient verdict, not
+cached), ``incorrect`` (wrong at every probe M).
 A backend wrong at only some probe M stays ``ok`` for the device with those M in ``wrong_ms``: the dispatcher keeps
 it out of every key whose M bucket holds one of them.
 """
@@ -18,10 +19,10 @@ from ..errors import describe_exception
 from ..problem import Problem
 from .precompile import compile_together, first_run_jobs, scratch_ops
 from .records import STATUSES, Verdict
-from .verify import PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
+from .verify import OUT_OF_MEMORY, PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
 __all__ = ["Verdict", "STATUSES", "probe_backend", "probe_problem", "describe_exception", "reset_cuda_error",
-           "unavailable_reason"]
+           "unavailable_reason", "memory_verdict", "memory_short"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -76,6 +77,8 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upco
                 break
         if outcome is not None and outcome[0] == "failed":
             return verdict("failed", outcome[1])
+        if outcome is not None and outcome[0] == OUT_OF_MEMORY:
+            return memory_verdict(outcome[1], time.perf_counter() - t0)
         ran += 1
         if outcome is not None:
             wrong[m] = outcome[1]
@@ -87,6 +90,18 @@ def probe_backend(backend: Backend, device: torch.device, seed: int = 1234, upco
         return verdict("ok", "wrong at some probe shapes (kept out of the keys whose M bucket holds them): "
                        + "; ".join(wrong.values()), tuple(wrong))
     return verdict("ok")
+
+
+def memory_verdict(reason: str, seconds: float = 0.0) -> Verdict:
+    """The verdict of a probe that ran short of device memory: no verdict on the backend, so a transient failure (this
+    process's only, never cached)."""
+    return Verdict("failed", f"{OUT_OF_MEMORY} in its probe (not cached: probed again by the next process): {reason}",
+                   round(seconds, 4), transient=True)
+
+
+def memory_short(v: Verdict) -> bool:
+    """Whether ``v`` is ``memory_verdict``'s: no verdict on the backend."""
+    return v.transient and v.reason.startswith(OUT_OF_MEMORY)
 
 
 def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: tuple = ()) -> None:

@@ -55,6 +55,8 @@ class Verdict:
         d = {"status": self.status, "reason": self.reason, "seconds": self.seconds}
         if self.wrong_ms:
             d["wrong_ms"] = list(self.wrong_ms)
+        if self.transient:  # only a probe worker's answer carries it: a transient verdict is never cached
+            d["transient"] = True
         return d
 
     @classmethod
@@ -67,7 +69,7 @@ class Verdict:
         _need(_number(seconds), "seconds must be a finite number >= 0", seconds)
         wrong = d.get("wrong_ms", [])
         _need(isinstance(wrong, list) and all(_count(m) for m in wrong), "wrong_ms must be positive integers", wrong)
-        return cls(d["status"], d.get("reason", ""), float(seconds), wrong_ms=tuple(wrong))
+        return cls(d["status"], d.get("reason", ""), float(seconds), d.get("transient") is True, tuple(wrong))
 
 
 def _need(ok: bool, what: str, got: object) -> None:

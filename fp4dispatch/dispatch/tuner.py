@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from ..backends.base import Backend, Config, config_id, config_json
 from ..backends.reference import reference_mm
-from ..errors import InvalidInputError, describe_exception
+from ..errors import InvalidInputError, describe_exception, out_of_memory
 from ..problem import Problem
 from ..routing import timing_routing
 from .timer import DoBench
 from .key_compiles import compile_ahead
-from .verify import CheckCase, check_run, make_case, reset_cuda_error
+from .verify import OUT_OF_MEMORY, CheckCase, check_run, make_case, reset_cuda_error
 
 __all__ = ["Trial", "Tuning", "Search", "FULL", "tune", "verify_only", "check_trial", "merge_tunings", "PHASES",
            "COMPILE_PARTS"]
@@ -74,6 +74,11 @@ class Trial:
     def ok(self) -> bool:
         return math.isfinite(self.time_ms)
 
+    @property
+    def short_of_memory(self) -> bool:
+        """Failed for want of device memory (checked or timed): the process's state, no verdict on the backend."""
+        return self.reason.startswith(OUT_OF_MEMORY)
+
     def to_json(self) -> dict:
         d = {"backend": self.backend, "config": config_json(self.config),
              "time_us": round(self.time_ms * 1e3, 3) if self.ok else None, "reason": self.reason}
@@ -111,7 +116,7 @@ def _bench(do_bench: DoBench, fn) -> tuple[float, str]:
     try:
         ms = float(do_bench(fn))
     except Exception as e:  # noqa: BLE001
-        return math.inf, f"failed while timing: {describe_exception(e)}"
+        return math.inf, f"{OUT_OF_MEMORY if out_of_memory(e) else 'failed'} while timing: {describe_exception(e)}"
     if not math.isfinite(ms):
         return math.inf, "timer returned a non-finite time"
     # a negative time would win, and its decision is dropped as malformed when the cache file is read again

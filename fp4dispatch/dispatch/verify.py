@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import describe_exception
+from ..errors import describe_exception, out_of_memory
 from ..format import BLOCK, swizzle_scales
 from ..format_grouped import swizzle_expert_scales, swizzle_grouped_scales
 from ..problem import GroupedOperands, Operands, Problem
@@ -23,9 +23,12 @@ from ..routing import check_routing
 
 __all__ = ["check_output", "REL_TOL", "PROBE_MS", "PROBE_N", "PROBE_K", "poison", "random_operands",
            "random_activations", "random_grouped_operands", "CheckCase", "PROBE_E", "restore_inputs",
-           "make_case", "check_run", "reset_cuda_error"]
+           "make_case", "check_run", "reset_cuda_error", "OUT_OF_MEMORY"]
 
 REL_TOL = 1e-2
+# check_run's kind (and the start of a trial's reason) for a run that wanted more device memory than was free: the
+# process's state at the time, not the backend's fault, so it is never recorded against the backend
+OUT_OF_MEMORY = "out of memory"
 # Probe shapes: several M including non-powers of two; N and K fit every native kernel's alignment rules
 # (N, K multiples of 64; M spans small-M tiles and several 128-row tiles).
 PROBE_MS = (1, 3, 128, 300)
@@ -223,8 +226,9 @@ def _tampering(case: CheckCase, out_before: tuple) -> str | None:
 
 
 def check_run(backend, case: CheckCase, config) -> tuple[str, str] | None:
-    """Run ``backend`` once on ``case``; None when right, else ``(kind, reason)`` with kind ``"failed"`` (raised) or
-    ``"incorrect"``. Never raises."""
+    """Run ``backend`` once on ``case``; None when right, else ``(kind, reason)`` with kind ``"failed"`` (raised),
+    ``OUT_OF_MEMORY`` (raised for want of device memory, in its run or in the check of its output: no verdict on the
+    backend) or ``"incorrect"``. Never raises."""
     p = case.problem
     out = case.ops.out
     try:
@@ -237,7 +241,8 @@ def check_run(backend, case: CheckCase, config) -> tuple[str, str] | None:
     except Exception as e:  # noqa: BLE001 - failures are data
         reset_cuda_error(p.device)
         why = _tampering_after_error(case, out)
-        return "failed", f"{describe_exception(e)} (at M={p.m})" + (f"; it also {why}" if why else "")
+        kind = OUT_OF_MEMORY if out_of_memory(e) and not why else "failed"
+        return kind, f"{describe_exception(e)} (at M={p.m})" + (f"; it also {why}" if why else "")
     try:
         why = _tampering(case, before)
         if why:
@@ -246,6 +251,8 @@ def check_run(backend, case: CheckCase, config) -> tuple[str, str] | None:
         bad = check_output(out, case.ref, p)
     except Exception as e:  # noqa: BLE001 - a check that cannot even read the output is a verdict too
         reset_cuda_error(p.device)
+        if out_of_memory(e):  # the check's own temporaries did not fit: no verdict
+            return OUT_OF_MEMORY, f"checking its output: {describe_exception(e)} (at M={p.m})"
         return "incorrect", f"its output could not be checked: {describe_exception(e)} (at M={p.m})"
     return ("incorrect", bad) if bad else None
 
