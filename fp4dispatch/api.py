@@ -162,13 +162,15 @@ def fp4_grouped_mm(
         [T, N] tensor of ``out_dtype`` (``out`` itself when given).
     """
     if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
-        if not isinstance(a, torch.Tensor) or _out_not_of(out, out_dtype):
-            check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
+        if not isinstance(a, torch.Tensor) or _out_not_of(out, out_dtype) or not isinstance(check_offs, bool):
+            check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs,
+                                      traced=True)
         al = _traced_alpha(1.0 if alpha is None else alpha, a, "fp4_grouped_mm")
         if out is None:
             return torch.ops.fp4dispatch.fp4_grouped_mm(a, b, a_scale, b_scale, al, offs, out_dtype, scale_layout,
-                                                        backend)
-        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, al, offs, out, scale_layout, backend)
+                                                        backend, check_offs)
+        torch.ops.fp4dispatch.fp4_grouped_mm_out(a, b, a_scale, b_scale, al, offs, out, scale_layout, backend,
+                                                 check_offs)
         return out
     d = _default
     if d is None:
@@ -201,12 +203,15 @@ def w4a16_grouped_mm(
         out_dtype: None (default: ``a.dtype``), torch.bfloat16, torch.float16 or torch.float32. out: [T, N].
     """
     if torch.compiler.is_compiling():  # as w4a16_mm's (_traced_w4a16); the op's alpha is a tensor, None is 1
-        if not isinstance(a, torch.Tensor) or _out_not_of(out, a.dtype if out_dtype is None else out_dtype):
-            check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, False)
+        if (not isinstance(a, torch.Tensor) or _out_not_of(out, a.dtype if out_dtype is None else out_dtype)
+                or not isinstance(check_offs, bool)):
+            check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs,
+                                        traced=True)
         al, a = _traced_alpha(1.0 if alpha is None else alpha, a, "w4a16_grouped_mm"), a.detach()
         if out is None:
-            return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, al, offs, out_dtype, scale_layout, backend)
-        torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, al, offs, out, scale_layout, backend)
+            return torch.ops.fp4dispatch.w4a16_grouped_mm(a, b, b_scale, al, offs, out_dtype, scale_layout, backend,
+                                                          check_offs)
+        torch.ops.fp4dispatch.w4a16_grouped_mm_out(a, b, b_scale, al, offs, out, scale_layout, backend, check_offs)
         return out
     d = _default
     if d is None:

@@ -9,7 +9,9 @@ an optional mutated argument is poorly supported by functionalization. ``fp4disp
 time than the whole dispatcher).
 
 Schema notes: ``alpha`` is ``Tensor?`` plus a Python ``float`` (``alpha_value``) used when the tensor is None, so a
-Python-float alpha traces too; ``backend`` is ``str?``; ``out_dtype`` is a ``ScalarType``.
+Python-float alpha traces too; ``backend`` is ``str?``; ``out_dtype`` is a ``ScalarType``; the grouped ops take the
+caller's ``check_offs``, so a compiled call reads and checks ``offs`` exactly when the eager one would (their fakes
+check what needs no values of it).
 """
 from __future__ import annotations
 
@@ -108,71 +110,75 @@ def _w4a16_mm_out_fake(a, b, b_scale, alpha, out, scale_layout, backend):
 @torch.library.custom_op(f"{_LIB}::fp4_grouped_mm", mutates_args=())
 def fp4_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                       alpha: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype, scale_layout: str,
-                      backend: str | None) -> torch.Tensor:
-    """Functional fp4_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
+                      backend: str | None, check_offs: bool = True) -> torch.Tensor:
+    """Functional fp4_grouped_mm."""
     from . import api
 
     return api.get_dispatcher().fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out_dtype,
-                                               scale_layout=scale_layout, backend=backend, check_offs=False)
+                                               scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
 
 @fp4_grouped_mm_op.register_fake
-def _fp4_grouped_mm_fake(a, b, a_scale, b_scale, alpha, offs, out_dtype, scale_layout, backend):
+def _fp4_grouped_mm_fake(a, b, a_scale, b_scale, alpha, offs, out_dtype, scale_layout, backend, check_offs=True):
     from .validate_grouped import check_fp4_grouped_mm_args
 
-    problem, _ = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, None, scale_layout, False)
+    problem, _ = check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, None, scale_layout,
+                                           check_offs, traced=True)
     return a.new_empty((problem.m, problem.n), dtype=out_dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::fp4_grouped_mm_out", mutates_args=("out",))
 def fp4_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                           alpha: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, scale_layout: str,
-                          backend: str | None) -> None:
+                          backend: str | None, check_offs: bool = True) -> None:
     """fp4_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
     from . import api
 
     api.get_dispatcher().fp4_grouped_mm(a, b, a_scale, b_scale, alpha, offs, out_dtype=out.dtype, out=out,
-                                        scale_layout=scale_layout, backend=backend, check_offs=False)
+                                        scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
 
 @fp4_grouped_mm_out_op.register_fake
-def _fp4_grouped_mm_out_fake(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend):
+def _fp4_grouped_mm_out_fake(a, b, a_scale, b_scale, alpha, offs, out, scale_layout, backend, check_offs=True):
     from .validate_grouped import check_fp4_grouped_mm_args
 
-    check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout, False)
+    check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out.dtype, out, scale_layout, check_offs,
+                              traced=True)
 
 
 @torch.library.custom_op(f"{_LIB}::w4a16_grouped_mm", mutates_args=())
 def w4a16_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
                         offs: torch.Tensor, out_dtype: torch.dtype | None, scale_layout: str,
-                        backend: str | None) -> torch.Tensor:
-    """Functional w4a16_grouped_mm (offs is not read on the host: a traced graph must not sync)."""
+                        backend: str | None, check_offs: bool = True) -> torch.Tensor:
+    """Functional w4a16_grouped_mm."""
     from . import api
 
     return api.get_dispatcher().w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out_dtype,
-                                                 scale_layout=scale_layout, backend=backend, check_offs=False)
+                                                 scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
 
 @w4a16_grouped_mm_op.register_fake
-def _w4a16_grouped_mm_fake(a, b, b_scale, alpha, offs, out_dtype, scale_layout, backend):
+def _w4a16_grouped_mm_fake(a, b, b_scale, alpha, offs, out_dtype, scale_layout, backend, check_offs=True):
     from .validate_grouped import check_w4a16_grouped_mm_args
 
-    problem, _ = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, None, scale_layout, False)
+    problem, _ = check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, None, scale_layout, check_offs,
+                                             traced=True)
     return a.new_empty((problem.m, problem.n), dtype=problem.out_dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::w4a16_grouped_mm_out", mutates_args=("out",))
 def w4a16_grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, alpha: torch.Tensor,
-                            offs: torch.Tensor, out: torch.Tensor, scale_layout: str, backend: str | None) -> None:
+                            offs: torch.Tensor, out: torch.Tensor, scale_layout: str, backend: str | None,
+                            check_offs: bool = True) -> None:
     """w4a16_grouped_mm into a preallocated ``out`` (its dtype is the output dtype)."""
     from . import api
 
     api.get_dispatcher().w4a16_grouped_mm(a, b, b_scale, alpha, offs, out_dtype=out.dtype, out=out,
-                                          scale_layout=scale_layout, backend=backend, check_offs=False)
+                                          scale_layout=scale_layout, backend=backend, check_offs=check_offs)
 
 
 @w4a16_grouped_mm_out_op.register_fake
-def _w4a16_grouped_mm_out_fake(a, b, b_scale, alpha, offs, out, scale_layout, backend):
+def _w4a16_grouped_mm_out_fake(a, b, b_scale, alpha, offs, out, scale_layout, backend, check_offs=True):
     from .validate_grouped import check_w4a16_grouped_mm_args
 
-    check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out.dtype, out, scale_layout, False)
+    check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out.dtype, out, scale_layout, check_offs, traced=True)

@@ -73,6 +73,12 @@ def _scale(s: object, name: str, lin: tuple, layout: str, device: torch.device, 
     return s
 
 
+def _check_flag(check_offs: object) -> None:
+    if not isinstance(check_offs, bool):
+        raise _fail(f"check_offs must be True (offs read on the host and checked: one sync) or False (not read: no "
+                    f"sync; a swizzled a_scale then needs grouped_scale_rows(T, E) rows); got {check_offs!r}")
+
+
 def check_offs_values(offs: torch.Tensor, t: int, scale_rows: int | None) -> None:
     """The routing table itself (one copy to the host): non-decreasing, from 0 to T, and (swizzled ``a_scale`` of
     ``scale_rows`` rows) rows enough for its padded expert blocks."""
@@ -94,8 +100,10 @@ def check_offs_values(offs: torch.Tensor, t: int, scale_rows: int | None) -> Non
 
 
 def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                              check_offs: bool = True) -> tuple[Problem, GroupedOperands]:
-    """Validate an ``fp4_grouped_mm`` call and return its canonical (Problem, GroupedOperands)."""
+                              check_offs: bool = True, traced: bool = False) -> tuple[Problem, GroupedOperands]:
+    """Validate an ``fp4_grouped_mm`` call and return its canonical (Problem, GroupedOperands). ``traced``: ``offs``
+    holds no values here (a custom op's fake), so only what needs none is checked; the op reads them when it runs."""
+    _check_flag(check_offs)
     if scale_layout not in SCALE_LAYOUTS:
         raise _fail(f"scale_layout must be one of {SCALE_LAYOUTS}; got {scale_layout!r}")
     if out_dtype not in OUT_DTYPES:
@@ -134,7 +142,7 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
                         f"routing fits; got {rows}")
     else:
         sa = swizzle_grouped_scales(sa, offs)
-    if check_offs and not capturing:  # T = 0 too: its table is all zeros
+    if check_offs and not capturing and not traced:  # T = 0 too: its table is all zeros
         check_offs_values(offs, t, sa.shape[0] if scale_layout == "swizzled" else None)
     al = _alpha(alpha, e, dev, "fp4_grouped_mm")
     out = _out(out, t, n, out_dtype, dev)
@@ -143,16 +151,17 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
 
 
 def check_w4a16_grouped_mm_args(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout,
-                                check_offs: bool = True) -> tuple[Problem, GroupedOperands]:
+                                check_offs: bool = True, traced: bool = False) -> tuple[Problem, GroupedOperands]:
     """Validate a ``w4a16_grouped_mm`` call (``a`` bf16/fp16 [T, K] as it is; the rest as ``fp4_grouped_mm``'s,
     ``alpha`` None = 1, ``out_dtype`` None = ``a.dtype``) and return its canonical (Problem, GroupedOperands)."""
     try:
-        return _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs)
+        _check_flag(check_offs)
+        return _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs, traced)
     except InvalidInputError as err:  # the checks shared with fp4_grouped_mm name it
         raise InvalidInputError("w4a16_grouped_mm: " + str(err).removeprefix("fp4_grouped_mm: ")) from None
 
 
-def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs):
+def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layout, check_offs, traced):
     if not isinstance(a, torch.Tensor):
         raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [T, K] (the routed rows, grouped by "
                     f"expert); got {_type_name(a)}")
@@ -184,7 +193,7 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
     offs = _offs(offs, e, dev)
     sb = _expert_scales(b_scale, e, n, k, scale_layout, dev)
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if check_offs and not capturing:  # T = 0 too: its table is all zeros
+    if check_offs and not capturing and not traced:  # T = 0 too: its table is all zeros
         check_offs_values(offs, t, None)
     al = _alpha(alpha, e, dev, "w4a16_grouped_mm")
     out = _out(out, t, n, out_dtype, dev)

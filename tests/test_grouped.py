@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -396,6 +397,51 @@ def test_the_public_call_the_custom_ops_and_torch_compile_agree(tmp_path, monkey
         assert torch.equal(fn(a, offs), out)
     finally:
         fp4dispatch.set_dispatcher(None)
+
+
+def test_a_compiled_call_reads_and_checks_offs_as_the_eager_one_does(tmp_path, monkeypatch):
+    """The grouped custom ops take the caller's check_offs. They had always passed False: a compiled call took a
+    wrong routing table without a word, and refused an a_scale of the routing's own rows that the eager call takes."""
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
+    fp4dispatch.set_dispatcher(_disp([ReferenceBackend()], tmp_path))
+    try:
+        a, b, sa, sb, alpha, offs = _inputs([3, 0, 5])
+        sa = sa[:int(scale_starts(offs)[-1])]  # the routing's own rows: enough where offs is read
+        assert sa.shape[0] < grouped_scale_rows(8, 3)
+
+        def checked(x, o):
+            return fp4dispatch.fp4_grouped_mm(x, b, sa, sb, alpha, o)
+
+        def unchecked(x, o):
+            return fp4dispatch.fp4_grouped_mm(x, b, sa, sb, alpha, o, check_offs=False)
+
+        fn = torch.compile(checked, fullgraph=True, backend="aot_eager")
+        assert torch.equal(fn(a, offs), checked(a, offs))
+        bad = torch.tensor([5, 3, 8], dtype=torch.int32)
+        msg = (r"^fp4_grouped_mm: offs must be non-decreasing cumulative end rows starting at >= 0; got offs\[1\]=3 < "
+               r"offs\[0\]=5")
+        for f in (checked, fn):
+            with pytest.raises(InvalidInputError, match=msg):
+                f(a, bad)
+        with pytest.raises(Exception, match=r"a_scale \(swizzled\) must have grouped_scale_rows\(T, E\) = 384 rows "
+                                            r"when offs is not read on the host"):
+            torch.compile(unchecked, fullgraph=True, backend="aot_eager")(a, offs)
+    finally:
+        fp4dispatch.set_dispatcher(None)
+
+
+@pytest.mark.parametrize("flag", [None, "no", 1])
+def test_check_offs_must_be_a_bool_eager_and_compiled(tmp_path, flag):
+    """None turned the check off and "no" on; a compiled call stopped at the op's schema."""
+    a, b, sa, sb, alpha, offs = _inputs([3, 0, 5])
+    msg = re.escape(f"fp4_grouped_mm: check_offs must be True (offs read on the host and checked: one sync) or False "
+                    f"(not read: no sync; a swizzled a_scale then needs grouped_scale_rows(T, E) rows); got {flag!r}")
+    with pytest.raises(InvalidInputError, match=msg):
+        _disp([ReferenceBackend()], tmp_path).fp4_grouped_mm(a, b, sa, sb, alpha, offs, check_offs=flag)
+    fn = torch.compile(lambda x: fp4dispatch.fp4_grouped_mm(x, b, sa, sb, alpha, offs, check_offs=flag),
+                       fullgraph=True, backend="aot_eager", dynamic=False)
+    with pytest.raises(Exception, match=msg):
+        fn(a)
 
 
 # -- the Triton kernel, interpreted ---------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ dispatcher's machinery for its keys (its own op: only backends that compute it c
 fake backend caught per key, and the input errors, each pinned."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -157,6 +159,34 @@ def test_a_compiled_call_fails_at_trace_time_with_the_eager_message(kw, message)
                        backend="aot_eager", dynamic=False)
     with pytest.raises(Exception, match=message):  # Dynamo's error, which carries the eager one
         fn(a)
+
+
+def test_a_compiled_call_reads_and_checks_offs_as_the_eager_one_does(tmp_path, monkeypatch):
+    """As fp4_grouped_mm's: the custom ops take the caller's check_offs (they had always passed False)."""
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "c"))
+    fp4dispatch.set_dispatcher(_disp([ReferenceBackend()], tmp_path))
+    try:
+        a, b, sb, alpha, offs = _inputs([3, 0, 5])
+
+        def checked(x, o, flag=True):
+            return fp4dispatch.w4a16_grouped_mm(x, b, sb, alpha, o, check_offs=flag)
+
+        fn = torch.compile(checked, fullgraph=True, backend="aot_eager")
+        assert torch.equal(fn(a, offs), checked(a, offs))
+        bad = torch.tensor([3, 3, 100], dtype=torch.int32)
+        msg = r"^w4a16_grouped_mm: offs\[-1\] must equal T = a.shape\[0\] = 8 \(every row belongs to an expert\)"
+        for f in (checked, fn):
+            with pytest.raises(InvalidInputError, match=msg):
+                f(a, bad)
+        msg = re.escape("w4a16_grouped_mm: check_offs must be True (offs read on the host and checked: one sync) or "
+                        "False (not read: no sync; a swizzled a_scale then needs grouped_scale_rows(T, E) rows); got "
+                        "None")
+        with pytest.raises(InvalidInputError, match=msg):
+            checked(a, offs, None)
+        with pytest.raises(Exception, match=msg):
+            torch.compile(lambda x: checked(x, offs, None), fullgraph=True, backend="aot_eager", dynamic=False)(a)
+    finally:
+        fp4dispatch.set_dispatcher(None)
 
 
 def test_the_public_call_the_custom_ops_and_torch_compile_agree(tmp_path, monkeypatch):

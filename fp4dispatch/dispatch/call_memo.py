@@ -141,7 +141,7 @@ class CallMemo:
         no check, so its metadata is all there is to validate (the call with the check reads its values each time)."""
         fp4 = a_scale is not None
         w = self._weights.get((id(b), out_dtype, out is None, "grouped" if fp4 else "w4a16_grouped"))
-        if w is None or check_offs or backend is not None or scale_layout != "swizzled":
+        if w is None or check_offs is not False or backend is not None or scale_layout != "swizzled":
             return None
         tensors = (a, b, a_scale, b_scale, alpha, offs) if fp4 else (a, b, b_scale, alpha, offs)
         if not (w.guard.check(*tensors) if out is None else w.guard.check(*tensors, out)):
@@ -164,8 +164,8 @@ class CallMemo:
         """Remember a call the ordinary path validated and decided: ``args`` are the call's tensors as passed, out
         last: (a, b, a_scale, b_scale, alpha, out) for ``fp4_mm``, (a, b, b_scale, alpha, out) for ``w4a16_mm``,
         with offs before out for the grouped calls (remembered only with ``check_offs`` False)."""
-        if (self.disabled or backend is not None or scale_layout != "swizzled" or check_offs or choice.key is None
-                or problem.m not in choice.verified):
+        if (self.disabled or backend is not None or scale_layout != "swizzled" or check_offs is not False
+                or choice.key is None or problem.m not in choice.verified):
             return
         op = problem.op
         out = args[-1]
