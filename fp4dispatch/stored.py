@@ -99,12 +99,19 @@ def load_layer_state(module, load, state_dict: dict, prefix: str, who: str) -> N
         t = state_dict.get(prefix + name)
         if isinstance(t, torch.Tensor) and t.dtype != dtype:
             what = "bytes" if dtype == torch.uint8 else "fp32 bit patterns"
-            fix = (f"t.view({dtype})" if t.element_size() == dtype.itemsize else
-                   "t.float().reshape(-1).view(torch.int32)" if dtype == torch.int32 else "the layer's own tensor")
+            # an fp32 scale: reshaped too (ModelOpt stores them 0-d; the layer's bits are [1] or [E])
+            fix = ("t.float().reshape(-1).view(torch.int32)" if dtype == torch.int32 else
+                   f"t.view({dtype})" if t.element_size() == dtype.itemsize else "the layer's own tensor")
             raise InvalidInputError(
                 f"{who}: state_dict[{prefix + name!r}] must be the layer's storage, {dtype} ({what}); got "
                 f"dtype={t.dtype}, which would be copied in by value. Pass {fix} if it holds the same values, or build "
                 "the layer from checkpoint tensors with from_modelopt / from_compressed_tensors (load_nvfp4)")
+    t = state_dict.get(prefix + "weight_scale_2")
+    if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type != "meta":
+        v = t.detach().reshape(-1).view(torch.float32)
+        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):  # from_modelopt refuses these too
+            raise InvalidInputError(f"{who}: state_dict[{prefix + 'weight_scale_2'!r}] must hold positive finite fp32 "
+                                    f"weight decode scales 1/gs_w (as int32 bits); it holds {v.tolist()[:8]}")
     given = {n: state_dict.pop(prefix + n) for n in _STATIC if prefix + n in state_dict}
     if not given:
         load(state_dict, prefix)

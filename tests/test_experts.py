@@ -177,3 +177,8 @@ def test_a_static_experts_state_dict_loads_into_a_dynamic_module():
     sd["weight_scale_2"] = t.float().reshape(-1).view(torch.int32)  # as the message says
     dst.load_state_dict(sd)
     assert torch.equal(dst(x, offs), src(x, offs))
+    sd["weight_scale_2"] = torch.tensor([1.0, float("nan")]).view(torch.int32)  # one bad expert: refused, as by
+    with pytest.raises(InvalidInputError, match=r"^Fp4Experts.load_state_dict: state_dict\['weight_scale_2'\] must "
+                                                r"hold positive finite fp32 weight decode scales 1/gs_w \(as int32 "
+                                                r"bits\); it holds \[1.0, nan\]$"):  # from_modelopt
+        dst.load_state_dict(sd)

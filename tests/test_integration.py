@@ -275,8 +275,19 @@ def test_fp4linear_state_dict_of_a_static_layer_loads_into_a_dynamic_one(kind):
 @pytest.mark.parametrize("key, value, match", [
     ("weight_scale_2", lambda t: t.view(torch.float32),
      r"^Fp4Linear.load_state_dict: state_dict\['weight_scale_2'\] must be the layer's storage, torch.int32 \(fp32 bit "
-     r"patterns\); got dtype=torch.float32, which would be copied in by value\. Pass t.view\(torch.int32\) if it "
-     r"holds the same values, or build the layer from checkpoint tensors"),
+     r"patterns\); got dtype=torch.float32, which would be copied in by value\. Pass "
+     r"t.float\(\).reshape\(-1\).view\(torch.int32\) if it holds the same values, or build the layer from checkpoint "
+     r"tensors"),
+    # ModelOpt stores it 0-d: the fix reshapes it too (t.view(torch.int32) left [] against the layer's [1])
+    ("weight_scale_2", lambda t: t.view(torch.float32).reshape(()),
+     r"got dtype=torch.float32, which would be copied in by value\. Pass t.float\(\).reshape\(-1\)"),
+    # from_modelopt refuses these values; load_state_dict took them and the layer's output changed sign, or went NaN
+    ("weight_scale_2", lambda t: (-t.view(torch.float32)).view(torch.int32),
+     r"^Fp4Linear.load_state_dict: state_dict\['weight_scale_2'\] must hold positive finite fp32 weight decode "
+     r"scales 1/gs_w \(as int32 bits\); it holds \[-"),
+    ("weight_scale_2", lambda t: torch.tensor([float("nan")]).view(torch.int32),
+     r"state_dict\['weight_scale_2'\] must hold positive finite fp32 weight decode scales 1/gs_w \(as int32 bits\); "
+     r"it holds \[nan\]$"),
     ("input_scale", lambda t: t.view(torch.float32).double(),
      r"state_dict\['input_scale'\] must be the layer's storage, torch.int32 .*got dtype=torch.float64.* Pass "
      r"t.float\(\).reshape\(-1\).view\(torch.int32\)"),
