@@ -87,7 +87,8 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
         raise InvalidInputError(f"{_WHO}: {wname!r} has shape {tuple(w.shape)}; the model's {name!r} is "
                                 f"Linear({k_in}, {n_out}), so [N, K/2] = ({n_out}, {k_in // 2}) was expected.{hint}")
     inp = prefix + fmt.input_name if static and prefix + fmt.input_name in names else None
-    bias = prefix + "bias" if prefix + "bias" in names else None
+    # a bias the model's Linear does not have is not taken (reported unused, as for a plain module's)
+    bias = prefix + "bias" if prefix + "bias" in names and module.bias is not None else None
     own_bias = module.bias if bias is None else None  # the model's: the layer keeps it (reported missing)
     if own_bias is not None:
         report.missing.append(prefix + "bias")
@@ -111,7 +112,8 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
     except InvalidInputError as e:  # the constructor's message, with the module it was building
         why = str(e).removeprefix(f"{_WHO}: ")
         raise InvalidInputError(f"{_WHO}: module {name!r}: {why}. The model is unchanged") from None
-    used.update(prefix + k for k in (*fmt.required, fmt.input_name, "bias") if prefix + k in names)
+    used.update(prefix + k for k in (*fmt.required, fmt.input_name) if prefix + k in names)
+    used.update([bias] if bias is not None else [])
     report.replaced[name] = (f"Fp4Linear({k_in} -> {n_out}, mode={mode}, activation scale "
                              f"{'static' if inp is not None else 'dynamic'})")
     return Job(name, build, target_device(name, module.weight.device, dev))

@@ -299,6 +299,21 @@ def test_stored_biases_load_and_a_missing_one_is_reported(tmp_path):
     assert report.missing == [f"{q}.bias"]
 
 
+def test_a_stored_bias_the_models_linear_lacks_is_left_unused(tmp_path):
+    """It was given to the Fp4Linear (q_proj(0) was the bias, not 0) and named neither loaded nor unused."""
+    pytest.importorskip("modelopt.torch.quantization")
+    src, cfg = _tiny_llama()  # attention_bias=False
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg)
+    sd = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in safetensors_torch.load_file(str(f)).items()}
+    q = "model.layers.0.self_attn.q_proj"
+    sd[f"{q}.bias"] = torch.ones(64, dtype=torch.bfloat16)
+    model = _tiny_llama(seed=1)[0]
+    report = load_nvfp4(model, sd, quantization_config=read_quantization_config(path))
+    layer = model.get_submodule(q)
+    assert isinstance(layer, Fp4Linear) and layer.bias is None and report.unused == [f"{q}.bias"]
+    assert torch.equal(layer(torch.zeros(1, 64, dtype=torch.bfloat16)), torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
 def test_a_bare_linear_cannot_be_replaced_in_place():
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: model is an nn.Linear itself; it can only replace "
                                                 r"Linear submodules\. Wrap it"):
