@@ -23,7 +23,6 @@ was. A model on the meta device is materialized on ``device``.
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from torch import nn
 
 from .checkpoint_experts import experts_job, is_experts_module
 from .checkpoint_jobs import Job, linear_job, target_device
-from .checkpoint_shards import Shards, missing_path
+from .checkpoint_shards import Shards, missing_path, read_json
 from .errors import InvalidInputError
 from .modes import MODES
 from .nn import Fp4Linear
@@ -86,12 +85,12 @@ def read_quantization_config(path: str | Path) -> dict:
         raise err
     cfg = d / "config.json"
     if cfg.is_file():
-        q = json.loads(cfg.read_text()).get("quantization_config")
+        q = read_json(cfg).get("quantization_config")
         if q:
             return q
     hq = d / "hf_quant_config.json"
     if hq.is_file():
-        q = json.loads(hq.read_text()).get("quantization", {})
+        q = read_json(hq).get("quantization", {})
         return {"quant_method": "modelopt", **q}
     raise InvalidInputError(f"{_WHO}: {str(d)!r} has no quantization_config in config.json and no "
                             f"hf_quant_config.json: it is not a quantized checkpoint. {_SUPPORTED}; pass "

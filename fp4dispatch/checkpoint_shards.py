@@ -15,7 +15,7 @@ import torch
 
 from .errors import InvalidInputError
 
-__all__ = ["Shards", "missing_path"]
+__all__ = ["Shards", "missing_path", "read_json"]
 
 _WHO = "load_nvfp4"
 # safetensors' dtype names; a tensor of another (F4, ...) is read to be probed
@@ -32,6 +32,22 @@ def missing_path(path: Path) -> InvalidInputError | None:
         return None
     return InvalidInputError(f"{_WHO}: checkpoint {str(path)!r} does not exist; pass a checkpoint folder (config.json "
                              "and *.safetensors shards), one .safetensors file, or a state dict")
+
+
+def read_json(path: Path, key: str | None = None) -> dict:
+    """A checkpoint's JSON file as a dict (``key``: the dict it must hold under that name, as the index's
+    ``weight_map``); InvalidInputError naming the file where it is not one (truncated, hand-edited)."""
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"{_WHO}: {str(path)!r} is not valid JSON ({e}); the checkpoint is damaged: fetch "
+                                "that file again") from None
+    part = d.get(key) if isinstance(d, dict) and key is not None else d
+    if not isinstance(part, dict):
+        what = f"an object with a {key!r} object" if key is not None else "a JSON object"
+        raise InvalidInputError(f"{_WHO}: {str(path)!r} must hold {what}; got {type(part).__name__}. The checkpoint "
+                                "is damaged: fetch that file again")
+    return part
 
 
 class Shards:
@@ -51,7 +67,7 @@ class Shards:
             raise err
         index = p / "model.safetensors.index.json" if p.is_dir() else None
         if index is not None and index.is_file():
-            self._where = {k: p / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+            self._where = {k: p / v for k, v in read_json(index, "weight_map").items()}
             self._check_index(index)
             return
         files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))

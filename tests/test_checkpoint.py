@@ -314,6 +314,25 @@ def test_a_stored_bias_the_models_linear_lacks_is_left_unused(tmp_path):
     assert torch.equal(layer(torch.zeros(1, 64, dtype=torch.bfloat16)), torch.zeros(1, 64, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("config.json", "{", r"config.json' is not valid JSON \(Expecting property name enclosed in double quotes: line 1 "
+                         r"column 2 \(char 1\)\); the checkpoint is damaged: fetch that file again$"),
+    ("config.json", "[1]", r"config.json' must hold a JSON object; got list\. The checkpoint is damaged: fetch that "
+                           r"file again$"),
+    ("model.safetensors.index.json", '{"metadata": {}}',
+     r"model.safetensors.index.json' must hold an object with a 'weight_map' object; got NoneType\. The checkpoint "
+     r"is damaged"),
+    ("model.safetensors.index.json", '{"weight_map": {', r"model.safetensors.index.json' is not valid JSON"),
+])
+def test_a_damaged_json_file_of_the_checkpoint_is_named(tmp_path, name, text, message):
+    """They raised a bare KeyError or JSONDecodeError that named no file."""
+    model, cfg = _tiny_llama()
+    _save(tmp_path, {"x": torch.zeros(1)}, cfg, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16})
+    (tmp_path / name).write_text(text)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: '.*" + message):
+        load_nvfp4(model, tmp_path)
+
+
 def test_a_bare_linear_cannot_be_replaced_in_place():
     with pytest.raises(InvalidInputError, match=r"^load_nvfp4: model is an nn.Linear itself; it can only replace "
                                                 r"Linear submodules\. Wrap it"):
