@@ -59,12 +59,24 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
     wname = prefix + fmt.weight_name
     w = shards.probe(wname) if wname in names else None
     why = fmt.exclusion(name)
+    # packed NVFP4 by its shapes, whatever its dtype ([N, K/2] bytes beside [N, K/16] block scales): a byte dtype
+    # mislabelled as float, or a module the config excludes, is named as such, not as a checkpoint of another model
+    scale = shards.probe(prefix + "weight_scale") if prefix + "weight_scale" in names else None
+    packed = (w is not None and scale is not None and w.element_size() == 1 and scale.dim() == 2
+              and tuple(w.shape) == (module.out_features, module.in_features // 2)
+              and scale.shape[-1] * 8 == w.shape[1])
     skip = (f"excluded by the checkpoint ({why!r})" if why is not None else
             f"not quantized in the checkpoint (no {fmt.weight_name})" if w is None else
-            f"not quantized in the checkpoint ({fmt.weight_name} is {w.dtype})" if w.is_floating_point() else None)
+            f"not quantized in the checkpoint ({fmt.weight_name} is {w.dtype})" if w.is_floating_point() and not packed
+            else None)
     if skip is not None:
         if isinstance(module, Fp4Linear):
             raise refuse_converted(name, "Fp4Linear", skip)
+        if why is not None and packed:
+            raise InvalidInputError(f"{_WHO}: module {name!r} is excluded by the checkpoint's quantization config "
+                                    f"({why!r}), but the checkpoint stores it quantized ({wname!r} {tuple(w.shape)} "
+                                    f"with block scales): the config and the tensors disagree. Fix the exclusion "
+                                    "list, or pass quantization_config= with it fixed")
         report.skipped[name] = skip
         return None
     if w.dtype not in (torch.uint8, torch.int32, torch.int64) and "float4" not in str(w.dtype):
@@ -77,7 +89,7 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
         raise InvalidInputError(f"{_WHO}: module {name!r} is quantized in the checkpoint ({wname!r} is there) but "
                                 f"{', '.join(repr(m) for m in missing)} {'is' if len(missing) == 1 else 'are'} "
                                 f"missing; found {sorted(n for n in names if n.startswith(prefix))}")
-    who, scale = f"{_WHO}: module {name!r}", shards.probe(prefix + "weight_scale")
+    who = f"{_WHO}: module {name!r}"
     if w.dtype in (torch.int32, torch.int64):  # repacked into wider words: named before any shape is compared
         stored_weight(who, w, scale, fmt.weight_name, "weight_scale")
     n_out, k_in = module.out_features, module.in_features

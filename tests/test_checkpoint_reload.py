@@ -145,6 +145,27 @@ def test_a_loaded_layer_the_checkpoint_does_not_quantize_is_refused(tmp_path):
         load_nvfp4(model, _tensors("modelopt"), quantization_config={**MODELOPT, "exclude_modules": ["head", "up"]})
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_module_the_config_excludes_but_the_checkpoint_stores_quantized_is_named(strict):
+    """The packed weight was then compared as a plain tensor: "the checkpoint is not of this model"."""
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: module 'up' is excluded by the checkpoint's "
+                                                r"quantization config \('up'\), but the checkpoint stores it quantized "
+                                                r"\('up.weight' \(128, 32\) with block scales\): the config and the "
+                                                r"tensors disagree\. Fix the exclusion list"):
+        load_nvfp4(Net(), _tensors("modelopt"), quantization_config={**MODELOPT, "exclude_modules": ["head", "up"]},
+                   strict=strict)
+
+
+def test_a_packed_weight_stored_with_a_float8_dtype_gets_the_bytes_fix():
+    """Its float dtype read as "not quantized" first, and the message was "not of this model"."""
+    t = _tensors("modelopt")
+    t["up.weight"] = t["up.weight"].view(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: 'up.weight' has dtype torch.float8_e4m3fn; a packed "
+                                                r"NVFP4 weight is uint8 \[N, K/2\] .* It holds bytes: store them as "
+                                                r"uint8 \(t.view\(torch.uint8\), the same bytes\)$"):
+        load_nvfp4(Net(), t, quantization_config=MODELOPT)
+
+
 # -- a model on the meta device --------------------------------------------------------------------------------------
 def test_a_model_on_the_meta_device_is_made_on_device_and_refused_without_it(tmp_path):
     path = _save(tmp_path, _tensors("modelopt"), MODELOPT)
