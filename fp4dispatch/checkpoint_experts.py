@@ -72,10 +72,19 @@ def experts_job(name, module, fmt, shards, names, used, report, dev, mode, stati
     act_fn = module.act_fn
 
     def build(get: Getter) -> Fp4MoeExperts:
-        projs = [_projection(get, f"{prefix}{{}}.{proj}.", e, fmt, names, mode, static) for proj in naming]
+        projs = []
+        for proj in naming:
+            try:
+                projs.append(_projection(get, f"{prefix}{{}}.{proj}.", e, fmt, names, mode, static))
+            except InvalidInputError as err:  # the constructor's message, with the projection it was building
+                raise InvalidInputError(f"{proj} ({prefix}<e>.{proj}.*): {str(err).removeprefix('load_nvfp4: ')}"
+                                        ) from None
         return Fp4MoeExperts(*projs, act_fn)
 
-    probe = build(shards.probe)  # every check, on the probes: it raises before the model changes
+    try:
+        probe = build(shards.probe)  # every check, on the probes: it raises before the model changes
+    except InvalidInputError as err:
+        raise InvalidInputError(f"load_nvfp4: experts module {name!r}, {err}. The model is unchanged") from None
     for proj in naming:
         used.update(f"{prefix}{x}.{proj}.{k}" for x in range(e) for k in (*fmt.required, fmt.input_name)
                     if f"{prefix}{x}.{proj}.{k}" in names)

@@ -122,7 +122,7 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
     try:
         build(shards.probe)  # every check, on the probes: it raises before the model changes
     except InvalidInputError as e:  # the constructor's message, with the module it was building
-        why = str(e).removeprefix(f"{_WHO}: ")
+        why = str(e).removeprefix(f"{_WHO}: ").removeprefix(f"module {name!r}: ")  # named once, here
         raise InvalidInputError(f"{_WHO}: module {name!r}: {why}. The model is unchanged") from None
     used.update(prefix + k for k in (*fmt.required, fmt.input_name) if prefix + k in names)
     used.update([bias] if bias is not None else [])

@@ -59,8 +59,9 @@ class Fp4MoeExperts(nn.Module):
                         ("top_k_weights", top_k_weights)):
             if not isinstance(v, torch.Tensor) or not _ok(name, v.dtype):
                 got = f"dtype={v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
-                raise InvalidInputError(f"Fp4MoeExperts: {name} must be {_WANT[name]}; got {got}. Pass the router's "
-                                        "outputs as transformers does (top_k_index: the int64 indices of topk)")
+                fix = ("Cast the tokens to the model's dtype" if name == "hidden_states" else
+                       "Pass the router's outputs as transformers does (top_k_index: the int64 indices of topk)")
+                raise InvalidInputError(f"Fp4MoeExperts: {name} must be {_WANT[name]}; got {got}. {fix}")
         if not top_k_index.device == top_k_weights.device == hidden_states.device:
             raise InvalidInputError(f"Fp4MoeExperts: hidden_states, top_k_index and top_k_weights must be on one "
                                     f"device; got {hidden_states.device}, {top_k_index.device} and "

@@ -72,6 +72,9 @@ def stored_weight(who: str, weight: object, weight_scale: object, wname: str, sn
     if w.dim() != 2:
         raise InvalidInputError(f"{who}: {wname} must be 2-D [N, K/2] packed NVFP4; got shape={tuple(w.shape)}")
     n, k = w.shape[0], w.shape[1] * 2
+    if k % BLOCK:  # before the scales' shape, which would name a K/16 that is not a whole number
+        raise InvalidInputError(f"{who}: K=2*{wname}.shape[1]={k} must be a multiple of {BLOCK} (one e4m3 scale per "
+                                f"{BLOCK} values); got {wname}.shape={tuple(w.shape)}")
     if not isinstance(weight_scale, torch.Tensor):
         raise InvalidInputError(f"{who}: {sname} must be a float8_e4m3fn tensor [N, K/16]; got "
                                 f"{type(weight_scale).__name__}")
@@ -82,8 +85,6 @@ def stored_weight(who: str, weight: object, weight_scale: object, wname: str, sn
                 f" Pass the checkpoint's {sname} as stored, before any swizzle or padding")
         raise InvalidInputError(f"{who}: {sname} must be linear [N, K/16]=({n}, {k // BLOCK}) for {wname} "
                                 f"{tuple(w.shape)}; got shape={tuple(s.shape)}.{hint}")
-    if k % BLOCK:
-        raise InvalidInputError(f"{who}: K=2*{wname}.shape[1]={k} must be a multiple of {BLOCK}")
     return w, s
 
 

@@ -367,6 +367,10 @@ _CW, _CS = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4).to(torch.floa
                  r"got torch.int32: a weight repacked into wider words", id="int32"),
     pytest.param((_CW, _CS, torch.tensor([2.0]), torch.tensor([float("inf")])),
                  r"^Fp4Linear.from_compressed_tensors: input_global_scale must be positive and finite", id="igs"),
+    # it named the scales' shape (8, 0) first, a K/16 that is not a whole number
+    pytest.param((_CW[:, :4], _CS[:, :1], torch.tensor([2.0])),
+                 r"^Fp4Linear.from_compressed_tensors: K=2\*weight_packed.shape\[1\]=8 must be a multiple of 16 \(one "
+                 r"e4m3 scale per 16 values\); got weight_packed.shape=\(8, 4\)$", id="k-8"),
 ])
 def test_from_compressed_tensors_errors(args, message):
     with pytest.raises(InvalidInputError, match=message):

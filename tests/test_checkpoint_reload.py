@@ -156,6 +156,15 @@ def test_a_module_the_config_excludes_but_the_checkpoint_stores_quantized_is_nam
                    strict=strict)
 
 
+def test_a_layers_constructor_error_names_its_module_once():
+    t = _tensors("modelopt")
+    t["up.weight_scale"] = t["up.weight_scale"].float()
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: module 'up': weight_scale must hold float8_e4m3fn block "
+                                                r"scales \(or their uint8 bytes\); got dtype=torch.float32\..* The "
+                                                r"model is unchanged$"):  # was "module 'up': module 'up': ..."
+        load_nvfp4(Net(), t, quantization_config=MODELOPT)
+
+
 def test_a_packed_weight_stored_with_a_float8_dtype_gets_the_bytes_fix():
     """Its float dtype read as "not quantized" first, and the message was "not of this model"."""
     t = _tensors("modelopt")
@@ -317,10 +326,11 @@ def test_a_per_expert_scale_of_several_values_is_taken_as_fp4linear_takes_it():
     assert torch.equal(model.experts(*_route()), want.experts(*_route()))
     spread = dict(t, **{"experts.1.up_proj.weight_scale_2": torch.stack([s2, 2 * s2])})
     model = Moe()
-    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: experts.1.up_proj.weight_scale_2 has 2 different "
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: experts module 'experts', up_proj \(experts.<e>.up_proj"
+                                                r"\.\*\): experts.1.up_proj.weight_scale_2 has 2 different "
                                                 r"per-shard values .*; fp4_grouped_mm applies one alpha per expert, "
                                                 r"and taking their max would silently rescale the rest of the "
                                                 r"expert's weight\. Requantize the expert's weight with one global "
-                                                r"scale$"):
+                                                r"scale\. The model is unchanged$"):
         load_nvfp4(model, spread, quantization_config=MODELOPT)
     assert type(model.experts) is Experts
