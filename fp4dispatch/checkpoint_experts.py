@@ -18,7 +18,7 @@ from .checkpoint_jobs import Getter, Job, refuse_converted, target_device
 from .errors import InvalidInputError
 from .experts import Fp4Experts
 from .moe import Fp4MoeExperts
-from .stored import scalar_scale
+from .stored import INPUT_SPREAD, scalar_scale
 
 __all__ = ["is_experts_module", "experts_job"]
 
@@ -125,7 +125,8 @@ def _projection(get, pattern, e, fmt, names, mode, static) -> Fp4Experts:
         if static and p + fmt.input_name in names:
             iname = p + fmt.input_name
             # per fused shard: ModelOpt's largest decode scale, as Fp4Linear takes it; an encode scale must agree
-            inputs.append(scalar_scale(get(iname), iname, "load_nvfp4", allow_spread=not encode, encode=encode))
+            inputs.append(scalar_scale(get(iname), iname, "load_nvfp4", allow_spread=not encode, encode=encode,
+                                       spread=INPUT_SPREAD))
     inp = inputs if static and len(inputs) == e else None
     if fmt.kind == "modelopt":
         return Fp4Experts.from_modelopt(w, s, g, inp, mode=mode)

@@ -29,7 +29,7 @@ from .format import BLOCK, quantize_nvfp4, swizzle_scales, swizzled_scale_shape
 from .experts import Fp4Experts
 from .modes import MODES, ModeChoice, native_fp4_backend
 from .moe import Fp4MoeExperts
-from .stored import layer_size, scalar_scale, stored_weight, load_layer_state
+from .stored import INPUT_SPREAD, layer_size, scalar_scale, stored_weight, load_layer_state
 from .problem import OUT_DTYPES
 
 __all__ = ["Fp4Linear", "Fp4Experts", "Fp4MoeExperts", "MODES", "native_fp4_backend"]
@@ -169,7 +169,8 @@ class Fp4Linear(ModeChoice, nn.Module):
         wgs = scalar_scale(weight_global_scale, "weight_global_scale", who, allow_spread=False, encode=True)
         mod = cls._from_stored(w, sc, 1.0 / wgs, bias, mode, who)
         if input_global_scale is not None:
-            igs = scalar_scale(input_global_scale, "input_global_scale", who, allow_spread=False, encode=True)
+            igs = scalar_scale(input_global_scale, "input_global_scale", who, allow_spread=False, encode=True,
+                               spread=INPUT_SPREAD)
             mod.input_global_scale = _bits(igs).to(mod.weight.device)
             mod._refresh()
         return mod

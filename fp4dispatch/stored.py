@@ -7,7 +7,7 @@ import torch
 from .errors import InvalidInputError
 from .format import BLOCK, as_e4m3, as_packed_uint8
 
-__all__ = ["scalar_scale", "stored_weight", "layer_size", "load_layer_state"]
+__all__ = ["scalar_scale", "stored_weight", "layer_size", "load_layer_state", "INPUT_SPREAD"]
 
 # what the layers hold (their state dicts): bytes and fp32 bit patterns, never values nn.Module may cast
 _STORAGE = {"weight": torch.uint8, "weight_scale": torch.uint8, "weight_scale_2": torch.int32,
@@ -32,6 +32,10 @@ def layer_size(who: str, name: str, v: object, block: int = 1) -> int:
 
 _SPREAD = ("fp4_mm applies one per-tensor alpha, and taking their max would silently rescale the other shards",
            "Build one Fp4Linear per shard, or requantize the fused weight with one global scale")
+# an activation encode scale per fused shard (compressed-tensors): one scale quantizes the whole input
+INPUT_SPREAD = ("one encode scale quantizes the input of the whole fused layer",
+                "Store the smallest of them as its input_global_scale (no shard's activations then saturate), or "
+                "pass None for per-call scaling")
 
 
 def scalar_scale(t: object, name: str, who: str, *, allow_spread: bool, encode: bool = False,

@@ -367,6 +367,12 @@ _CW, _CS = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4).to(torch.floa
                  r"got torch.int32: a weight repacked into wider words", id="int32"),
     pytest.param((_CW, _CS, torch.tensor([2.0]), torch.tensor([float("inf")])),
                  r"^Fp4Linear.from_compressed_tensors: input_global_scale must be positive and finite", id="igs"),
+    # its fix was the weight shards' ("requantize the fused weight"), wrong for an activation scale
+    pytest.param((_CW, _CS, torch.tensor([2.0]), torch.tensor([100.0, 200.0])),
+                 r"^Fp4Linear.from_compressed_tensors: input_global_scale has 2 different per-shard values \[100.0, "
+                 r"200.0\]; one encode scale quantizes the input of the whole fused layer\. Store the smallest of "
+                 r"them as its input_global_scale \(no shard's activations then saturate\), or pass None for per-call "
+                 r"scaling$", id="igs-shards"),
     # it named the scales' shape (8, 0) first, a K/16 that is not a whole number
     pytest.param((_CW[:, :4], _CS[:, :1], torch.tensor([2.0])),
                  r"^Fp4Linear.from_compressed_tensors: K=2\*weight_packed.shape\[1\]=8 must be a multiple of 16 \(one "
