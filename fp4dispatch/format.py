@@ -272,6 +272,9 @@ def dequantize_nvfp4(
     NaN block scales (e4m3 0x7F/0xFF) give NaN in their 16 values.
     """
     _check_layout(scale_layout)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise InvalidInputError(f"dequantize_nvfp4: dtype must be torch.float32, torch.bfloat16, torch.float16 or "
+                                f"torch.float64 (the decoded values); got {dtype!r}")
     for name, t, what in (("packed", packed, "packed NVFP4 codes [M, K/2]"),
                           ("scale", scale, "float8_e4m3fn block scales")):
         if not isinstance(t, torch.Tensor):

@@ -62,9 +62,24 @@ def padded_rows(offs: torch.Tensor, t: int) -> torch.Tensor:
     return scale_starts(offs)[eid] + torch.arange(t, device=offs.device) - first
 
 
+def _scales(who: str, linear: object, want: str) -> torch.Tensor:
+    """``linear`` as block scales (float8_e4m3fn, or its uint8 bytes), or the error naming ``who``'s argument."""
+    if not isinstance(linear, torch.Tensor) or linear.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        got = f"dtype={linear.dtype}" if isinstance(linear, torch.Tensor) else type(linear).__name__
+        raise InvalidInputError(f"{who}: linear must be a float8_e4m3fn (or uint8 bytes) tensor of block scales "
+                                f"{want}; got {got}. Pass the scales as quantize_nvfp4(..., scale_layout='linear') "
+                                "returns them")
+    return linear
+
+
 def swizzle_grouped_scales(linear: torch.Tensor, offs: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """Linear activation scales [T, K/16] -> the swizzled grouped layout [rows, round_up(K/16,4)] for ``offs``
     (``rows`` default: ``grouped_scale_rows(T, E)``, which holds any routing)."""
+    linear = _scales("swizzle_grouped_scales", linear, "[T, K/16]")
+    if not isinstance(offs, torch.Tensor) or offs.is_floating_point() or offs.dtype == torch.bool:
+        raise InvalidInputError(f"swizzle_grouped_scales: offs must be an integer tensor [E] of cumulative end rows; "
+                                f"got {type(offs).__name__ if not isinstance(offs, torch.Tensor) else offs.dtype}. "
+                                "Build it as torch.cumsum(rows_per_expert, 0).to(torch.int32)")
     if linear.dim() != 2 or offs.dim() != 1:
         raise InvalidInputError(f"swizzle_grouped_scales: expected linear [T, K/16] and offs [E]; got linear.shape="
                                 f"{tuple(linear.shape)}, offs.shape={tuple(offs.shape)}")
@@ -91,6 +106,7 @@ def unswizzle_grouped_scales(swizzled: torch.Tensor, offs: torch.Tensor, t: int,
 def swizzle_expert_scales(linear: torch.Tensor) -> torch.Tensor:
     """Weight scales [E, N, K/16] -> [E, round_up(N,128), round_up(K/16,4)], each expert 128x4-swizzled (vLLM's
     ``swizzle_blockscale``)."""
+    linear = _scales("swizzle_expert_scales", linear, "[E, N, K/16]")
     if linear.dim() != 3:
         raise InvalidInputError(f"swizzle_expert_scales: expected [E, N, K/16]; got shape={tuple(linear.shape)}")
     e, n, cols = linear.shape

@@ -166,7 +166,8 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
         raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [T, K] (the routed rows, grouped by "
                     f"expert); got {_type_name(a)}")
     if a.dtype not in _HALF:
-        hint = (" It holds packed NVFP4 data: that is fp4_grouped_mm's a (with a_scale)" if a.dtype == torch.uint8
+        packed = a.dtype == torch.uint8 or "float4" in str(a.dtype)  # a cast of packed codes means nothing
+        hint = (" It holds packed NVFP4 data: that is fp4_grouped_mm's a (with a_scale)" if packed
                 else " Cast it with a.to(torch.bfloat16)")
         raise _fail(f"a must be bfloat16 or float16 [T, K] (W4A16: activations as they are); got dtype={a.dtype}."
                     f"{hint}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -267,3 +268,14 @@ def test_a_global_scale_divides_as_before_and_numpy_numbers_are_taken():
     assert torch.equal(dequantize_nvfp4(q, s, float(g)), ref)
     assert torch.equal(dequantize_nvfp4(q, s, np.float32(g.item())), ref)
     assert torch.equal(quantize_nvfp4(torch.randn(4, 32), np.float32(2.5))[2], torch.tensor([2.5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn, "float32"])
+def test_dequantize_refuses_a_dtype_that_cannot_hold_the_values(dtype):
+    """uint8 raised torch's overflow error, "float32" a TypeError; int32 and e4m3 returned truncated values."""
+    q, s, _ = quantize_nvfp4(torch.randn(4, 32))
+    with pytest.raises(InvalidInputError, match=r"^dequantize_nvfp4: dtype must be torch.float32, torch.bfloat16, "
+                                                r"torch.float16 or torch.float64 \(the decoded values\); got "
+                                                + re.escape(repr(dtype)) + "$"):
+        dequantize_nvfp4(q, s, dtype=dtype)
+    assert torch.equal(dequantize_nvfp4(q, s, dtype=torch.float64), dequantize_nvfp4(q, s).double())

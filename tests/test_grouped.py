@@ -399,6 +399,27 @@ def test_the_public_call_the_custom_ops_and_torch_compile_agree(tmp_path, monkey
         fp4dispatch.set_dispatcher(None)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda sa, offs: swizzle_grouped_scales(sa, offs.tolist()),
+     r"^swizzle_grouped_scales: offs must be an integer tensor \[E\] of cumulative end rows; got list\. Build it as "
+     r"torch.cumsum\(rows_per_expert, 0\).to\(torch.int32\)$"),
+    (lambda sa, offs: swizzle_grouped_scales(sa.tolist(), offs),
+     r"^swizzle_grouped_scales: linear must be a float8_e4m3fn \(or uint8 bytes\) tensor of block scales \[T, "
+     r"K/16\]; got list\. Pass the scales as quantize_nvfp4\(\.\.\., scale_layout='linear'\) returns them$"),
+    (lambda sa, offs: swizzle_grouped_scales(sa.float(), offs),
+     r"^swizzle_grouped_scales: linear must be .*; got dtype=torch.float32\."),
+    (lambda sa, offs: swizzle_expert_scales(sa.float()[None]),
+     r"^swizzle_expert_scales: linear must be a float8_e4m3fn \(or uint8 bytes\) tensor of block scales \[E, N, "
+     r"K/16\]; got dtype=torch.float32\."),
+])
+def test_the_grouped_scale_helpers_refuse_what_is_not_scales(call, message):
+    """A list raised AttributeError, float32 scales a RuntimeError of index_copy_."""
+    offs = _offs([2, 0, 3])
+    sa = torch.ones(5, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match=message):
+        call(sa, offs)
+
+
 def test_a_compiled_call_reads_and_checks_offs_as_the_eager_one_does(tmp_path, monkeypatch):
     """The grouped custom ops take the caller's check_offs. They had always passed False: a compiled call took a
     wrong routing table without a word, and refused an a_scale of the routing's own rows that the eager call takes."""

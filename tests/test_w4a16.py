@@ -135,6 +135,9 @@ ERRORS = [
     (lambda a, b, s, al: (b, b, s, al), {},
      r"^w4a16_mm: a must be bfloat16 or float16 .* got dtype=torch.uint8\. It holds packed NVFP4 data: that is "
      r"fp4_mm's a \(with a_scale\)$"),
+    (lambda a, b, s, al: (b.view(torch.float4_e2m1fn_x2), b, s, al), {},  # was told to cast it to bf16
+     r"^w4a16_mm: a must be bfloat16 or float16 .* got dtype=torch.float4_e2m1fn_x2\. It holds packed NVFP4 data: "
+     r"that is fp4_mm's a \(with a_scale\)$"),
     (lambda a, b, s, al: (a[None], b, s, al), {},
      r"^w4a16_mm: a must be 2-D \[M, K\]; got a.shape=\(1, 3, 128\)\. Flatten the leading dims"),
     (lambda a, b, s, al: (a[:, :64], b, s, al), {},

@@ -99,6 +99,10 @@ def test_every_failure_mode_of_a_w4a16_grouped_backend_is_caught_per_key(tmp_pat
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a.view(torch.uint8), b, sb, al, offs),
      r"^w4a16_grouped_mm: a must be bfloat16 or float16 \[T, K\] \(W4A16: activations as they are\); got "
      r"dtype=torch.uint8\. It holds packed NVFP4 data: that is fp4_grouped_mm's a \(with a_scale\)$"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(b[0].view(torch.float4_e2m1fn_x2)[:8], b, sb, al,
+                                                             offs),
+     r"^w4a16_grouped_mm: a must be bfloat16 or float16 .*got dtype=torch.float4_e2m1fn_x2\. It holds packed NVFP4 "
+     r"data: that is fp4_grouped_mm's a \(with a_scale\)$"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a.float(), b, sb, al, offs),
      r"^w4a16_grouped_mm: a must be bfloat16 or float16 .*got dtype=torch.float32\. Cast it with "
      r"a.to\(torch.bfloat16\)$"),
