@@ -96,6 +96,7 @@ def _global_scale(global_scale: object, device: torch.device, call: str) -> torc
     if global_scale is None:
         return None
     if isinstance(global_scale, torch.Tensor):
+        global_scale = global_scale.detach()  # a scale, never a value to differentiate: no autograd history out
         if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
             why = ("NVFP4 has one global scale per tensor: pass that one value, not a per-row or per-column scale"
                    if global_scale.numel() != 1 else
@@ -178,7 +179,9 @@ def default_global_scale(x: torch.Tensor) -> torch.Tensor:
     """``448*6/amax`` over x's finite values, as a float32 1-element tensor; 1.0 where that is not a finite positive
     number (x empty, all zero or not finite, or its amax so small that the quotient overflows). A NaN or inf is left
     out so that it spoils only its own 16-value block (through that block's scale), not the whole tensor: with it in
-    the amax, gs would be 1.0 (NaN: the blocks of small values then get zero scales) or 0 (inf: every value NaN)."""
+    the amax, gs would be 1.0 (NaN: the blocks of small values then get zero scales) or 0 (inf: every value NaN).
+    The quotient is torch's scalar / tensor, ``reciprocal(amax) * 2688``, not always the correctly rounded one (its
+    last bit may differ): it is the definition the CUDA kernel (``kernels.quantize``) matches bit for bit."""
     if x.numel() == 0:
         return torch.ones(1, dtype=torch.float32, device=x.device)
     a = x.detach().abs()

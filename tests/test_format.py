@@ -279,3 +279,15 @@ def test_dequantize_refuses_a_dtype_that_cannot_hold_the_values(dtype):
                                                 + re.escape(repr(dtype)) + "$"):
         dequantize_nvfp4(q, s, dtype=dtype)
     assert torch.equal(dequantize_nvfp4(q, s, dtype=torch.float64), dequantize_nvfp4(q, s).double())
+
+
+def test_a_global_scale_that_requires_grad_is_taken_as_a_value():
+    """It warned (float() of a tensor that requires grad) and the returned scale required grad."""
+    import warnings
+
+    gs = torch.tensor([2.5], requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, s, g = quantize_nvfp4(torch.randn(4, 32), gs)
+        out = dequantize_nvfp4(q, s, gs)
+    assert not g.requires_grad and not out.requires_grad and torch.equal(g, gs.detach())
