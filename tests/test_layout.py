@@ -1,6 +1,7 @@
 """The shape of the package, checked statically (no Triton needed): no module of fp4dispatch imports, directly or
 through others (lazy imports included), a module that imports it back; no file over 400 lines; no runtime module
-imports the test helpers; the kernels import no layer above them; and backends/triton_fused.py reaches a kernel through fp4_mm only."""
+imports the test helpers; the kernels import no layer above them; and backends/triton_fused.py reaches a kernel
+through fp4_mm only."""
 from __future__ import annotations
 
 import ast

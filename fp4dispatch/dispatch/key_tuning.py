@@ -19,12 +19,12 @@ from ..errors import MEMORY_ADVICE, DeviceMemoryError, NoUsableBackendError, des
 from ..problem import Problem
 from .choice import Choice, add_proven, ident
 from .health import wrong_when_probed
-from .probe import memory_short
-from .verify import OUT_OF_MEMORY
 from .neighbours import neighbour_picks, offered_configs
+from .probe import memory_short
 from .records import key_str
 from .timer import DoBench, for_device, screen_for_device
 from .tuner import FULL, Search, Tuning, merge_tunings, tune, verify_only
+from .verify import OUT_OF_MEMORY
 
 __all__ = ["KeyTuning", "FirstRound"]
 
@@ -216,9 +216,10 @@ class KeyTuning:
         the key are searched on it (next to already recorded keys, their best few only), and the two tunings are
         recorded as one decision (``merge_tunings``: ranked as one search). A first-round trial of a backend that
         can no longer serve the key is dropped; a backend that raised in the first round (the GPU was shared with the
-        workers then: their load, their memory) is not banned for it but searched again in the second. Returns how many keys were decided; a
-        key that is decided already, or that this fails on, is left to the usual decision (which raises
-        NoUsableBackendError with every reason when none can serve it). ``wait(key)``: as in ``decide_beside``."""
+        workers then: their load, their memory) is not banned for it but searched again in the second. Returns how
+        many keys were decided; a key that is decided already, or that this fails on, is left to the usual decision
+        (which raises NoUsableBackendError with every reason when none can serve it). ``wait(key)``: as in
+        ``decide_beside``."""
         done = 0
         for key, r in rounds.items():
             try:
