@@ -139,3 +139,18 @@ def test_a_call_short_of_memory_is_redone_and_not_recorded(tmp_path, caplog):
     assert d.cache_for(CPU).faults == {} and blacklist(d) == {}
     fresh = disp(pair(), tmp_path)
     assert right(fresh, 5) and fresh.choose(problem(5)).backend.name == "x"
+
+
+def test_a_backend_banned_while_its_replacement_cannot_be_proven_serves_no_more(tmp_path):
+    """The ban was written, but when the next backend's proof raised (here: short of memory) the banned one stayed
+    the key's choice in memory and served the M it had been proven at."""
+    bad, nxt = FakeBackend("bad", cost=1e-6, wrong_for_m=(6,)), FakeBackend("next", cost=1e-3)
+    d = disp([bad, nxt], tmp_path)
+    assert right(d, 8) and d.choose(problem(8)).backend is bad
+    nxt.raises = short()
+    with pytest.raises(DeviceMemoryError, match=r"proved next right at M=6"):
+        right(d, 6)
+    assert set(blacklist(d)[KEY]) == {"bad"}
+    nxt.raises, before = None, bad.calls
+    assert right(d, 8) and right(d, 6) and bad.calls == before
+    assert d.choose(problem(8)).backend is nxt

@@ -310,6 +310,8 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
 
     def _ban(self, cache: DecisionCache, key: tuple, name: str, reason: str) -> None:
         ks = key_str(key)
+        if (cur := self._choices.get(key)) is not None and cur.backend.name == name:
+            del self._choices[key]  # it serves the key no more, even where what replaces it cannot be had now
         cache.update("shape_blacklist", {ks: {name: reason}}, merge_nested=True)
         self._warn(f"ban:{ks}:{name}", "fp4dispatch: backend %s is banned from %s: %s", name, ks, reason)
 
