@@ -131,6 +131,21 @@ def test_nonfinite_from_finite(dtype, value, flagged):
     assert not bool(nonfinite_from_finite(Operands(a, b, sa, sb, bad_alpha, out), dtype))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_guard_does_not_ban_a_right_result_that_overflows(tmp_path, monkeypatch, out_dtype):
+    """A large finite alpha makes the exact product +-Inf (the reference's too): the guard banned every backend that
+    computed it, on disk, so that the shape then failed in every process."""
+    monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", "1")
+    d = _guarded(tmp_path, FakeBackend("x"), FakeBackend("y"))
+    a, b, sa, sb, _ = make_nvfp4_inputs(4, 64, 128)
+    alpha = torch.tensor([3e36])
+    for _ in range(3):
+        y = d.fp4_mm(a, b, sa, sb, alpha, out_dtype=out_dtype)
+    ref = reference_mm(Problem(4, 64, 128, out_dtype, CPU), Operands(a, b, sa, sb, alpha, torch.empty_like(y)))
+    assert bool(torch.isinf(ref).any()) and torch.equal(y, ref.to(out_dtype))
+    assert d.guard.check(d) == [] and d.cache_for(CPU).shape_blacklist == {}
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-3"])
 def test_guard_every_env_errors(monkeypatch, value):
     monkeypatch.setenv("FP4DISPATCH_GUARD_EVERY", value)
@@ -160,7 +175,9 @@ def test_guard_check_is_empty_when_guard_is_off(tmp_path):
 
 @pytest.mark.parametrize("out_value, a_value, flagged", [
     pytest.param(float("nan"), 1.0, True, id="nan-from-finite"),
-    pytest.param(float("inf"), 1.0, False, id="inf-is-overflow-of-16-bit-activations"),
+    pytest.param(float("inf"), 1.0, True, id="inf-from-activations-too-small-to-overflow"),
+    pytest.param(float("inf"), 3e38, False, id="inf-may-be-overflow-of-16-bit-activations"),
+    pytest.param(float("nan"), 3e38, False, id="nan-may-be-inf-minus-inf"),
     pytest.param(float("nan"), float("nan"), False, id="nan-activation"),
     pytest.param(float("nan"), float("inf"), False, id="inf-activation"),
 ])

@@ -8,8 +8,12 @@ backend found wrong), a warning is logged, and the current call is recomputed wi
 before a check keep their bad outputs: guard mode bounds how long a bad backend stays in use, it does not make every
 output right.
 
-"Finite inputs": e2m1 codes are always finite, so this means no NaN e4m3 block scale (0x7F/0xFF) and a finite
-alpha. For float16 outputs only NaN counts, since a finite fp16 product may legitimately overflow to Inf.
+"Finite inputs": e2m1 codes are always finite, so this means no NaN e4m3 block scale (0x7F/0xFF), a finite
+alpha, and inputs too small for the product to overflow: ``|alpha| * max|a| * 2688 * K`` (an e2m1 x e4m3 value is at
+most 6 * 448 = 2688; ``max|a|`` is that for NVFP4 activations, their own amax for 16-bit ones) below bfloat16's
+largest finite value, so that no fp32 partial sum and no bf16 or fp32 result can be Inf (or, through Inf - Inf, NaN).
+A product that may overflow is not judged. For float16 outputs only NaN counts, since a finite fp16 product may
+legitimately overflow to Inf.
 
 Under CUDA-graph capture the flag update is captured (every replay feeds the flag) and nothing syncs; a key whose
 flag does not exist yet (not warmed up, see :func:`fp4dispatch.graphs.warmup`) is not guarded inside the graph.
@@ -31,6 +35,8 @@ log = logging.getLogger("fp4dispatch")
 
 DEFAULT_EVERY = 64
 _NAN_E4M3 = 0x7F  # e4m3fn has no Inf; its NaN is S.1111.111
+_FP4_MAX = 6.0 * 448.0  # the largest |e2m1 x e4m3| value
+_NO_OVERFLOW = torch.finfo(torch.bfloat16).max  # below it, no fp32 sum and no bf16 or fp32 result is Inf
 
 
 @dataclass(frozen=True)
@@ -58,16 +64,18 @@ def _has_nan_scale(s: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_from_finite(ops, out_dtype: torch.dtype) -> torch.Tensor:
-    """0-d bool device tensor: ``ops.out`` has a non-finite value while every input is finite. No host sync."""
+    """0-d bool device tensor: ``ops.out`` has a non-finite value while every input is finite and too small for the
+    product to overflow (the module's docstring). No host sync."""
     mn, mx = torch.aminmax(ops.out)  # one pass: NaN propagates into both, +-Inf shows in one of them
     w4a16 = ops.a.dtype != torch.uint8  # w4a16_mm: a holds the caller's 16-bit activations, not NVFP4 codes
-    if out_dtype == torch.float16 or w4a16:  # finite inputs may overflow here: only NaN is a fault
+    if out_dtype == torch.float16:  # a finite fp32 result may overflow fp16: only NaN is a fault
         bad = torch.isnan(mx)
     else:
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
-    inputs_ok = torch.isfinite(ops.alpha).all() & ~_has_nan_scale(ops.a_scale) & ~_has_nan_scale(ops.b_scale)
-    if w4a16:
-        inputs_ok = inputs_ok & torch.isfinite(ops.a).all()
+    # the largest |result| the inputs allow, NaN where one is NaN (amax keeps it): every finite one bounds it
+    a_max = ops.a.abs().amax().float() if w4a16 else _FP4_MAX
+    bound = ops.alpha.abs().amax() * a_max * (_FP4_MAX * ops.b.shape[-1] * 2)
+    inputs_ok = (bound < _NO_OVERFLOW) & ~_has_nan_scale(ops.a_scale) & ~_has_nan_scale(ops.b_scale)
     return bad & inputs_ok
 
 
