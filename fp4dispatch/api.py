@@ -72,7 +72,8 @@ def fp4_mm(
         out_dtype: torch.bfloat16 (default), torch.float16 or torch.float32.
         out: optional preallocated contiguous [M, N] tensor of ``out_dtype``.
         scale_layout: "swizzled" (default) or "linear".
-        backend: force one backend by name (see ``get_dispatcher().report()``).
+        backend: force one backend by name (see ``get_dispatcher().report()``): not proven per call, so one that is
+            unhealthy here or banned from this shape is refused (BackendError).
 
     Returns:
         [M, N] tensor of ``out_dtype`` (``out`` itself when given).

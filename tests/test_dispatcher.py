@@ -248,6 +248,30 @@ def test_forced_unhealthy_backend_says_why(tmp_path, monkeypatch):
         _call(d, 4, backend="nope")
 
 
+def test_a_forced_backend_known_wrong_on_the_shape_is_refused(tmp_path, monkeypatch):
+    """A forced call is not proven: a backend banned from the shape, or found wrong at a probe M of its bucket,
+    returned what it had been found wrong with (zeros), without a word."""
+    bad, good = FakeBackend("bad", cost=1e-6, wrong_for_m=(5,)), FakeBackend("good", cost=1e-3)
+    d = _disp([bad, good], tmp_path)
+    _call(d, 8)
+    _call(d, 5)  # proven at M=5: wrong, banned from the key
+    with pytest.raises(BackendError, match=r"^fp4_mm: backend 'bad' was requested but is banned from "
+                                           r"m8-n64-k128-float32 on cpu: incorrect when proven at M=5: all zeros at "
+                                           r"M=5 \(N=64, K=128\)\. Call without backend=, or clear the cache \(python "
+                                           r"-m fp4dispatch.tune clear\) if its library was fixed$"):
+        _call(d, 5, backend="bad")
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "bad")  # a later process, forced by the variable
+    with pytest.raises(BackendError, match=r"'bad' was requested but is banned from m8-n64-k128-float32"):
+        _call(_disp([FakeBackend("bad", wrong_for_m=(5,)), FakeBackend("good")], tmp_path), 6)
+    monkeypatch.delenv("FP4DISPATCH_BACKEND")
+    probe_wrong = FakeBackend("pw", wrong_for_m=(3,))  # wrong at probe M 3 only: kept out of bucket 4's keys
+    with pytest.raises(BackendError, match=r"'pw' was requested but is banned from m4-n64-k128-float32 on cpu: "
+                                           r"incorrect at M=3 when probed \(M bucket 4 holds it\)"):
+        _call(_disp([probe_wrong, FakeBackend("good")], tmp_path / "2"), 4, backend="pw")
+    out, ref = _call(d, 5, backend="good")
+    assert _close(out, ref)
+
+
 def test_disable_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_DISABLE", "fast, triton:fused")  # built-in names are accepted too
     fast, slow = FakeBackend("fast", cost=1e-6), FakeBackend("slow", cost=1e-3)

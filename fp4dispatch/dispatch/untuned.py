@@ -8,6 +8,7 @@ from ..backends.base import Backend, backend_ops, computes
 from ..errors import BackendError, InvalidInputError, NoUsableBackendError
 from ..problem import Problem
 from .choice import Choice
+from .health import wrong_when_probed
 from .records import key_str
 
 __all__ = ["UntunedChoices"]
@@ -63,10 +64,18 @@ class UntunedChoices:
         if b is None:
             return None
         with self._lock:
-            v = self._state(problem.device, problem.op)[1][b.name]
+            cache, health = self._state(problem.device, problem.op)
+            v = health[b.name]
         if v.status != "ok":
             raise BackendError(f"{problem.call}: backend {b.name!r} was requested but is {v.status} on "
                                f"{problem.device}: {v.reason}")
+        # known wrong on this shape: a forced call is not proven, so it would return what was found wrong
+        ks = key_str(problem.key)
+        wrong = cache.shape_blacklist.get(ks, {}).get(b.name) or wrong_when_probed(v, problem.key[1])
+        if wrong:
+            raise BackendError(f"{problem.call}: backend {b.name!r} was requested but is banned from {ks} on "
+                               f"{problem.device}: {wrong}. Call without backend=, or clear the cache (python -m "
+                               "fp4dispatch.tune clear) if its library was fixed")
         why = b.unsupported(problem)
         if why is not None:
             raise BackendError(f"{problem.call}: backend {b.name!r} was requested but does not support {problem}: "
