@@ -333,6 +333,17 @@ def test_report_fields(tmp_path):
     assert all(r.reason for r in recs if r.status != "ok")
 
 
+def test_report_credits_the_backend_that_serves_a_key_after_its_winner_was_banned(tmp_path):
+    """The decision's winner kept its win after a ban at a new M; the one serving the key was shown as losing to it."""
+    d = _disp([FakeBackend("bad", cost=1e-6, wrong_for_m=(5,)), FakeBackend("good", cost=1e-5)], tmp_path)
+    _call(d, 8)
+    _call(d, 5)
+    recs = {r.name: r for r in d.report("cpu")}
+    assert recs["good"].wins == ["m8-n64-k128-float32"] and recs["good"].losses == {}
+    assert recs["bad"].wins == [] and recs["bad"].losses == {
+        "m8-n64-k128-float32": "incorrect when proven at M=5: all zeros at M=5 (N=64, K=128)"}
+
+
 def test_settings_read_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("FP4DISPATCH_TUNE", "off")
     monkeypatch.setenv("FP4DISPATCH_ISOLATE", "1")

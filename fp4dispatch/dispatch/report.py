@@ -56,13 +56,14 @@ def build_report(backends, health: dict, decisions: dict, shape_blacklist: dict,
             continue
         rec = BackendRecord(b.name, v.status, v.reason)
         for ks, e in decisions.items():
-            if e.get("backend") == b.name:
+            win = _serving(e, shape_blacklist.get(ks, {}))
+            if win is not None and win.get("backend") == b.name:
                 rec.wins.append(ks)
                 continue
             for t in e.get("ranking", []):
-                if t.get("backend") == b.name and t.get("time_us") is not None:
-                    rec.losses.setdefault(ks, f"slower: {t['time_us']} us vs {e.get('time_us')} us "
-                                              f"({e.get('backend')})")
+                if t.get("backend") == b.name and t.get("time_us") is not None and win is not None:
+                    rec.losses.setdefault(ks, f"slower: {t['time_us']} us vs {win.get('time_us')} us "
+                                              f"({win.get('backend')})")
         for ks, by_name in faults.items():
             if b.name in by_name:
                 f = by_name[b.name]
@@ -72,3 +73,11 @@ def build_report(backends, health: dict, decisions: dict, shape_blacklist: dict,
                 rec.losses[ks] = banned[b.name]
         recs.append(rec)
     return recs
+
+
+def _serving(entry: dict, banned: dict) -> dict | None:
+    """The decision's first timed trial whose backend is not banned from its key since: the one that serves it."""
+    for t in [entry, *entry.get("ranking", [])]:
+        if isinstance(t, dict) and t.get("time_us") is not None and t.get("backend") not in banned:
+            return t
+    return None
