@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 
 import pytest
 
@@ -147,7 +146,7 @@ def test_08_at_exit_pending_writes_wait_longer_and_what_is_lost_is_said(tmp_path
 
     assert cache_mod.EXIT_LOCK_TIMEOUT_S >= 10 * cache_mod.LOCK_TIMEOUT_S  # was the calls' 1 s, then lost silently
     monkeypatch.setattr(cache_mod, "EXIT_LOCK_TIMEOUT_S", 0.2)  # held throughout below: no need to wait 10 s
-    monkeypatch.setattr(cache_mod, "_pending_caches", weakref.WeakSet())  # other tests' caches stay out of it
+    monkeypatch.setattr(cache_mod, "_pending_caches", set())  # other tests' caches stay out of it
     c = cache_mod.DecisionCache(tmp_path, {"device_type": "cpu", "libs": {}})
     keys = [f"m1-n{16 * i}-k64-float32" for i in range(1, 6)]
     for ks in keys:
@@ -166,6 +165,22 @@ def test_08_at_exit_pending_writes_wait_longer_and_what_is_lost_is_said(tmp_path
                    f"{', '.join(keys[:3])} (+2 more); verified: {keys[0]}")
     cache_mod._flush_at_exit()  # the lock is free: everything is written, nothing is said
     assert set(json.loads(c.path.read_text())["decisions"]) == set(keys) and c.pending_summary() == ""
+
+
+def test_08_a_pending_update_is_written_at_exit_after_its_cache_object_is_gone(tmp_path, monkeypatch):
+    """The exit flush held its caches weakly: a command's dispatcher (tune's) gone, its pending update was lost."""
+    import gc
+
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "_pending_caches", set())
+    c = cache_mod.DecisionCache(tmp_path, {"device_type": "cpu", "libs": {}})
+    path = c.path
+    c.update("decisions", {"m1-n64-k64-float32": {"backend": "x"}}, defer=True)
+    del c
+    gc.collect()
+    cache_mod._flush_at_exit()
+    assert list(json.loads(path.read_text())["decisions"]) == ["m1-n64-k64-float32"]
 
 
 # -- 9. scaling -------------------------------------------------------------------------------------------------

@@ -404,6 +404,36 @@ def test_second_run_reads_the_cache(capsys, tuned, tmp_path):
     assert all(b.calls == 0 for b in counting)  # neither probed nor tuned again
 
 
+def test_a_cache_lock_held_throughout_the_run_is_said_and_exits_1(capsys, tmp_path, monkeypatch):
+    """The run printed "cache: <file>" and exited 0 with its decisions unwritten (and, the exit flush holding caches
+    weakly, lost)."""
+    from filelock import FileLock
+
+    from fp4dispatch.cli import output
+    from fp4dispatch.dispatch import cache as cache_mod
+    from fp4dispatch.dispatch.fingerprint import device_fingerprint
+
+    monkeypatch.setattr(output, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(cache_mod, "LOCK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(cache_mod, "_pending_caches", set())
+    cdir = tmp_path / "c"
+    cdir.mkdir()
+    path = cache_mod.DecisionCache(cdir, device_fingerprint(torch.device("cpu"))).path
+    peer = FileLock(str(path) + ".lock")
+    peer.acquire()
+    try:
+        code, data, _ = _json(capsys, ["--shape", "1,256,512", "--json", "--cache-dir", str(cdir)], backends=_fakes(),
+                              do_bench=fake_do_bench)
+    finally:
+        peer.release()
+    assert code == 1 and data["exit_code"] == 1 and data["notes"][-1] == (
+        f"the cache lock {path}.lock was held by another process for 0.2 s: these decisions are not written to {path} "
+        "yet (tried once more at exit). Run tune again once that process is done")
+    assert not path.exists()
+    cache_mod._flush_at_exit()  # the lock free: what the run decided is written
+    assert list(json.loads(path.read_text())["decisions"]) == ["m1-n256-k512-bfloat16"]
+
+
 @cpu_only
 def test_no_usable_backend_exits_1_and_lists_the_shape(capsys, monkeypatch):
     monkeypatch.setenv("FP4DISPATCH_DISABLE", "reference")

@@ -24,6 +24,7 @@ from ..dispatch.fingerprint import device_fingerprint
 from ..errors import InvalidInputError
 from ..problem import m_bucket
 from .log_setup import log_to_stderr
+from .output import console, finish, fmt, print_table
 from .profile import ProfileError, export_profile, import_profile
 
 __all__ = ["main", "build_parser", "TuneOptions"]
@@ -35,115 +36,6 @@ _CPU_NOTE = ("No CUDA device found: deciding on the CPU with the backends that r
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-# -- output ---------------------------------------------------------------------------------------------------------
-def _console():
-    from rich.console import Console
-
-    tty = sys.stdout.isatty()
-    # markup off: configs and reasons hold brackets ("[BLOCK_M=64]") that rich would read as style tags
-    return Console(file=sys.stdout, width=None if tty else 220, highlight=False, markup=False, soft_wrap=False), tty
-
-
-def _print_table(con, title: str, columns: list[str], rows: list[list[str]], tty: bool) -> None:
-    from rich import box
-    from rich.table import Table
-
-    # off a terminal the tables are plain Markdown (title as a heading), ready to paste into benchmarks/RESULTS.md
-    t = Table(title=title if tty else None, box=box.ROUNDED if tty else box.MARKDOWN, title_justify="left")
-    for c in columns:
-        t.add_column(c, overflow="fold")
-    for r in rows:
-        t.add_row(*r)
-    if tty:
-        con.print(t)
-        return
-    with con.capture() as cap:
-        con.print(t)
-    body = "\n".join(line.rstrip() for line in cap.get().splitlines() if line.strip())  # drop the blank edge rows
-    con.print(f"\n### {title}\n\n{body}")
-
-
-def _fmt(v, spec: str = ".1f", suffix: str = "") -> str:
-    return "-" if v is None else f"{v:{spec}}{suffix}"
-
-
-def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> None:
-    con, tty = _console()
-    for note in notes:
-        con.print(note)
-    gpu = any(r.get("cublas_bf16_us") is not None for r in rows)
-    several = len({r["tuned_by"] for r in rows}) > 1
-    cols = ["M bucket", "N", "K", "layer", "tried", "winner", "time (us)", "TFLOP/s", "vs runner-up",
-            "slowest first run"]
-    cols += ["vs cuBLAS bf16"] if gpu else []
-    cols += ["by"] if several else []
-    body = []
-    for r in rows:
-        ok = r["status"] == "ok"
-        cfg = ",".join(f"{k}={v}" for k, v in sorted(r.get("config", {}).items())) if ok else ""
-        tried = r.get("tried", [])
-        line = [str(r["m_bucket"]), str(r["n"]), str(r["k"]), ", ".join(r["layers"]) or "-",
-                f"{sum(not t.get('reason') for t in tried)}/{len(tried)} ok" if ok else "-",
-                (r["winner"] + (f" [{cfg}]" if cfg else "")) if ok else "NONE",
-                _fmt(r.get("time_us")), _fmt(r.get("tflops"), ".3g"),
-                _fmt(r.get("speedup_vs_runner_up"), ".2f", "x")
-                + (f" ({r['runner_up']})" if r.get("runner_up") else ""), _slowest_first_run(tried)]
-        line += [_fmt(r.get("speedup_vs_cublas_bf16"), ".2f", "x")] if gpu else []
-        line += [r["tuned_by"]] if several else []
-        body.append(line)
-    w4 = any(r.get("op") == "w4a16" for r in rows)
-    _print_table(con, "Per shape" + (" (w4a16_mm: 16-bit activations)" if w4 else ""), cols, body, tty)
-    per_backend = [[b["device"], b["name"], b["status"], b["reason"] or "-", str(b["wins"])] for b in backends]
-    _print_table(con, "Per backend", ["device", "name", "status", "reason", "wins"], per_backend, tty)
-    for note in distributed.auto_mode_notes(backends):
-        con.print("\n" + note)
-    cached = sum(r.get("source") == "cache" for r in rows)
-    if cached:
-        con.print(f"\n{cached} of {len(rows)} shapes came from the cache "
-                  "(python -m fp4dispatch.tune clear to measure them again).")
-
-
-def _slowest_first_run(tried: list[dict]) -> str:
-    """The candidate whose check (its first run on the shape: a JIT compile, a weight preparation) took longest."""
-    timed = [t for t in tried if t.get("check_s") is not None]
-    if not timed:
-        return "-"
-    t = max(timed, key=lambda t: t["check_s"])
-    return f"{t['check_s']:.2f} s ({t['backend']})"
-
-
-def _failed_lines(rows: list[dict]) -> list[str]:
-    out = []
-    for r in rows:
-        if r["status"] != "ok":
-            why = "; ".join(f"{n}: {w}" for n, w in r.get("reasons", {}).items()) or r.get("error", "")
-            out.append(f"  {r['key']} ({', '.join(r['layers']) or 'shape'}): {why}")
-    return out
-
-
-def _finish(args, payload: dict, rows: list[dict], backends: list[dict], notes: list[str],
-            cache: DecisionCache | None = None) -> int:
-    failed = _failed_lines(rows)
-    code = 1 if failed else 0
-    if cache is not None:
-        cache.flush(timeout=30)  # updates kept in memory while another process held the lock
-        if cache.write_error:
-            code = 1
-            notes = notes + [f"could not write the cache {cache.path} ({cache.write_error}): these decisions are "
-                             "lost when this process ends. Make the directory writable or pass --cache-dir"]
-        else:
-            notes = notes + [f"cache: {cache.path}"]
-    if args.json:
-        payload.update(notes=notes, shapes=rows, backends=backends, failed=[r["key"] for r in rows
-                                                                          if r["status"] != "ok"], exit_code=code)
-        print(json.dumps(payload, indent=1, default=str))
-        return code
-    _print_tables(rows, backends, notes)
-    if failed:
-        print(f"No usable backend for {len(failed)} shape(s):\n" + "\n".join(failed))
-    return code
 
 
 # -- commands -------------------------------------------------------------------------------------------------------
@@ -188,17 +80,17 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
             print(f"fp4dispatch.tune: {e}", file=sys.stderr)
             return 2
         payload.update(mode="torchrun", rank=res["rank"], world_size=res["world_size"], device=res["device"])
-        return _finish(args, payload, res["rows"], res["backends"], notes)
+        return finish(args, payload, res["rows"], res["backends"], notes)
     if args.devices:
         rows, backs, errors = distributed.merge_device_results(distributed.run_on_devices(args.devices, shapes, opts))
         notes += errors
         payload.update(mode="devices", devices=args.devices)
-        return _finish(args, payload, rows, backs, notes)
+        return finish(args, payload, rows, backs, notes)
     d = make_dispatcher(opts, backends, do_bench)
     seconds: dict = {}
     rows = distributed.tune_rows(d, dev, shapes, opts, tuned_by=str(dev), seconds=seconds)
     payload.update(mode="single", device=str(dev), cache=str(d.cache_for(dev).path), seconds=seconds)
-    return _finish(args, payload, rows, backend_rows(d, dev), notes, d.cache_for(dev))
+    return finish(args, payload, rows, backend_rows(d, dev), notes, d.cache_for(dev))
 
 
 def _cmd_self_test(args, opts: TuneOptions, backends) -> int:
@@ -234,17 +126,17 @@ def _cmd_show(args, opts: TuneOptions) -> int:
         print(json.dumps({"command": "show", "path": str(cache.path), "exists": cache.path.exists(),
                           "fingerprint_hash": cache.hash, **cache.data}, indent=1))
         return 0
-    con, tty = _console()
+    con, tty = console()
     con.print(f"cache file: {cache.path} ({'present' if cache.path.exists() else 'not written yet'})")
     con.print(f"fingerprint {cache.hash}: " + json.dumps(cache.fingerprint, sort_keys=True))
-    _print_table(con, "Health", ["backend", "status", "reason"],
+    print_table(con, "Health", ["backend", "status", "reason"],
                  [[n, v.get("status", "?"), v.get("reason") or "-"] for n, v in sorted(cache.health.items())], tty)
-    _print_table(con, "Decisions", ["key", "winner", "config", "time (us)", "tuned at M", "mode"],
-                 [[ks, e.get("backend", "?"), json.dumps(e.get("config") or {}), _fmt(e.get("time_us")),
+    print_table(con, "Decisions", ["key", "winner", "config", "time (us)", "tuned at M", "mode"],
+                 [[ks, e.get("backend", "?"), json.dumps(e.get("config") or {}), fmt(e.get("time_us")),
                    str(e.get("tuned_at_m", "-")), str(e.get("mode", "-"))]
                   for ks, e in sorted(cache.decisions.items())], tty)
     if cache.shape_blacklist:
-        _print_table(con, "Blacklisted per shape", ["key", "backend", "reason"],
+        print_table(con, "Blacklisted per shape", ["key", "backend", "reason"],
                      [[ks, n, w] for ks, b in sorted(cache.shape_blacklist.items()) for n, w in b.items()], tty)
     others = sorted(p.name for p in cache.dir.glob("decisions-*.json") if p != cache.path)
     if others:

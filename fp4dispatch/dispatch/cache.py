@@ -29,7 +29,6 @@ import os
 import tempfile
 import threading
 import time
-import weakref
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -111,7 +110,8 @@ def _bounded(data: dict) -> dict:
     return data
 
 
-_pending_caches: "weakref.WeakSet[DecisionCache]" = weakref.WeakSet()
+# held (not weakly): a cache whose dispatcher is gone, as a CLI command's, still has its updates written at exit
+_pending_caches: "set[DecisionCache]" = set()
 
 
 @atexit.register
