@@ -205,6 +205,42 @@ def test_09_an_oversized_file_is_not_read_and_sections_are_bounded(tmp_path, mon
     assert all(len(data[s]) <= 8 for s in ("decisions", "verified", "health"))
 
 
+def test_09_a_file_at_every_key_bound_is_one_a_reader_takes():
+    """MAX_FILE_BYTES was 16 MiB, and a file within the key bounds grew past it: the next read ignored it, and the next
+    write replaced it with what was pending (3,800 decisions became 200)."""
+    from fp4dispatch.dispatch.cache import MAX_FILE_BYTES, MAX_KEYS, MAX_RANKING
+
+    cfg = {"family": "wgmma_decode_warps", "block_m": 128, "block_n": 64, "k_blocks": 8, "stages": 4,
+           "a_stages": 3, "decode_partitions": 2, "split_k": 8, "persistent": True, "predecode_a": True,
+           "num_warps": 4}  # longer than any offered config's JSON
+    trial = {"backend": "triton:w4a16", "config": cfg, "time_us": 1234.567, "reason": "", "check_s": 12.345}
+    entry = {**trial, "ranking": [trial] * MAX_RANKING, "tuned_at_m": 8192, "mode": "neighbours", "at": 1796456750,
+             "tune_s": dict.fromkeys(("case", "compile", "check", "screen", "time", "compile_triton",
+                                      "compile_first_runs"), 12.345), "from": ["m16384-n28672-k28672-bfloat16"] * 2}
+    decisions = {f"w4a16-bfloat16-m16384-n{16 * i}-k28672-bfloat16": entry for i in range(1, MAX_KEYS + 1)}
+    assert len(json.dumps({"decisions": decisions}, indent=1)) < MAX_FILE_BYTES // 2
+
+
+def test_09_the_writer_keeps_a_file_within_what_a_reader_takes(tmp_path, monkeypatch, caplog):
+    """Where the key bounds are not enough, the older half of every section goes: the file is never one the next
+    reader ignores (and then rebuilds, every decision lost)."""
+    from fp4dispatch.dispatch import cache as cache_mod
+    from fp4dispatch.dispatch.cache import DecisionCache
+
+    monkeypatch.setattr(cache_mod, "MAX_FILE_BYTES", 4096)
+    fp = {"device_type": "cpu", "libs": {}}
+    c = DecisionCache(tmp_path, fp)
+    keys = [f"m1-n{16 * i}-k64-float32" for i in range(1, 41)]
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        for ks in keys:
+            c.update("decisions", {ks: {"backend": "x", "config": {"block_n": 64}, "time_us": 1.0, "reason": ""}})
+    assert c.path.stat().st_size <= 4096
+    kept = list(DecisionCache(tmp_path, fp).decisions)  # read, not ignored
+    assert kept and kept == keys[-len(kept):]  # the newest, in order
+    assert (f"fp4dispatch: the cache {c.path} would pass 4096 bytes, more than a reader takes; the older half of "
+            "every section was dropped") in caplog.text
+
+
 def test_09_the_least_recently_written_keys_are_evicted_whatever_their_names(tmp_path, monkeypatch):
     from fp4dispatch.dispatch import cache as cache_mod
     from fp4dispatch.dispatch.cache import DecisionCache

@@ -14,7 +14,7 @@ Rules (docs/tuning.md, "The cache"):
     a call never stalls on a peer.
   * Bounded: at most ``MAX_KEYS`` keys per section (the least recently written go first: a section keeps its keys in
     the order they were last written) and ``MAX_RANKING`` trials per decision are kept; a file larger than
-    ``MAX_FILE_BYTES`` is not read.
+    ``MAX_FILE_BYTES`` is not read, and none is written (``_fitted``).
   * Files are created with the mode the umask gives (0644 under umask 022): with a group-writable umask (002) and a
     shared directory, several users share one cache. Temp files left by a killed writer are removed on open (when
     the lock is free) and by ``clear``.
@@ -42,7 +42,7 @@ SCHEMA_VERSION = 1
 log = logging.getLogger("fp4dispatch")
 MAX_KEYS = 4096
 MAX_RANKING = 16
-MAX_FILE_BYTES = 16 << 20
+MAX_FILE_BYTES = 64 << 20  # a file at every key bound, with 16 long trials a decision, is about 30 MiB
 LOCK_TIMEOUT_S = 1.0
 EXIT_LOCK_TIMEOUT_S = 10.0  # at exit, what is still pending waits this long in all for the lock (no call is waiting)
 
@@ -55,15 +55,16 @@ def _umask() -> int:
     return mask
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write ``data`` as JSON to a temp file beside ``path``, then ``os.replace`` it: readers see the old file or
-    the new one, never half of one. The file gets the umask's mode (``mkstemp`` alone would make it 0600). Keys stay
-    in the order given (a cache section's order is its keys' age: ``_bounded`` drops the first)."""
+def write_json_atomic(path: Path, data: dict | str) -> None:
+    """Write ``data`` as JSON (or ``data`` itself, JSON text already) to a temp file beside ``path``, then
+    ``os.replace`` it: readers see the old file or the new one, never half of one. The file gets the umask's mode
+    (``mkstemp`` alone would make it 0600). Keys stay in the order given (a cache section's order is its keys' age:
+    ``_bounded`` drops the first)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+            f.write(data if isinstance(data, str) else json.dumps(data, indent=1))
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -97,6 +98,20 @@ def _merge(section: dict, entries: dict, merge) -> None:
 def nested_merge(old, new):
     """Merge for two-level sections: the new entry's items over the old entry's."""
     return {**old, **new} if isinstance(old, dict) and isinstance(new, dict) else new
+
+
+def _fitted(data: dict, path: Path) -> str:
+    """``data`` bounded, as the JSON text written, within ``MAX_FILE_BYTES`` (what a reader takes: a file over it
+    is ignored and rebuilt, every decision lost). Where the key bounds do not keep it there (long configs, many
+    proven M), the older half of every section goes, again until it fits."""
+    text = json.dumps(_bounded(data), indent=1)  # ASCII (ensure_ascii): characters are bytes
+    while len(text) > MAX_FILE_BYTES:
+        for s in SECTIONS:
+            data[s] = dict(list(data[s].items())[len(data[s]) // 2:])
+        text = json.dumps(data, indent=1)
+        log.warning("fp4dispatch: the cache %s would pass %d bytes, more than a reader takes; the older half of "
+                    "every section was dropped", path, MAX_FILE_BYTES)
+    return text
 
 
 def _bounded(data: dict) -> dict:
@@ -226,7 +241,7 @@ class DecisionCache:
                     data = self._read()
                     for section, entries, merge in self._pending:
                         _merge(data[section], entries, merge)
-                    write_json_atomic(self.path, _bounded(data))
+                    write_json_atomic(self.path, _fitted(data, self.path))
             except Timeout:
                 _pending_caches.add(self)
                 self._warn_once("lock", "fp4dispatch: the cache lock %s is held by another process; decisions are "
