@@ -23,7 +23,7 @@ from fp4dispatch.cli import distributed
 from fp4dispatch.cli import presets
 from fp4dispatch.dispatch.dispatcher import Dispatcher
 from fp4dispatch.problem import Problem
-from fp4dispatch.testing import FakeBackend, fake_do_bench
+from fp4dispatch.testing import FakeBackend, fake_do_bench, make_nvfp4_inputs
 from fp4dispatch.tune import TuneOptions, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -432,6 +432,25 @@ def test_a_cache_lock_held_throughout_the_run_is_said_and_exits_1(capsys, tmp_pa
     assert not path.exists()
     cache_mod._flush_at_exit()  # the lock free: what the run decided is written
     assert list(json.loads(path.read_text())["decisions"]) == ["m1-n256-k512-bfloat16"]
+
+
+def test_a_key_whose_winner_was_banned_since_shows_the_backend_that_serves_it(capsys, tmp_path):
+    """The table named the cached winner, banned from the key by a later proof, with its time, and 2x over the
+    backend that actually serves the key."""
+    def fakes():  # b: fastest, but all zeros at M=6 (inside bucket 8, no probe M)
+        return [FakeBackend("a", cost=2e-5), FakeBackend("b", cost=1e-5, wrong_for_m=(6,))]
+
+    cdir = str(tmp_path / "c")
+    code, data, _ = _json(capsys, ["--shape", "8,64,64", "--json", "--cache-dir", cdir], backends=fakes(),
+                          do_bench=fake_do_bench)
+    assert code == 0 and data["shapes"][0]["winner"] == "b"
+    d = Dispatcher(fakes(), cache_dir=cdir, do_bench=fake_do_bench)
+    d.fp4_mm(*make_nvfp4_inputs(6, 64, 64))  # proves b wrong at M=6: banned from m8-n64-k64-bfloat16
+    code, data, _ = _json(capsys, ["--shape", "8,64,64", "--json", "--cache-dir", cdir], backends=fakes(),
+                          do_bench=fake_do_bench)
+    row = data["shapes"][0]
+    assert code == 0 and (row["winner"], row["time_us"], row["source"]) == ("a", 20.0, "cache")
+    assert {b["name"]: b["wins"] for b in data["backends"]} == {"a": 1, "b": 0}
 
 
 @cpu_only

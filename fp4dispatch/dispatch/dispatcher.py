@@ -43,7 +43,7 @@ from .health import device_health, wrong_when_probed
 from .key_tuning import KeyTuning
 from .options import check_backends, check_options, check_timer
 from .records import Verdict, key_str
-from .report import BackendRecord, Report, build_report, check_ops
+from .report import BackendRecord, Report, build_report, check_ops, serving_entry
 from .timer import DoBench
 from .warmup import Warmup
 from .verify import OUT_OF_MEMORY, check_run, make_case
@@ -352,9 +352,11 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
             return build_report(self.backends, health, cache.decisions, cache.shape_blacklist, cache.faults)
 
     def entry_for(self, problem: Problem) -> dict | None:
-        """The cached decision record (winner, time, ranking) of ``problem``'s key, deciding it if needed."""
-        self.choose(problem)
-        return self.cache_for(problem.device).decisions.get(key_str(problem.key))
+        """The decision record (winner, time, ranking) of ``problem``'s key as it serves now, deciding it if needed
+        (``report.serving_entry``); None for a forced backend."""
+        c = self.choose(problem)
+        entry = self.cache_for(problem.device).decisions.get(key_str(problem.key))
+        return None if c.key is None else serving_entry(entry, c.backend.name, config_json(c.config))
 
     def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
         """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also

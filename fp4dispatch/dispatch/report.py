@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from ..backends.base import OPS, backend_ops
 from ..errors import InvalidInputError
 
-__all__ = ["BackendRecord", "Report", "build_report", "check_ops"]
+__all__ = ["serving_entry", "BackendRecord", "Report", "build_report", "check_ops"]
 
 
 @dataclass
@@ -81,3 +81,20 @@ def _serving(entry: dict, banned: dict) -> dict | None:
         if isinstance(t, dict) and t.get("time_us") is not None and t.get("backend") not in banned:
             return t
     return None
+
+
+def serving_entry(entry: dict | None, backend: str, config: dict) -> dict:
+    """A key's decision record led by the ``backend`` and ``config`` (JSON) that serve it now: the cached record as it
+    is, or with that trial of its ranking first (its winner banned from the key since, or unknown here); a record
+    of that choice alone for a key decided for this process only (mode "unrecorded")."""
+    lead = {"backend": backend, "config": config}
+    if entry is None:
+        return {**lead, "time_us": None, "mode": "unrecorded"}
+
+    def serves(t: dict) -> bool:
+        return t.get("backend") == backend and (t.get("config") or {}) == config
+
+    if serves(entry):
+        return entry
+    t = next((t for t in entry.get("ranking", []) if isinstance(t, dict) and serves(t)), {**lead, "time_us": None})
+    return {**entry, **t, "ranking": entry.get("ranking", [])}
