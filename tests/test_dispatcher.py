@@ -241,6 +241,7 @@ def test_forced_unhealthy_backend_says_why(tmp_path, monkeypatch):
     d = _disp([FakeBackend("broken", result="zeros"), FakeBackend("ok")], tmp_path)
     with pytest.raises(BackendError, match=r"backend 'broken' was requested but is incorrect on cpu: all zeros"):
         _call(d, 4)
+    monkeypatch.delenv("FP4DISPATCH_BACKEND")
     d2 = _disp([FakeBackend("picky", unsupported="M must be <= 8")], tmp_path)
     with pytest.raises(BackendError, match=r"'picky' was requested but is unsupported on cpu: M must be <= 8"):
         _call(d2, 4, backend="picky")

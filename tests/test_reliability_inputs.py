@@ -88,8 +88,12 @@ def test_14_backend_and_disable_typos_name_the_variable(monkeypatch, tmp_path):
                                                 r"\['flashinfer:cutlas'\]; accepted names: .*'flashinfer:cutlass'"):
         Dispatcher(cache_dir=tmp_path)
     monkeypatch.delenv("FP4DISPATCH_DISABLE")
-    monkeypatch.setenv("FP4DISPATCH_BACKEND", "garbage")
-    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_BACKEND must be one of \['good'\]; got 'garbage'. "
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "garbage")  # no backend's name: refused before any call
+    with pytest.raises(InvalidInputError, match=r"^FP4DISPATCH_BACKEND='garbage' names no backend; accepted names: "
+                                                r"\[.*'good'.*\]\. Fix the name or unset the variable$"):
+        disp([FakeBackend("good")], tmp_path)
+    monkeypatch.setenv("FP4DISPATCH_BACKEND", "reference")  # a backend, but not this dispatcher's
+    with pytest.raises(InvalidInputError, match=r"FP4DISPATCH_BACKEND must be one of \['good'\]; got 'reference'. "
                                                 r"Fix or unset the variable"):
         right(disp([FakeBackend("good")], tmp_path), 4)
 

@@ -149,6 +149,8 @@ def test_argument_misuse_exits_2(capsys):
     ("FP4DISPATCH_TIMER", "cuda", "accepted: graph or eager"),
     ("FP4DISPATCH_COMPILE_WORKERS", "x", "accepted: a whole number from 0 (0: none) to"),
     ("FP4DISPATCH_DISABLE", "nosuch", "names no backend ['nosuch']; accepted names: ['fast', 'flaky', "),
+    # was exit 1, every shape "no usable backend" with the error repeated, its tables on stdout
+    ("FP4DISPATCH_BACKEND", "refrence", "names no backend; accepted names: ['fast', 'flaky', "),
 ])
 def test_an_invalid_env_variable_exits_2_with_its_one_line_message(capsys, monkeypatch, name, value, accepted):
     monkeypatch.setenv(name, value)

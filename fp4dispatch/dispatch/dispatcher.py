@@ -116,12 +116,14 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def _check_disabled(self) -> None:
         from ..backends import names
 
-        unknown = self.settings.disabled - set(self._by_name)
+        unknown, known = self.settings.disabled - set(self._by_name), set(self._by_name) | set(names())
         if unknown and unknown - set(names()):
-            known = sorted(set(self._by_name) | set(names()))
             raise InvalidInputError(f"FP4DISPATCH_DISABLE={','.join(sorted(self.settings.disabled))!r} names no "
-                                    f"backend {sorted(unknown - set(names()))}; accepted names: {known}. Fix the names "
-                                    "or unset the variable")
+                                    f"backend {sorted(unknown - set(names()))}; accepted names: {sorted(known)}. Fix "
+                                    "the names or unset the variable")
+        if (forced := self.settings.forced_backend) is not None and forced not in known:  # before any call needs it
+            raise InvalidInputError(f"FP4DISPATCH_BACKEND={forced!r} names no backend; accepted names: "
+                                    f"{sorted(known)}. Fix the name or unset the variable")
 
     # -- the call ------------------------------------------------------------------------------------------------
     def fp4_mm(self, a, b, a_scale, b_scale, alpha=None, *, out_dtype=torch.bfloat16, out=None,
