@@ -304,6 +304,14 @@ def test_hf_config_values_are_checked_like_the_required_keys(capsys, tmp_path, c
     assert "Traceback" not in err
 
 
+def test_a_deeply_nested_hf_config_exits_2(capsys, tmp_path):
+    """It was a RecursionError traceback and exit 1."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text("[" * 100000 + "]" * 100000)
+    code, out, err = _run(capsys, ["--hf-config", str(cfg)])
+    assert code == 2 and out == "" and "--hf-config: cannot read" in err and "RecursionError" in err
+
+
 def test_tp_split_giving_k_not_multiple_of_16_is_skipped_and_said(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**LLAMA_31_70B, "intermediate_size": 1000}))
@@ -490,6 +498,51 @@ def test_show_then_clear(capsys, tuned, tmp_path):
     assert code == 0 and out.startswith("removed ") and shown["path"] in out
     _, shown, _ = _json(capsys, ["show", "--json", "--cache-dir", cdir])
     assert not shown["exists"] and shown["decisions"] == {}
+
+
+def test_clear_all_removes_cache_files_only(capsys, tuned, tmp_path):
+    """Its glob was decisions-*.json, under the directory: a user's decisions-2025-q3.json went too."""
+    cdir = Path(_copy(tuned[2], tmp_path))
+    (cdir / "notes").mkdir()
+    mine = [cdir / "notes" / "decisions-2025-q3.json", cdir / "decisions-summary.json"]
+    for p in mine:
+        p.write_text("{}")
+    other = cdir / "sub" / "decisions-0123456789abcdef.json"  # another fingerprint's, in a subdirectory
+    other.parent.mkdir()
+    other.write_text("{}")
+    code, out, _ = _run(capsys, ["clear", "--all", "--cache-dir", str(cdir)])
+    assert code == 0 and all(p.exists() for p in mine) and not other.exists() and str(other) in out
+    assert not list(cdir.glob("decisions-*.json.lock")) and not list(cdir.glob("decisions-????????????????.json"))
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_a_blank_cache_dir_flag_exits_2(capsys, value):
+    """It wrote into the working directory (tune) or read the default one (show, clear), or made a directory named by
+    its spaces."""
+    for command in ("tune", "show"):
+        code, out, err = _run(capsys, [command, "--cache-dir", value])
+        assert code == 2 and out == "" and f"--cache-dir: must name a directory; got {value!r}" in err
+
+
+def test_cache_dir_flag_expands_the_home_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _, shown, _ = _json(capsys, ["show", "--json", "--cache-dir=~/fp4c"])
+    assert shown["path"].startswith(str(tmp_path / "fp4c") + os.sep)
+
+
+def test_import_says_what_the_cache_bound_dropped(capsys, tuned, tmp_path, monkeypatch):
+    """It said "imported 6000 decisions" of a profile that the 4096-key bound cut."""
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    prof = tmp_path / "p.json"
+    assert _run(capsys, ["export", str(prof), "--cache-dir", str(tuned[2])])[0] == 0
+    monkeypatch.setattr(cache_mod, "MAX_KEYS", 1)
+    data = json.loads(prof.read_text())
+    over = sum(len(data[s]) - 1 for s in ("decisions", "health", "shape_blacklist", "verified", "faults")
+               if len(data.get(s, {})) > 1)
+    code, out, _ = _run(capsys, ["import", str(prof), "--cache-dir", str(tmp_path / "dst")])
+    assert code == 0 and over >= 1 and out.startswith("imported 1 decisions, ") and out.rstrip().endswith(
+        f"; {over} more of its entries were over the cache's bound of 1 keys a section")
 
 
 def test_export_import_round_trip_and_refusal_on_mismatch(capsys, tuned, tmp_path):

@@ -239,8 +239,9 @@ def read_hf_config(path: str | Path) -> dict:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"--hf-config: no such file {str(p)!r}; pass the path of a model's config.json") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--hf-config: cannot read {str(p)!r} as JSON ({e}); pass a model's config.json") from None
+    except (OSError, ValueError, RecursionError) as e:  # deep nesting recurses in the parser
+        raise ConfigError(f"--hf-config: cannot read {str(p)!r} as JSON ({type(e).__name__}: {str(e)[:100]}); pass a "
+                          "model's config.json") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"--hf-config: {str(p)!r} must hold a JSON object; got {type(cfg).__name__}")
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):

@@ -85,7 +85,8 @@ def read_profile(path: str | Path) -> dict:
 def import_profile(path: str | Path, cache: DecisionCache) -> dict:
     """Merge the profile at ``path`` into ``cache`` (this device's cache file) if the fingerprints match.
 
-    Returns counts per section. Raises :class:`ProfileError` naming every fingerprint difference otherwise.
+    Returns the count per section of its entries the cache kept, and ``dropped``: those over the cache's key bound
+    (``MAX_KEYS`` a section). Raises :class:`ProfileError` naming every fingerprint difference otherwise.
     """
     data = read_profile(path)
     theirs = data["fingerprint"]
@@ -99,4 +100,6 @@ def import_profile(path: str | Path, cache: DecisionCache) -> dict:
     for s in _SECTIONS:
         if data[s]:
             cache.update(s, data[s], merge_nested=(s == "shape_blacklist"))
-    return {s: len(data[s]) for s in _SECTIONS}
+    # what the cache kept: a section holds at most MAX_KEYS keys, the profile's last ones and then the newest
+    kept = {s: sum(k in cache.data[s] for k in data[s]) for s in _SECTIONS}
+    return {**kept, "dropped": sum(len(data[s]) - kept[s] for s in _SECTIONS)}

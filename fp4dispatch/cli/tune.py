@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from ..backends.base import OPS
 from . import distributed, presets
+from ..dispatch import cache as cache_mod
 from ..dispatch.cache import DecisionCache, remove_leftovers
 from ..settings import default_cache_dir, read_settings
 from .distributed import TuneOptions, backend_rows, make_dispatcher
@@ -30,6 +32,7 @@ from .profile import ProfileError, export_profile, import_profile
 __all__ = ["main", "build_parser", "TuneOptions"]
 
 _COMMANDS = ("tune", "show", "clear", "export", "import")
+_CACHE_FILE = re.compile(r"decisions-[0-9a-f]{16}\.json(\.lock)?")  # a cache file's name (fingerprint.py), its lock's
 _CPU_NOTE = ("No CUDA device found: deciding on the CPU with the backends that run there (the exact reference), in "
              "priority order (nothing is timed on a CPU); the default CPU shapes are small")
 
@@ -150,9 +153,10 @@ def _cmd_clear(args, opts: TuneOptions) -> int:
         removed = cache.clear()
         if args.all and cache.dir.is_dir():  # every fingerprint's file, writers' leftovers and lock files
             removed += remove_leftovers(cache.dir)
-            for p in sorted(cache.dir.glob("**/decisions-*.json")) + sorted(cache.dir.glob("**/decisions-*.json.lock")):
-                p.unlink(missing_ok=True)
-                removed.append(p)
+            for p in sorted(cache.dir.glob("**/decisions-*.json*")):
+                if _CACHE_FILE.fullmatch(p.name):  # fp4dispatch's own only: a user's decisions-notes.json stays
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
     except OSError as e:
         print(f"fp4dispatch.tune: could not clear {cache.dir}: {e}", file=sys.stderr)
         return 1
@@ -190,7 +194,9 @@ def _cmd_profile(args, opts: TuneOptions) -> int:
               f"{msg['fingerprint_hash']} to {args.file}")
     else:
         print(f"imported {msg['decisions']} decisions, {msg['health']} verdicts and {msg['shape_blacklist']} "
-              f"blacklist entries into {msg['cache']}")
+              f"blacklist entries into {msg['cache']}" + (f"; {msg['dropped']} more of its entries were over the "
+                                                          f"cache's bound of {cache_mod.MAX_KEYS} keys a section"
+                                                          if msg["dropped"] else ""))
     return 0
 
 
@@ -203,6 +209,14 @@ def _argtype(fn):
             raise argparse.ArgumentTypeError(str(e)) from None
     convert.__name__ = fn.__name__
     return convert
+
+
+def _cache_dir(text: str) -> str:
+    """``--cache-dir`` as ``FP4DISPATCH_CACHE_DIR`` is read: stripped, ``~`` expanded; blank refused (it wrote into
+    the working directory, and the other commands looked in the default one)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a directory; got {text!r}. Leave it out for the default")
+    return str(Path(text.strip()).expanduser())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tune each GPU in its own process (same-model GPUs split the shapes)")
     r.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                    help="probe native backends in worker processes (default on)")
-    r.add_argument("--cache-dir", help="decision cache directory (default: FP4DISPATCH_CACHE_DIR or the user cache)")
+    r.add_argument("--cache-dir", type=_cache_dir, help="decision cache directory (default: FP4DISPATCH_CACHE_DIR or "
+                   "the user cache)")
     r.add_argument("--all", action="store_true", help="clear: every fingerprint's file in the cache directory")
     r.add_argument("-v", "--verbose", action="store_true", help="log the dispatcher's decisions (INFO) to stderr")
     return p
