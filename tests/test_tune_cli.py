@@ -295,6 +295,9 @@ MOE = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2, "
     ({**MOE, "shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be an integer >= 0; got -1"),
     ({**MOE, "num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4 (a token is routed to that many "
                                         "distinct experts); fix the config"),
+    # "false" is truthy: the qkv width doubled without a word
+    ({**LLAMA_31_70B, "attn_output_gate": "false"}, "attn_output_gate must be true or false (a JSON boolean); got "
+                                                    "'false'"),
 ])
 def test_hf_config_values_are_checked_like_the_required_keys(capsys, tmp_path, cfg, message):
     path = tmp_path / "config.json"
@@ -657,6 +660,18 @@ def test_a_torchrun_rank_without_a_gpu_of_its_own_is_told_how_many_processes_fit
     monkeypatch.setattr(distributed, "run_torchrun", lambda *a: distributed._local_gpu())
     code, out, err = _run(capsys, ["--shape", "1,256,512", "--cache-dir", str(tmp_path)], backends=_fakes())
     assert code == 2 and out == "" and err.startswith("fp4dispatch.tune: torchrun: LOCAL_RANK=1 needs GPU 1")
+
+
+@pytest.mark.parametrize("rank, world", [("x", "2"), ("3", "2"), ("0", "")])
+def test_torchrun_ranks_that_cannot_make_a_group_exit_2(monkeypatch, capsys, tmp_path, rank, world):
+    """RANK=x printed int()'s message without naming RANK; RANK=3 of WORLD_SIZE=2 waited forever for its group."""
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "localhost")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "torchrun_detected", lambda: True)
+    code, out, err = _run(capsys, ["--shape", "1,256,512", "--cache-dir", str(tmp_path)], backends=_fakes())
+    assert code == 2 and out == "" and err == (
+        f"fp4dispatch.tune: torchrun: RANK must be an integer in 0..WORLD_SIZE-1 and WORLD_SIZE a positive integer; "
+        f"got RANK={rank!r}, WORLD_SIZE={world!r}. Launch with torchrun, which sets them\n")
 
 
 def test_op_w4a16_tunes_w4a16_keys_among_w4a16_backends_and_says_what_fp4linear_auto_runs(capsys, tmp_path):

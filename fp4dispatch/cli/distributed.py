@@ -196,6 +196,7 @@ def process_group() -> Iterator[tuple[int, int, torch.device]]:
 
     made = False
     if not dist.is_initialized():
+        _check_ranks()
         if torch.cuda.is_available():
             torch.cuda.set_device(_local_gpu())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -206,6 +207,14 @@ def process_group() -> Iterator[tuple[int, int, torch.device]]:
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def _check_ranks() -> None:
+    """torchrun's RANK and WORLD_SIZE, before the group waits for its ranks (a rank past the world waited forever)."""
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise ValueError(f"torchrun: RANK must be an integer in 0..WORLD_SIZE-1 and WORLD_SIZE a positive integer; "
+                         f"got RANK={rank!r}, WORLD_SIZE={world!r}. Launch with torchrun, which sets them")
 
 
 def _local_gpu() -> int:

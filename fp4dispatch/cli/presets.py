@@ -184,7 +184,10 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
             raise ConfigError(f"{where}: head_dim is absent and hidden_size // num_attention_heads = {hidden} // "
                               f"{heads} = 0; add head_dim")
         kv_tp = _split(kv, tp, "num_key_value_heads") if kv >= tp else 1
-        q_heads = h_tp * (2 if cfg.get("attn_output_gate") else 1)
+        gate = cfg.get("attn_output_gate", False)
+        if not isinstance(gate, bool):  # "false" is truthy: it doubled the qkv width without a word
+            raise ConfigError(f"{where}: attn_output_gate must be true or false (a JSON boolean); got {gate!r}")
+        q_heads = h_tp * (2 if gate else 1)
         out.append(Gemm("attn.qkv", (q_heads + 2 * kv_tp) * head_dim, hidden))
         out.append(Gemm("attn.o", hidden, h_tp * head_dim))
     if cfg.get("linear_num_value_heads") is not None:
