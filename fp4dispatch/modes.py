@@ -69,6 +69,7 @@ class ModeChoice:
         """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
         if self.mode != "auto":
             return self.mode
+        device = torch.device(device)  # "cpu" and torch.device("cpu") are one device (repr listed it twice)
         got = self._modes.get(device)
         if got is None:
             got = self._modes[device] = _auto_mode(device, self.mode_op)

@@ -127,6 +127,7 @@ def test_w4a16_experts_keep_the_activations_and_auto_is_w4a16_without_fp4_tensor
     auto = Fp4Experts.from_modelopt(wq, ws, ws2, ins)
     y = auto(x, offs)
     assert auto.resolved_mode(x.device) == "w4a16" and "mode=auto (w4a16 on cpu)" in repr(auto)
+    assert auto.resolved_mode("cpu") == "w4a16" and repr(auto).count("on cpu") == 1  # a string: the same device
     from fp4dispatch.format_grouped import swizzle_expert_scales
     want = fp4dispatch.w4a16_grouped_mm(x, torch.stack(wq), swizzle_expert_scales(torch.stack(ws)), ws2.float(), offs)
     assert torch.equal(y, want)
