@@ -243,6 +243,16 @@ def test_the_expert_loop_clamps_an_unchecked_offs_as_the_kernels_do_and_is_not_c
     assert d.cache_for(CPU).faults == {} and d.cache_for(CPU).shape_blacklist == {}
 
 
+def test_the_expert_loop_keeps_its_cache_under_its_dispatchers_directory(tmp_path, monkeypatch):
+    """It took FP4DISPATCH_CACHE_DIR (or the default directory) whatever the dispatcher's cache_dir or tune's
+    --cache-dir, so that clear --all there left it, and --self-test's throw-away cache wrote into the real one."""
+    monkeypatch.setenv("FP4DISPATCH_CACHE_DIR", str(tmp_path / "env"))
+    d = Dispatcher([ExpertLoopBackend()], cache_dir=tmp_path / "mine", do_bench=fake_do_bench)
+    a, b, sa, sb, alpha, offs = _inputs([3, 0, 5])
+    d.fp4_grouped_mm(a, b, sa, sb, alpha, offs)
+    assert list((tmp_path / "mine" / "expert-loop").glob("decisions-*.json")) and not (tmp_path / "env").exists()
+
+
 def test_the_expert_loops_own_dispatcher_leaves_out_libraries_that_compile_on_their_first_run(tmp_path, monkeypatch):
     """Its keys are verified in priority order, every candidate of each new expert M bucket: Humming there would
     compile that bucket's kernels (and its probe spawn a worker) only to stand behind fp4dispatch's own kernels."""

@@ -34,6 +34,13 @@ class ExpertLoopBackend(BaseBackend):
 
     def __init__(self, dispatcher=None):
         self._dense = dispatcher  # what decides each expert's fp4_mm (default: made on first use)
+        self._root: Path | None = None  # the cache directory of the dispatcher that holds it
+
+    def set_cache_root(self, root: Path) -> None:
+        """The directory under which its own dispatcher keeps its cache (``expert-loop/``): the one of the
+        dispatcher that holds this backend (``Dispatcher`` calls it), so that ``--cache-dir`` and ``cache_dir=``
+        reach it too."""
+        self._root = Path(root)
 
     def dense(self):
         if self._dense is None:
@@ -52,7 +59,7 @@ class ExpertLoopBackend(BaseBackend):
             # priority order puts behind fp4dispatch's own kernels, unless FP4DISPATCH_BACKEND names it. A forced
             # backend that is not among its own (another op's) is not forced here: each expert's fp4_mm would refuse it
             settings = read_settings()
-            root = settings.cache_dir or default_cache_dir()
+            root = self._root or settings.cache_dir or default_cache_dir()
             forced = settings.forced_backend
             own = [b for b in default_backends() if computes(b, "fp4_mm")
                    and (not getattr(b, "compiles_on_first_run", False) or b.name == forced)]

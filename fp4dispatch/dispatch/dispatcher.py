@@ -81,6 +81,8 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         self._by_name = {b.name: b for b in self.backends}
         self._check_disabled()
         self.cache_dir = Path(cache_dir) if cache_dir is not None else (self.settings.cache_dir or default_cache_dir())
+        for b in self.backends:  # a backend with a cache of its own (loop:fp4_mm's) keeps it under this directory
+            getattr(b, "set_cache_root", lambda root: None)(self.cache_dir)
         self._do_bench = check_timer("do_bench", do_bench)
         self._screen_bench = check_timer("screen_bench", screen_bench)
         self._forced = self.settings.forced_backend
