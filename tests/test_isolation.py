@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ TIMEOUT_S = {"exit": 120.0, "segv": 120.0, "hang": 3.0}
 CRASHES = [
     pytest.param("exit", r"^worker died \(exit code 3\)$", id="os._exit"),
     pytest.param("segv", rf"^worker died \(signal {int(signal.SIGSEGV)}, SIGSEGV\)$", id="SIGSEGV"),
-    pytest.param("hang", r"^timed out after 3 s \(worker killed\)$", id="hang"),
+    pytest.param("hang", r"^timed out after 3 s \(worker killed; not cached; FP4DISPATCH_PROBE_TIMEOUT sets the "
+                         r"limit\)$", id="hang"),
 ]
 
 
@@ -36,6 +38,29 @@ def test_probe_isolated_turns_a_dead_or_hung_worker_into_a_failed_verdict(crash,
     assert v.status == "failed"
     assert re.match(reason, v.reason), v.reason
     assert os.getpid() == pid  # still the same, living process
+
+
+def test_a_worker_that_dies_while_a_process_it_started_holds_its_pipe_is_a_dead_worker(tmp_path, monkeypatch):
+    """The answer pipe's end never came (the process it started held it open), so the full timeout was waited and the
+    crash reported as a timeout, transient: every process waited it again."""
+    pidfile = tmp_path / "helper.pid"
+    (tmp_path / "spawns_then_dies.py").write_text(
+        "import os\nfrom fp4dispatch.testing import FakeBackend\n\n\nclass SpawnsThenDies(FakeBackend):\n"
+        "    def run(self, problem, ops, config):\n"
+        f"        os.system('sleep 60 & echo $! > {pidfile}')  # a shell: it keeps every fd, the pipe's too\n"
+        "        os._exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    from spawns_then_dies import SpawnsThenDies
+
+    t0 = time.monotonic()
+    try:
+        v = probe_isolated(SpawnsThenDies("spawner", risky=True), CPU, 50.0)
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert (v.status, v.reason, v.transient) == ("failed", "worker died (exit code 3)", False)
+    assert time.monotonic() - t0 < 45
 
 
 def test_a_worker_that_dies_making_the_new_keys_first_runs_is_not_cached_as_the_devices_verdict():

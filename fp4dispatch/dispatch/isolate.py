@@ -25,6 +25,9 @@ CANCEL_POLL_S = 0.25  # how often a waiting caller looks at its cancel event
 # Ctrl-C in a terminal signals its whole process group, the workers too, while this process may go on (an
 # application that handles SIGINT itself, or a probe run by another thread than the main one)
 _INTERRUPTED = "probe worker interrupted by SIGINT (not cached: probed again by the next process)"
+# a worker that cannot take the job says nothing of the backend
+_NO_WORKER = ("not cached: nothing was learned of the backend; define its class in a module a fresh process can "
+              "import, or probe it in this process: FP4DISPATCH_ISOLATE=0")
 
 
 def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
@@ -44,7 +47,8 @@ def _verdict(backend: Backend, device_str: str, upcoming: tuple) -> dict:
 def main() -> None:
     """A probe worker: one job on stdin, its verdict's JSON on the answer pipe."""
     worker_process.log_to_parent()
-    worker_process.serve_job(_verdict, lambda why: {"status": "failed", "reason": why})
+    worker_process.serve_job(_verdict, lambda why: {"status": "failed", "reason": f"{why} ({_NO_WORKER})",
+                                                    "transient": True})
 
 
 def _signal_name(code: int) -> str:
@@ -54,16 +58,21 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _wait(answers, timeout_s: float, cancel: threading.Event | None) -> bool:
-    """Whether the worker's answer (or its end) came within ``timeout_s``, looking at ``cancel`` in short steps and
-    giving up once it is set."""
+def _wait(answers, proc, timeout_s: float, cancel: threading.Event | None) -> str:
+    """What came first, looking in short steps: "answer" (the answer pipe is readable: the answer, or its end),
+    "ended" (the worker exited and nothing came: a process it started holds the pipe open, so its end never comes),
+    "cancel" (``cancel`` set) or "timeout" (``timeout_s`` passed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
-        if select.select([answers], [], [], max(0.0, min(left, CANCEL_POLL_S) if cancel is not None else left))[0]:
-            return True
-        if left <= 0 or (cancel is not None and cancel.is_set()):
-            return False
+        if select.select([answers], [], [], max(0.0, min(left, CANCEL_POLL_S)))[0]:
+            return "answer"
+        if proc.poll() is not None:  # what it wrote before it exited is in the pipe by now
+            return "answer" if select.select([answers], [], [], 0)[0] else "ended"
+        if cancel is not None and cancel.is_set():
+            return "cancel"
+        if left <= 0:
+            return "timeout"
 
 
 def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30.0, upcoming: tuple = (),
@@ -82,21 +91,24 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
                        f"in this process (FP4DISPATCH_ISOLATE=0)", transient=True)
     try:
         proc, answers = worker_process.start_job(__name__, pickle.dumps((backend, str(device), tuple(upcoming))))
-    except Exception as e:  # noqa: BLE001 - e.g. the backend does not pickle
-        return Verdict("failed", f"could not start a probe worker: {describe_exception(e)}")
+    except Exception as e:  # noqa: BLE001 - it does not pickle, or this process cannot start one (its fds, say)
+        return Verdict("failed", f"could not start a probe worker: {describe_exception(e)} ({_NO_WORKER})",
+                       transient=True)
     try:
         if check_here and (why := unavailable_reason(backend, device)):
             return Verdict("unavailable", why)
-        if _wait(answers, timeout_s, cancel):
+        state = _wait(answers, proc, timeout_s, cancel)
+        if state == "answer":
             try:
                 return Verdict.from_json(worker_process.read_answer(answers, 0))
             except EOFError:
                 pass  # the worker died before it could answer
-        elif cancel is not None and cancel.is_set():
+        elif state == "cancel":
             return Verdict("failed", "probe interrupted (worker killed)", transient=True)
-        else:
+        elif state == "timeout":
             # transient: not cached, since a first-use JIT compile (FlashInfer cutlass/trtllm) can be that slow
-            return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed)", timeout_s, transient=True)
+            return Verdict("failed", f"timed out after {timeout_s:g} s (worker killed; not cached; "
+                           "FP4DISPATCH_PROBE_TIMEOUT sets the limit)", timeout_s, transient=True)
         try:
             code = proc.wait(timeout_s)
         except Exception:  # noqa: BLE001 - closed its pipe but lives on: killed below
