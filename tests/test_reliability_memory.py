@@ -1,5 +1,6 @@
 """Out of device memory is the process's state, not a backend's defect (docs/tuning.md, "Faults"): a probe, check,
-timing or run that fails for want of memory bans nothing and writes no verdict or decision to the cache, and a call
+timing or run that fails for want of memory bans nothing and writes no verdict to the cache (a decision made without
+one names the backends it could not judge, and a process that can judge them decides the key again), and a call
 that memory cannot serve raises DeviceMemoryError, which is a torch.OutOfMemoryError too (what frameworks catch to
 retry with a smaller batch). Before, one out-of-memory in a key's check banned the backend from that shape on disk."""
 from __future__ import annotations
@@ -28,7 +29,7 @@ def pair() -> list[FakeBackend]:
     return [FakeBackend("x", cost=1e-6), FakeBackend("y", cost=1e-3)]
 
 
-def test_a_check_short_of_memory_bans_nothing_and_decides_for_this_process_only(tmp_path, caplog):
+def test_a_check_short_of_memory_bans_nothing_and_a_process_that_can_judge_decides_again(tmp_path, caplog):
     x, y = pair()
     d = disp([x, y], tmp_path)
     d.report()  # both probed: ok
@@ -36,15 +37,17 @@ def test_a_check_short_of_memory_bans_nothing_and_decides_for_this_process_only(
     with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
         assert right(d, 5)
     assert d.choose(problem(5)).backend.name == "y"
-    assert blacklist(d) == {} and KEY not in d.cache_for(CPU).decisions
-    assert (f"{KEY} decided for this process only (y): x ran short of device memory while probed, checked or timed; "
-            "the next process tunes it again") in caplog.text
+    entry = d.cache_for(CPU).decisions[KEY]
+    assert blacklist(d) == {} and (entry["backend"], entry["unjudged"]) == ("y", ["x"])
+    assert (f"{KEY} decided (y) without a verdict on x (out of memory: OutOfMemoryError: {OOM} (at M=5)); a process "
+            "that has one decides it again") in caplog.text
     fresh = disp(pair(), tmp_path)  # the next process, with memory to spare: x is judged, and wins
     assert right(fresh, 5) and fresh.choose(problem(5)).backend.name == "x"
-    assert fresh.cache_for(CPU).decisions[KEY]["backend"] == "x"
+    assert fresh.cache_for(CPU).decisions[KEY]["backend"] == "x" and "unjudged" not in fresh.cache_for(
+        CPU).decisions[KEY]
 
 
-def test_a_timing_short_of_memory_bans_nothing_and_decides_for_this_process_only(tmp_path):
+def test_a_timing_short_of_memory_bans_nothing_and_a_process_that_can_judge_decides_again(tmp_path):
     x, y = pair()
 
     def timer(fn):  # the timer's own allocations fail while it times x
@@ -56,7 +59,7 @@ def test_a_timing_short_of_memory_bans_nothing_and_decides_for_this_process_only
 
     d = Dispatcher([x, y], cache_dir=tmp_path / "c", do_bench=timer)
     assert right(d, 5) and d.choose(problem(5)).backend.name == "y"
-    assert blacklist(d) == {} and KEY not in d.cache_for(CPU).decisions
+    assert blacklist(d) == {} and d.cache_for(CPU).decisions[KEY]["unjudged"] == ["x"]
     fresh = disp(pair(), tmp_path)
     assert right(fresh, 5) and fresh.choose(problem(5)).backend.name == "x"
 
@@ -96,7 +99,7 @@ def test_proving_a_new_m_short_of_memory_raises_and_bans_nothing(tmp_path):
     assert right(d, 6) and d.choose(problem(6)).backend.name == "x"
 
 
-def test_a_probe_short_of_memory_is_not_cached_and_its_keys_are_decided_again(tmp_path):
+def test_a_probe_short_of_memory_is_not_cached_and_its_keys_are_decided_again_once_it_is_judged(tmp_path):
     x, y = pair()
     x.raises = short()
     d = disp([x, y], tmp_path)
@@ -105,7 +108,9 @@ def test_a_probe_short_of_memory_is_not_cached_and_its_keys_are_decided_again(tm
     assert (rec.status, rec.reason) == ("failed", "out of memory in its probe (not cached: probed again by the next "
                                         f"process): OutOfMemoryError: {OOM} (at M=1)")
     cache = d.cache_for(CPU)
-    assert "x" not in cache.health and "y" in cache.health and KEY not in cache.decisions
+    assert "x" not in cache.health and "y" in cache.health and cache.decisions[KEY]["unjudged"] == ["x"]
+    again = disp([FakeBackend("x", cost=1e-6, raises=short()), FakeBackend("y", cost=1e-3)], tmp_path)
+    assert right(again, 5) and again.choose(problem(5)).backend.name == "y"  # still no verdict: the record serves
     fresh = disp(pair(), tmp_path)
     assert right(fresh, 5) and fresh.choose(problem(5)).backend.name == "x"
 
@@ -154,3 +159,20 @@ def test_a_backend_banned_while_its_replacement_cannot_be_proven_serves_no_more(
     nxt.raises, before = None, bad.calls
     assert right(d, 8) and right(d, 6) and bad.calls == before
     assert d.choose(problem(8)).backend is nxt
+
+
+def test_a_key_decided_while_a_probe_timed_out_is_decided_again_once_that_backend_is_judged(tmp_path, monkeypatch):
+    """A timed-out (or interrupted) probe is transient, probed again by the next process; but the keys decided
+    without that backend were recorded as final, so it could never win them (until tune clear)."""
+    from fp4dispatch.dispatch import health
+    from fp4dispatch.dispatch.records import Verdict
+
+    real = health.probe_backend
+    monkeypatch.setattr(health, "probe_backend", lambda b, dev, **kw: Verdict(
+        "failed", "timed out after 30 s (worker killed)", 30.0, transient=True) if b.name == "x" else real(b, dev, **kw))
+    d = disp(pair(), tmp_path)
+    assert right(d, 5) and d.choose(problem(5)).backend.name == "y"
+    assert d.cache_for(CPU).decisions[KEY]["unjudged"] == ["x"] and "x" not in d.cache_for(CPU).health
+    monkeypatch.setattr(health, "probe_backend", real)
+    fresh = disp(pair(), tmp_path)  # its probe of x answers: the key is decided again, among both
+    assert right(fresh, 5) and fresh.choose(problem(5)).backend.name == "x"

@@ -247,8 +247,8 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         cache, _ = self._states[key[0]]
         ks = key_str(key)
         entry = cache.decisions.get(ks)
-        if entry is None:
-            return None
+        if entry is None or any(self._usable(key, n) is None for n in entry.get("unjudged", ())):
+            return None  # none yet, or decided without a verdict on a backend that can serve it now: decided again
         try:
             ranked: list[tuple[Backend, Config]] = []
             for t in [entry] + list(entry.get("ranking", [])):
@@ -361,19 +361,6 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
         c = self.choose(problem)
         entry = self.cache_for(problem.device).decisions.get(key_str(problem.key))
         return None if c.key is None else serving_entry(entry, c.backend.name, config_json(c.config))
-
-    def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
-        """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also
-        writes them to the disk cache. In-memory choices of those keys are re-derived on next use."""
-        dev = resolve_device(device)
-        with self._lock:
-            cache, _ = self._state(dev)
-            if persist:
-                cache.update("decisions", entries)
-            else:
-                cache.decisions.update(entries)
-            for key in [k for k in self._choices if k[0] == dev and key_str(k) in entries]:
-                del self._choices[key]
 
     def cache_for(self, device=None) -> DecisionCache:
         with self._lock:

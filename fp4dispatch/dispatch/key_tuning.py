@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 
 from ..backends.base import Backend, computes
+from ..devices import resolve_device
 from ..errors import MEMORY_ADVICE, DeviceMemoryError, NoUsableBackendError, describe_exception
 from ..problem import Problem
 from .choice import Choice, add_proven, ident
 from .health import wrong_when_probed
 from .neighbours import neighbour_picks, offered_configs
-from .probe import memory_short
 from .records import key_str
 from .timer import DoBench, for_device, screen_for_device
 from .tuner import FULL, Search, Tuning, merge_tunings, tune, verify_only
@@ -127,10 +127,9 @@ class KeyTuning:
     def _settle(self, key: tuple, problem: Problem, tuning: Tuning, reasons: dict[str, str],
                 sources: tuple[str, ...]) -> Choice:
         """Record ``tuning`` as ``key``'s decision (entry, bans of the backends that failed, proven M) and return the
-        choice: its best trial, the other correct backends as fallbacks. A trial short of device memory bans nothing,
-        and it or a probe short of memory keeps the decision out of the cache (this process's only: the next one tunes
-        the key again, with a verdict on every backend). Raises NoUsableBackendError, or DeviceMemoryError when memory
-        was what every backend lacked."""
+        choice: its best trial, the other correct backends as fallbacks. A trial short of device memory bans nothing;
+        the record names the backends it or a transient probe left without a verdict (``unjudged``). Raises
+        NoUsableBackendError, or DeviceMemoryError when memory was what every backend lacked."""
         cache, health = self._states[key[0]]
         ks = key_str(key)
         trials = tuning.trials
@@ -160,16 +159,29 @@ class KeyTuning:
             self._proven.setdefault((key, ident(b, cfg)), set()).add(problem.m)
         cache.update("verified", {ks: {ident(b, cfg): [problem.m] for b, cfg in ranked}}, merge=add_proven,
                      defer=True)
-        unjudged = {**{n: health[n].reason for n in reasons if n in health and memory_short(health[n])}, **starved}
+        # without a verdict (a probe that timed out or was interrupted, a probe, check or timing short of memory): the
+        # record says so, and a process that can judge them decides the key again (_cached_choice)
+        unjudged = {**{n: health[n].reason for n in reasons if n in health and health[n].transient}, **starved}
         if unjudged:
-            cache.flush()  # the bans and proven M only
-            self._warn(f"memory:{ks}", "fp4dispatch: %s decided for this process only (%s): %s ran short of device "
-                       "memory while probed, checked or timed; the next process tunes it again", ks, ok[0].backend,
-                       ", ".join(unjudged))
-        else:
-            cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
+            entry["unjudged"] = list(unjudged)
+            self._warn(f"unjudged:{ks}", "fp4dispatch: %s decided (%s) without a verdict on %s; a process that has one "
+                       "decides it again", ks, ok[0].backend, "; ".join(f"{n} ({r})" for n, r in unjudged.items()))
+        cache.update("decisions", {ks: entry})  # writes the deferred blacklist and proven M with it
         log.info("fp4dispatch: %s on %s -> %s", ks, problem.device, ok[0].backend)
         return self._choice(key, *ranked[0], ranked[1:])
+
+    def adopt_decisions(self, entries: dict[str, dict], device=None, *, persist: bool = False) -> None:
+        """Take decision records made elsewhere (another rank, a profile) as this device's own; ``persist`` also
+        writes them to the disk cache. In-memory choices of those keys are re-derived on next use."""
+        dev = resolve_device(device)
+        with self._lock:
+            cache, _ = self._state(dev)
+            if persist:
+                cache.update("decisions", entries)
+            else:
+                cache.decisions.update(entries)
+            for key in [k for k in self._choices if k[0] == dev and key_str(k) in entries]:
+                del self._choices[key]
 
     def _no_backend(self, problem: Problem, reasons: dict[str, str]) -> NoUsableBackendError | DeviceMemoryError:
         """The error of a key no backend can serve: DeviceMemoryError where one ran short of memory (probed, checked

@@ -22,7 +22,7 @@ from .records import STATUSES, Verdict
 from .verify import OUT_OF_MEMORY, PROBE_E, PROBE_K, PROBE_MS, PROBE_N, check_run, make_case, reset_cuda_error
 
 __all__ = ["Verdict", "STATUSES", "probe_backend", "probe_problem", "describe_exception", "reset_cuda_error",
-           "unavailable_reason", "memory_verdict", "memory_short"]
+           "unavailable_reason", "memory_verdict"]
 
 log = logging.getLogger("fp4dispatch")
 
@@ -97,11 +97,6 @@ def memory_verdict(reason: str, seconds: float = 0.0) -> Verdict:
     process's only, never cached)."""
     return Verdict("failed", f"{OUT_OF_MEMORY} in its probe (not cached: probed again by the next process): {reason}",
                    round(seconds, 4), transient=True)
-
-
-def memory_short(v: Verdict) -> bool:
-    """Whether ``v`` is ``memory_verdict``'s: no verdict on the backend."""
-    return v.transient and v.reason.startswith(OUT_OF_MEMORY)
 
 
 def _compile_ahead(backend: Backend, device: torch.device, seed: int, upcoming: tuple = ()) -> None:

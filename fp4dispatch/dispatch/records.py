@@ -124,6 +124,9 @@ def _check_decision(e: object) -> None:
         _check_trial(t)
     _need(_count(e.get("tuned_at_m", 1)), "tuned_at_m must be a positive integer", e.get("tuned_at_m"))
     _need(e.get("mode", "tuned") in MODES, f"mode must be one of {MODES}", e.get("mode"))
+    unjudged = e.get("unjudged", [])
+    _need(isinstance(unjudged, list) and all(_text(n) for n in unjudged), "unjudged must be a list of backend names",
+          unjudged)
 
 
 def _check_reasons(e: object) -> None:
