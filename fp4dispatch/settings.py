@@ -94,6 +94,33 @@ class Settings:
     compile_workers: int | None = None  # None: compile_processes.worker_count()
     background_compile: bool = True  # a key tuned on its first call compiles its shape's other buckets ahead
 
+    def __post_init__(self):
+        """Each field checked when built: a Settings made in code has not been through the variables' checks (a
+        negative probe timeout timed every probe out at once; a string one raised TypeError from inside a call)."""
+        def count(v, least: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+        timeout = self.probe_timeout_s
+        for name, ok, want in (
+                ("forced_backend", self.forced_backend is None or isinstance(self.forced_backend, str),
+                 "None or a backend name"),
+                ("disabled", isinstance(self.disabled, frozenset) and all(isinstance(n, str) for n in self.disabled),
+                 "a frozenset of backend names"),
+                ("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, (str, os.PathLike)),
+                 "None or a path"),
+                ("probe_timeout_s", isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                 and 0 < timeout < float("inf"), "a positive finite number of seconds"),
+                ("guard_every", count(self.guard_every, 1), "a positive int (calls between guard checks)"),
+                ("timer", self.timer in ("graph", "eager"), "'graph' or 'eager'"),
+                ("search", self.search in ("fast", "full"), "'fast' or 'full'"),
+                ("compile_workers", self.compile_workers is None or count(self.compile_workers, 0),
+                 "None or an int >= 0"),
+                *((f, isinstance(getattr(self, f), bool), "True or False")
+                  for f in ("tune", "isolate", "guard", "background_compile"))):
+            if not ok:
+                raise InvalidInputError(f"Settings: {name} must be {want}; got {getattr(self, name)!r}. Build it with "
+                                        "dataclasses.replace(read_settings(), ...) and values of those kinds")
+
 
 def _env_cache_dir() -> Path | None:
     """FP4DISPATCH_CACHE_DIR as a path, ``~`` expanded; unset, empty or blank: None (a directory named by spaces, or

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
-
 from pathlib import Path
 
 import pytest
@@ -343,6 +343,21 @@ def test_report_credits_the_backend_that_serves_a_key_after_its_winner_was_banne
     assert recs["good"].wins == ["m8-n64-k128-float32"] and recs["good"].losses == {}
     assert recs["bad"].wins == [] and recs["bad"].losses == {
         "m8-n64-k128-float32": "incorrect when proven at M=5: all zeros at M=5 (N=64, K=128)"}
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("probe_timeout_s", -5, "a positive finite number of seconds"),  # timed every probe out at once
+    ("probe_timeout_s", "30", "a positive finite number of seconds"),  # a TypeError from inside fp4_mm
+    ("tune", "0", "True or False"),  # a non-empty string: true
+    ("disabled", {"a"}, "a frozenset of backend names"),
+    ("guard_every", 0, "a positive int (calls between guard checks)"),
+    ("timer", "cuda", "'graph' or 'eager'"),
+    ("compile_workers", -1, "None or an int >= 0"),
+])
+def test_settings_made_in_code_are_checked_when_built(field, value, want):
+    with pytest.raises(InvalidInputError, match=rf"^Settings: {field} must be {re.escape(want)}; got "
+                                                rf"{re.escape(repr(value))}\. Build it with dataclasses\.replace"):
+        Settings(**{field: value})
 
 
 def test_settings_read_from_env(monkeypatch, tmp_path):
