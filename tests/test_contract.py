@@ -107,8 +107,9 @@ def test_an_empty_m_or_n_returns_empty_and_still_checks_the_backend_name(monkeyp
         fn(*args, backend=other)
     monkeypatch.setenv("FP4DISPATCH_BACKEND", "garbage")
     fp4dispatch.set_dispatcher(None)
-    with pytest.raises(InvalidInputError, match=rf"^{op}: FP4DISPATCH_BACKEND must be one of \[.*\]; got 'garbage'. "
-                                                r"Fix or unset the variable$"):
+    # refused when the default dispatcher is made for the call, before anything else
+    with pytest.raises(InvalidInputError, match=r"^FP4DISPATCH_BACKEND='garbage' names no backend; accepted names: "
+                                                r"\[.*\]\. Fix the name or unset the variable$"):
         fn(*args)
 
 
