@@ -14,11 +14,13 @@ a caller parses (``tune --json``).
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import pickle
 import select
+import signal
 import subprocess
 import sys
 from typing import BinaryIO, Callable
@@ -26,7 +28,7 @@ from typing import BinaryIO, Callable
 from .errors import describe_exception
 
 __all__ = ["command", "start", "start_job", "serve_job", "write_frame", "read_frame", "read_answer", "answer_pipe",
-           "log_to_parent"]
+           "log_to_parent", "kill"]
 
 # argv: this process's fp4dispatch/__init__.py, the module whose main() to run, the module path as JSON (null: the
 # environment's, without the current directory: its '' entries), then the answer pipe's fd (read by answer_pipe).
@@ -97,6 +99,27 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen, BinaryIO]:
     finally:
         os.close(write)
     return proc, os.fdopen(read, "rb")
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """Kill a worker and the processes it started (a JIT compile's compiler, say), which would run on as orphans:
+    found while it lives, from /proc's children lists (Linux; elsewhere the worker alone)."""
+    tree, todo = [], [proc.pid]
+    while todo:
+        for listing in glob.glob(f"/proc/{todo.pop()}/task/*/children"):  # each thread's children
+            try:
+                with open(listing) as f:
+                    kids = [int(pid) for pid in f.read().split()]
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+            tree += kids
+            todo += kids
+    proc.kill()
+    for pid in tree:  # reparented by now, still alive: their pids name them
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # exited meanwhile
+            pass
 
 
 def start_job(module: str, job: bytes) -> tuple[subprocess.Popen, BinaryIO]:

@@ -63,6 +63,41 @@ def test_a_worker_that_dies_while_a_process_it_started_holds_its_pipe_is_a_dead_
     assert time.monotonic() - t0 < 45
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie is dead, waiting to be reaped
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="the worker's children are found from /proc's children lists (Linux)")
+def test_a_killed_worker_takes_the_processes_it_started_with_it(tmp_path, monkeypatch):
+    """A worker killed at its timeout left what it had started (a JIT compile's compiler, here a sleep) running."""
+    pidfile = tmp_path / "child.pid"
+    (tmp_path / "starts_then_hangs.py").write_text(
+        "import subprocess, time\nfrom fp4dispatch.testing import FakeBackend\n\n\n"
+        "class StartsThenHangs(FakeBackend):\n"
+        "    def run(self, problem, ops, config):\n"
+        "        child = subprocess.Popen(['sleep', '120'])\n"
+        f"        open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        "        time.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    from starts_then_hangs import StartsThenHangs
+
+    v = probe_isolated(StartsThenHangs("starter", risky=True), CPU, 20.0)  # a loaded machine starts it in seconds
+    assert v.status == "failed" and v.reason.startswith("timed out after 20 s") and pidfile.exists()
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the worker's child outlived it")
+
+
 def test_a_worker_that_dies_making_the_new_keys_first_runs_is_not_cached_as_the_devices_verdict():
     """The crash may come from one of the keys' shapes, not the probe's: the backend stays out of this process (failed)
     and the next process probes it again (transient, not cached)."""

@@ -123,7 +123,7 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
     finally:
         answers.close()
         if proc.poll() is None:
-            proc.kill()
+            worker_process.kill(proc)  # and what it started: a JIT compile's compiler runs on otherwise
         try:
             proc.stdin.close()
             proc.wait(5)

@@ -146,7 +146,7 @@ class CompileWorkers:
             proc.stdin.close()
             proc.wait(timeout=0.5)
         except Exception:  # noqa: BLE001 - a broken pipe, or a timeout: it holds nothing of ours
-            proc.kill()
+            worker_process.kill(proc)
 
     def close(self) -> None:
         """Stop the workers; a job still queued (the caller was interrupted) is cancelled, so its compile happens in
@@ -164,7 +164,7 @@ class CompileWorkers:
             t.join(timeout=CLOSE_WAIT_S)
         for proc in self._procs:  # still busy with a compile no one waits for now, or stuck
             if proc.poll() is None:
-                proc.kill()
+                worker_process.kill(proc)
         for t in self._threads:
             t.join()
 
