@@ -27,6 +27,11 @@ CORRUPT = {
     "list": "[1, 2, 3]",
     "future-schema": json.dumps({"schema_version": SCHEMA_VERSION + 1, "fingerprint": FP, "health": {},
                                  "decisions": {}, "shape_blacklist": {}}),
+    # they compared equal to 1 and were read as schema 1
+    "bool-schema": json.dumps({"schema_version": True, "fingerprint": FP, "health": {}, "decisions": {"k": {}},
+                               "shape_blacklist": {}}),
+    "float-schema": json.dumps({"schema_version": 1.0, "fingerprint": FP, "health": {}, "decisions": {"k": {}},
+                                "shape_blacklist": {}}),
     "foreign": json.dumps({"schema_version": SCHEMA_VERSION, "fingerprint": {"device_type": "cuda", "gpu": "B200"},
                            "health": {}, "decisions": {"k": {}}, "shape_blacklist": {}}),
     "bad-section": json.dumps({"schema_version": SCHEMA_VERSION, "fingerprint": FP, "health": [],

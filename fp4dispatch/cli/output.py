@@ -77,7 +77,7 @@ def _print_tables(rows: list[dict], backends: list[dict], notes: list[str]) -> N
         con.print("\n" + note)
     cached = sum(r.get("source") == "cache" for r in rows)
     if cached:
-        con.print(f"\n{cached} of {len(rows)} shapes came from the cache "
+        con.print(f"\n{cached} of {len(rows)} shape{'s' if len(rows) > 1 else ''} came from the cache "
                   "(python -m fp4dispatch.tune clear to measure them again).")
 
 

@@ -72,7 +72,7 @@ def _cmd_tune(args, parser, opts: TuneOptions, backends, do_bench) -> int:
             for s in listing:
                 rows = f"E={s['experts']} T" if s["experts"] else "M"  # a grouped key's M is T, the routed rows
                 print(f"{rows}={s['m']} (bucket {s['m_bucket']}) N={s['n']} K={s['k']}  {', '.join(s['layers'])}")
-            print("\n".join(skip_notes) if skip_notes else f"{len(listing)} shapes")
+            print("\n".join(skip_notes) if skip_notes else f"{len(listing)} shape{'s' if len(listing) != 1 else ''}")
         return 0
     notes = ([] if dev.type == "cuda" else [_CPU_NOTE]) + skip_notes
     payload: dict = {"command": "tune", "skipped": skipped}

@@ -181,7 +181,7 @@ class DecisionCache:
         if not isinstance(data, dict):
             return self._ignore("not a JSON object")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1 too
             return self._ignore(f"schema_version {version!r}, this fp4dispatch reads {SCHEMA_VERSION}")
         if data.get("fingerprint") != self.fingerprint:
             return self._ignore("foreign file: its fingerprint is not this device's")
