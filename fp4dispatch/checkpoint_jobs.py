@@ -52,9 +52,14 @@ def refuse_converted(name: str, kind: str, why: str) -> InvalidInputError:
                              "the checkpoint's config")
 
 
+# nn.Linear subclasses whose forward is nn.Linear's maths (x @ W.T + b), so an Fp4Linear computes what they do
+_LINEAR_FORWARD = frozenset({"FalconLinear"})
+
+
 def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static) -> Job | None:
     """The job for an ``nn.Linear`` (or ``Fp4Linear``) the checkpoint quantizes; None (noted in ``report``) for one
-    it leaves as it is."""
+    it leaves as it is. An ``nn.Linear`` subclass with a forward of its own (a router returning its top-k, a grouped
+    projection) is never replaced: refused where the checkpoint quantizes it."""
     prefix = f"{name}." if name else ""
     wname = prefix + fmt.weight_name
     w = shards.probe(wname) if wname in names else None
@@ -79,6 +84,14 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
                                     "list, or pass quantization_config= with it fixed")
         report.skipped[name] = skip
         return None
+    cls = type(module)
+    own_forward = cls.forward is not nn.Linear.forward and cls.__name__ not in _LINEAR_FORWARD
+    if own_forward and not isinstance(module, Fp4Linear):
+        why = (f"{cls.__name__} is an nn.Linear with a forward of its own, which an Fp4Linear (x @ W.T + b) would not "
+               "compute")
+        raise InvalidInputError(f"{_WHO}: module {name!r}: {why}, and the checkpoint stores it quantized, so it "
+                                "cannot load into this model (its packed weight is no plain weight either). The model "
+                                "is unchanged")
     if w.dtype not in (torch.uint8, torch.int32, torch.int64) and "float4" not in str(w.dtype):
         fix = (" It holds bytes: store them as uint8 (t.view(torch.uint8), the same bytes)" if w.element_size() == 1
                else "")

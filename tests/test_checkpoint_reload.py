@@ -156,6 +156,25 @@ def test_a_module_the_config_excludes_but_the_checkpoint_stores_quantized_is_nam
                    strict=strict)
 
 
+class TopKRouter(nn.Linear):
+    """A router as PhiMoE's and Llama 4's: an nn.Linear whose forward returns more than x @ W.T."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1)
+
+
+def test_an_nn_linear_subclass_with_its_own_forward_is_not_replaced():
+    """It was replaced by a plain Fp4Linear, and the model failed on its first forward (a router's unpacking)."""
+    model = Net()
+    model.up = TopKRouter(64, 128)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: module 'up': TopKRouter is an nn.Linear with a forward "
+                                                r"of its own, which an Fp4Linear \(x @ W.T \+ b\) would not compute, "
+                                                r"and the checkpoint stores it quantized, .* The model is unchanged$"):
+        load_nvfp4(model, _tensors("modelopt"), quantization_config=MODELOPT)
+    assert type(model.up) is TopKRouter and type(model.down) is nn.Linear
+
+
 def test_a_layers_constructor_error_names_its_module_once():
     t = _tensors("modelopt")
     t["up.weight_scale"] = t["up.weight_scale"].float()
