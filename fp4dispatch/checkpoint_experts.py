@@ -12,10 +12,13 @@ changes.
 """
 from __future__ import annotations
 
+import copy
+
+import torch
 from torch import nn
 
 from .checkpoint_jobs import Getter, Job, refuse_converted, target_device
-from .errors import InvalidInputError
+from .errors import InvalidInputError, describe_exception
 from .experts import Fp4Experts
 from .moe import Fp4MoeExperts
 from .stored import INPUT_SPREAD, scalar_scale
@@ -57,10 +60,13 @@ def experts_job(name, module, fmt, shards, names, used, report, dev, mode, stati
         gu, dn = module.gate_up_proj, module.down_proj
         e, h, i, device = dn.shape[0], dn.shape[1], dn.shape[2], gu.device
         biased = [b for b in ("gate_up_proj_bias", "down_proj_bias") if getattr(module, b, None) is not None]
-        if tuple(gu.shape) != (e, 2 * i, h) or biased or not isinstance(getattr(module, "act_fn", None), nn.Module):
+        act = getattr(module, "act_fn", None)
+        form = (tuple(gu.shape) == (e, 2 * i, h) and not biased and isinstance(act, nn.Module))
+        if not form or (maths := _forward_difference(module)):
             why = (f"experts module {name!r} ({type(module).__name__}) is not of the form fp4dispatch replaces: "
                    f"gate_up_proj [E, 2I, H] (got {tuple(gu.shape)}), down_proj [E, H, I] (got {tuple(dn.shape)}), "
-                   f"an act_fn module and no biases (got {biased or 'none'})")
+                   f"an act_fn module (got {type(act).__name__}) and no biases (got {biased or 'none'})"
+                   if not form else f"experts module {name!r} ({type(module).__name__}): {maths}")
             if strict:
                 raise InvalidInputError(f"load_nvfp4: {why}; strict=False leaves it as it is (its quantized tensors "
                                         "unloaded, listed as unused, and its weights at their initial values)")
@@ -94,6 +100,39 @@ def experts_job(name, module, fmt, shards, names, used, report, dev, mode, stati
              f"{', '.join(p for p, s in static_of.items() if not s)} (not every expert stores one)")
     report.replaced[name] = f"Fp4MoeExperts({e} experts, {h} -> {i} -> {h}, mode={mode}, activation scale {scale})"
     return Job(name, build, target_device(name, device, dev))
+
+
+def _forward_difference(module: nn.Module) -> str | None:
+    """Why ``module``'s own forward is not what ``Fp4MoeExperts`` computes (per routed slot ``act_fn(gate) * up``,
+    then ``down_proj``, weighted and summed), or None. Its forward runs on a copy with small random weights of its E
+    experts, on tokens large enough to pass a clamp that bites only on large activations, beside that computation: a
+    clamp, a norm of its own, a two-argument activation or another gate shows as a difference (they loaded silently
+    and computed something else, or failed on the first forward)."""
+    if type(module).forward is nn.Module.forward:  # none of its own: nothing the replacement could contradict
+        return None
+    extra = sorted({n.split(".")[0] for n, _ in (*module.named_parameters(), *module.named_buffers())}
+                   - {"gate_up_proj", "down_proj", "act_fn"} | {n for n, _ in module.named_children()} - {"act_fn"})
+    if extra:
+        return f"it holds {extra} beside gate_up_proj, down_proj and act_fn, which an Fp4MoeExperts would drop"
+    e, h, i, t = module.gate_up_proj.shape[0], 16, 8, 6
+    g = torch.Generator().manual_seed(0)
+    probe = copy.copy(module)  # its attributes (act_fn, a limit) as they are, small weights of its own
+    probe._parameters = {"gate_up_proj": nn.Parameter(torch.randn(e, 2 * i, h, generator=g), requires_grad=False),
+                         "down_proj": nn.Parameter(torch.randn(e, h, i, generator=g), requires_grad=False)}
+    x, k = torch.randn(t, h, generator=g) * 8, min(2, e)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    try:
+        with torch.no_grad():
+            gate, up = torch.einsum("tkoh,th->tko", probe.gate_up_proj[idx], x).chunk(2, dim=-1)
+            want = (torch.einsum("tkhi,tki->tkh", probe.down_proj[idx], module.act_fn(gate) * up) * w[..., None]).sum(1)
+            got = type(module).forward(probe, x, idx, w)
+    except Exception as err:  # noqa: BLE001 - what it needs is not what an Fp4MoeExperts has: refused
+        return f"its forward could not be checked against act_fn(gate) * up, then down_proj ({describe_exception(err)})"
+    diff = float((got - want).abs().max() / want.abs().max())
+    return None if diff <= 1e-4 else (f"its forward does not compute act_fn(gate) * up, then down_proj, as an "
+                                      f"Fp4MoeExperts does (on small random weights they differ by {diff:.2g} "
+                                      "relative: a clamp, a norm or another gate)")
 
 
 def _check_projection(pattern, e, n_out, k_in, fmt, shards, names, module) -> None:

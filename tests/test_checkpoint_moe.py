@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install fp4dispatch[test])")
 pytest.importorskip("safetensors.torch", reason="needs safetensors")
@@ -311,6 +312,50 @@ class _Experts(torch.nn.Module):
         self.act_fn = torch.nn.SiLU()
 
 
+class _Computing(_Experts):
+    """An experts module with transformers' forward (per routed slot act_fn(gate) * up, then down, weighted), and
+    ``variant`` as families change it: a clamp (DeepSeek-V4's swiglu_limit), a norm of its own (MuseSpark's), a
+    two-argument activation (Inkling2's)."""
+
+    def __init__(self, variant=None):
+        super().__init__((2, 64, 64), (2, 64, 32))
+        self.variant = variant
+        if variant == "norm":
+            self.post_norm = torch.nn.LayerNorm(64)
+        if variant == "two-argument":
+            self.act_fn = type("GatedSiLU", (torch.nn.Module,), {"forward": lambda self, g, u: F.silu(g) * u})()
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for s in range(idx.shape[1]):
+                gate, up = (self.gate_up_proj[idx[t, s]] @ x[t]).chunk(2)
+                if self.variant == "clamp":
+                    gate, up = gate.clamp(max=10.0), up.clamp(-10.0, 10.0)
+                h = self.act_fn(gate, up) if self.variant == "two-argument" else self.act_fn(gate) * up
+                out[t] += w[t, s] * (self.down_proj[idx[t, s]] @ h)
+        return self.post_norm(out) if self.variant == "norm" else out
+
+
+@pytest.mark.parametrize("variant, said", [
+    ("clamp", r"its forward does not compute act_fn\(gate\) \* up, then down_proj, as an Fp4MoeExperts does \(on "
+              r"small random weights they differ by .* relative: a clamp, a norm or another gate\)"),
+    ("norm", r"it holds \['post_norm'\] beside gate_up_proj, down_proj and act_fn, which an Fp4MoeExperts would drop"),
+    ("two-argument", r"its forward could not be checked against act_fn\(gate\) \* up, then down_proj \(TypeError"),
+])
+def test_experts_whose_forward_computes_something_else_are_refused(variant, said):
+    """They loaded silently and computed without the clamp or the norm, or failed on their first forward."""
+    model = torch.nn.Module()
+    model.experts = _Computing(variant)
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: experts module 'experts' \(_Computing\): " + said):
+        load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG)
+    assert type(model.experts) is _Computing
+    plain = torch.nn.Module()
+    plain.experts = _Computing()  # transformers' maths: replaced
+    load_nvfp4(plain, _expert_state(2, 64, 32), quantization_config=QCFG)
+    assert isinstance(plain.experts, Fp4MoeExperts)
+
+
 def _expert_state(e, h, i, gate_shape=None):
     from fp4dispatch.format import quantize_nvfp4
 
@@ -330,7 +375,8 @@ QCFG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
 
 @pytest.mark.parametrize("shapes, bias, got", [
     (((2, 64, 64), (2, 32, 64)), False, r"gate_up_proj \[E, 2I, H\] \(got \(2, 64, 64\)\), down_proj \[E, H, I\] "
-                                        r"\(got \(2, 32, 64\)\), an act_fn module and no biases \(got none\)"),
+                                        r"\(got \(2, 32, 64\)\), an act_fn module \(got SiLU\) and no biases "
+                                        r"\(got none\)"),
     (((2, 64, 64), (2, 64, 32)), True, r".*\(got \['gate_up_proj_bias'\]\); strict=False leaves it as it is"),
 ], ids=["transposed-layout", "biased"])
 def test_experts_of_another_form_are_refused_with_what_was_expected(shapes, bias, got):
