@@ -40,22 +40,27 @@ def test_probe_isolated_turns_a_dead_or_hung_worker_into_a_failed_verdict(crash,
     assert os.getpid() == pid  # still the same, living process
 
 
+def _worker_backend(tmp_path, monkeypatch, module: str, run: list[str]):
+    """A risky FakeBackend whose run() is ``run``'s lines, defined in a module a worker process can import."""
+    body = "".join(f"        {line}\n" for line in run)
+    (tmp_path / f"{module}.py").write_text("import os, subprocess, time\n"
+                                           "from fp4dispatch.testing import FakeBackend\n\n\n"
+                                           "class Scripted(FakeBackend):\n"
+                                           "    def run(self, problem, ops, config):\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return __import__(module).Scripted(module, risky=True)
+
+
 def test_a_worker_that_dies_while_a_process_it_started_holds_its_pipe_is_a_dead_worker(tmp_path, monkeypatch):
     """The answer pipe's end never came (the process it started held it open), so the full timeout was waited and the
     crash reported as a timeout, transient: every process waited it again."""
     pidfile = tmp_path / "helper.pid"
-    (tmp_path / "spawns_then_dies.py").write_text(
-        "import os\nfrom fp4dispatch.testing import FakeBackend\n\n\nclass SpawnsThenDies(FakeBackend):\n"
-        "    def run(self, problem, ops, config):\n"
-        f"        os.system('sleep 60 & echo $! > {pidfile}')  # a shell: it keeps every fd, the pipe's too\n"
-        "        os._exit(3)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    from spawns_then_dies import SpawnsThenDies
-
+    spawner = _worker_backend(tmp_path, monkeypatch, "spawns_then_dies", [
+        f"os.system('sleep 60 & echo $! > {pidfile}')  # a shell: it keeps every fd, the pipe's too", "os._exit(3)"])
     t0 = time.monotonic()
     try:
-        v = probe_isolated(SpawnsThenDies("spawner", risky=True), CPU, 50.0)
+        v = probe_isolated(spawner, CPU, 50.0)
     finally:
         if pidfile.exists():
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
@@ -76,18 +81,10 @@ def _alive(pid: int) -> bool:
 def test_a_killed_worker_takes_the_processes_it_started_with_it(tmp_path, monkeypatch):
     """A worker killed at its timeout left what it had started (a JIT compile's compiler, here a sleep) running."""
     pidfile = tmp_path / "child.pid"
-    (tmp_path / "starts_then_hangs.py").write_text(
-        "import subprocess, time\nfrom fp4dispatch.testing import FakeBackend\n\n\n"
-        "class StartsThenHangs(FakeBackend):\n"
-        "    def run(self, problem, ops, config):\n"
-        "        child = subprocess.Popen(['sleep', '120'])\n"
-        f"        open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
-        "        time.sleep(3600)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    from starts_then_hangs import StartsThenHangs
-
-    v = probe_isolated(StartsThenHangs("starter", risky=True), CPU, 20.0)  # a loaded machine starts it in seconds
+    starter = _worker_backend(tmp_path, monkeypatch, "starts_then_hangs", [
+        "child = subprocess.Popen(['sleep', '120'])", f"open({str(pidfile)!r}, 'w').write(str(child.pid))",
+        "time.sleep(3600)"])
+    v = probe_isolated(starter, CPU, 20.0)  # a loaded machine starts its worker in seconds
     assert v.status == "failed" and v.reason.startswith("timed out after 20 s") and pidfile.exists()
     pid = int(pidfile.read_text())
     deadline = time.monotonic() + 10
