@@ -32,7 +32,7 @@ from torch import nn
 
 from .checkpoint_experts import experts_job, is_experts_module
 from .checkpoint_jobs import Job, linear_job, target_device
-from .checkpoint_shards import Shards, missing_path, read_json
+from .checkpoint_shards import Shards, missing_path, model_names, read_json
 from .errors import InvalidInputError
 from .modes import MODES
 from .nn import Fp4Linear
@@ -209,7 +209,10 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
     dev = torch.device(device) if device is not None else None
     shards = Shards(checkpoint, dev or torch.device("cpu"))
     try:
+        shards.use_names(model_names(model, shards.names()))  # as transformers renames them for this model
         report, jobs, copies = _plan(model, fmt, shards, dev, mode, static_activation_scales, strict)
+        report.loaded = [shards.stored_name(n) for n in report.loaded]  # as the checkpoint names them
+        report.unused = sorted(shards.stored_name(n) for n in report.unused)
         if strict:
             _check_complete(report)
         for job in jobs:  # every check passed: now the model changes

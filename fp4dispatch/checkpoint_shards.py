@@ -15,7 +15,7 @@ import torch
 
 from .errors import InvalidInputError
 
-__all__ = ["Shards", "missing_path", "read_json"]
+__all__ = ["Shards", "missing_path", "read_json", "model_names"]
 
 _WHO = "load_nvfp4"
 # safetensors' dtype names; a tensor of another (F4, ...) is read to be probed
@@ -32,6 +32,21 @@ def missing_path(path: Path) -> InvalidInputError | None:
         return None
     return InvalidInputError(f"{_WHO}: checkpoint {str(path)!r} does not exist; pass a checkpoint folder (config.json "
                              "and *.safetensors shards), one .safetensors file, or a state dict")
+
+
+def model_names(model, names: set[str]) -> dict[str, str]:
+    """Stored name -> the model's name for it, where transformers renames it when it loads ``model``'s type (its
+    checkpoint conversion mapping's plain renamings: Mixtral's, PhiMoE's and MiniMax's ``block_sparse_moe`` is the
+    model's ``mlp``); only the names it changes. Nothing without transformers or a mapping for the type."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import apply_renamings
+
+        rules = [r for r in get_checkpoint_conversion_mapping(model.config.model_type) or []
+                 if isinstance(r, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - not a transformers model, or a transformers without these: names as stored
+        return {}
+    return {n: new for n in names if (new := apply_renamings(n, rules)) != n} if rules else {}
 
 
 def read_json(path: Path, key: str | None = None) -> dict:
@@ -58,6 +73,7 @@ class Shards:
         self._dict: dict | None = None
         self._where: dict[str, Path] = {}
         self._open: dict[Path, object] = {}
+        self._stored: dict[str, str] = {}  # the model's name -> the stored one, where they differ (use_names)
         if isinstance(src, dict):
             self._dict = src
             return
@@ -113,17 +129,29 @@ class Shards:
                                         "again") from e
         return h
 
+    def use_names(self, renamed: dict[str, str]) -> None:
+        """Name the tensors that ``renamed`` maps (stored name -> the model's name for it) by the model's names."""
+        self._stored = {new: old for old, new in renamed.items()}
+
+    def stored_name(self, name: str) -> str:
+        """The name ``name`` (the model's) has in the checkpoint."""
+        return self._stored.get(name, name)
+
     def names(self) -> set[str]:
-        return set(self._dict) if self._dict is not None else set(self._where)
+        stored = set(self._dict) if self._dict is not None else set(self._where)
+        renamed = {old: new for new, old in self._stored.items()}
+        return {renamed.get(n, n) for n in stored}
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, read onto ``device``."""
+        name = self.stored_name(name)
         t = self._dict[name] if self._dict is not None else self._handle(self._where[name]).get_tensor(name)
         return t.to(self.device)
 
     def probe(self, name: str) -> torch.Tensor:
         """What the checks read, without the bulk data: the per-tensor scales as they are (on the CPU), every other
         tensor as a meta tensor of its stored dtype and shape."""
+        name = self.stored_name(name)
         if name.endswith(_VALUES):
             t = self._dict[name] if self._dict is not None else self._handle(self._where[name]).get_tensor(name)
             return t.cpu()

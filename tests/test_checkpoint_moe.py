@@ -401,3 +401,25 @@ def test_an_expert_weight_stored_transposed_is_named():
     report = load_nvfp4(model, _expert_state(2, 64, 32), quantization_config=QCFG)
     assert report.replaced == {"experts": "Fp4MoeExperts(2 experts, 64 -> 32 -> 64, mode=auto, activation scale "
                                           "dynamic)"}
+
+
+def test_a_checkpoint_named_as_exported_loads_by_the_names_transformers_gives_its_model():
+    """Mixtral's exported checkpoints name the experts block_sparse_moe.experts.E.w1/w3/w2, which transformers 5
+    renames to mlp. when it loads: every quantized tensor was refused as having no module to take it."""
+    from fp4dispatch.format import quantize_nvfp4
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=64, tie_word_embeddings=False)
+    src = transformers.MixtralForCausalLM(cfg).eval()
+    sd = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in src.state_dict().items() if ".experts." not in k}
+    for name, e, proj, w in _expert_weights(src):
+        p, s, gs = quantize_nvfp4(w.float(), scale_layout="linear")
+        mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+        stem = f"{name.replace('.mlp.', '.block_sparse_moe.')}.{e}.{mixtral}"
+        sd |= {f"{stem}.weight": p, f"{stem}.weight_scale": s, f"{stem}.weight_scale_2": (1 / gs).reshape(())}
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    report = load_nvfp4(model, sd, quantization_config={**QCFG, "exclude_modules": ["lm_head", "*self_attn*"]})
+    assert isinstance(model.model.layers[0].mlp.experts, Fp4MoeExperts) and report.unused == []
+    assert "model.layers.0.block_sparse_moe.gate.weight" in report.loaded  # as the checkpoint names it
