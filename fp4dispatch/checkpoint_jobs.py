@@ -87,11 +87,10 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
     cls = type(module)
     own_forward = cls.forward is not nn.Linear.forward and cls.__name__ not in _LINEAR_FORWARD
     if own_forward and not isinstance(module, Fp4Linear):
-        why = (f"{cls.__name__} is an nn.Linear with a forward of its own, which an Fp4Linear (x @ W.T + b) would not "
-               "compute")
-        raise InvalidInputError(f"{_WHO}: module {name!r}: {why}, and the checkpoint stores it quantized, so it "
-                                "cannot load into this model (its packed weight is no plain weight either). The model "
-                                "is unchanged")
+        raise InvalidInputError(f"{_WHO}: module {name!r}: {cls.__name__} is an nn.Linear with a forward of its own, "
+                                "which an Fp4Linear (x @ W.T + b) would not compute, and the checkpoint stores it "
+                                "quantized, so it cannot load into this model (its packed weight is no plain weight "
+                                "either). The model is unchanged")
     if w.dtype not in (torch.uint8, torch.int32, torch.int64) and "float4" not in str(w.dtype):
         fix = (" It holds bytes: store them as uint8 (t.view(torch.uint8), the same bytes)" if w.element_size() == 1
                else "")

@@ -58,12 +58,16 @@ def _e2m1_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return lut
 
 
+def packed_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one packed NVFP4 data comes in: uint8 or ``torch.float4_e2m1fn_x2`` (where torch has it)."""
+    return dtype == torch.uint8 or dtype == getattr(torch, "float4_e2m1fn_x2", None)
+
+
 def as_packed_uint8(t: torch.Tensor, name: str = "packed") -> torch.Tensor:
     """View packed e2m1 data as uint8 (accepts uint8 or ``torch.float4_e2m1fn_x2``)."""
     if t.dtype == torch.uint8:
         return t
-    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
-    if fp4 is not None and t.dtype == fp4:
+    if packed_dtype(t.dtype):
         return t.view(torch.uint8)
     raise InvalidInputError(
         f"{name} must be packed NVFP4 data (uint8 or torch.float4_e2m1fn_x2, two e2m1 values per byte); "

@@ -11,7 +11,8 @@ import numbers
 import torch
 
 from .errors import InvalidInputError
-from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, swizzle_scales, swizzled_scale_shape
+from .format import (BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, packed_dtype, swizzle_scales,
+                     swizzled_scale_shape)
 from .problem import OUT_DTYPES, Operands, Problem
 
 __all__ = ["check_fp4_mm_args", "check_w4a16_mm_args", "check_alpha"]
@@ -291,8 +292,7 @@ def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Pr
     if not isinstance(a, torch.Tensor):
         raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [M, K]; got {_type_name(a)}")
     if a.dtype not in _HALF:
-        packed = a.dtype == torch.uint8 or "float4" in str(a.dtype)  # a cast of packed codes means nothing
-        hint = (" It holds packed NVFP4 data: that is fp4_mm's a (with a_scale)" if packed
+        hint = (" It holds packed NVFP4 data: that is fp4_mm's a (with a_scale)" if packed_dtype(a.dtype)
                 else " Cast it with a.to(torch.bfloat16)")
         raise _fail(f"a must be bfloat16 or float16 [M, K] (W4A16: activations as they are); got dtype={a.dtype}."
                     f"{hint}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InvalidInputError
-from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8
+from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, packed_dtype
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
 from .problem import OUT_DTYPES, GroupedOperands, Problem
 from .validate import _HALF, ALPHA_IS, _check_alpha, _type_name, check_inference_out, no_scale
@@ -166,8 +166,7 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
         raise _fail(f"a must be a torch.Tensor of bf16 or fp16 activations [T, K] (the routed rows, grouped by "
                     f"expert); got {_type_name(a)}")
     if a.dtype not in _HALF:
-        packed = a.dtype == torch.uint8 or "float4" in str(a.dtype)  # a cast of packed codes means nothing
-        hint = (" It holds packed NVFP4 data: that is fp4_grouped_mm's a (with a_scale)" if packed
+        hint = (" It holds packed NVFP4 data: that is fp4_grouped_mm's a (with a_scale)" if packed_dtype(a.dtype)
                 else " Cast it with a.to(torch.bfloat16)")
         raise _fail(f"a must be bfloat16 or float16 [T, K] (W4A16: activations as they are); got dtype={a.dtype}."
                     f"{hint}")

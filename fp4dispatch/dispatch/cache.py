@@ -105,12 +105,13 @@ def _fitted(data: dict, path: Path) -> str:
     is ignored and rebuilt, every decision lost). Where the key bounds do not keep it there (long configs, many
     proven M), the older half of every section goes, again until it fits."""
     text = json.dumps(_bounded(data), indent=1)  # ASCII (ensure_ascii): characters are bytes
+    if len(text) > MAX_FILE_BYTES:
+        log.warning("fp4dispatch: the cache %s would pass %d bytes, more than a reader takes; the older half of "
+                    "every section was dropped", path, MAX_FILE_BYTES)
     while len(text) > MAX_FILE_BYTES:
         for s in SECTIONS:
             data[s] = dict(list(data[s].items())[len(data[s]) // 2:])
         text = json.dumps(data, indent=1)
-        log.warning("fp4dispatch: the cache %s would pass %d bytes, more than a reader takes; the older half of "
-                    "every section was dropped", path, MAX_FILE_BYTES)
     return text
 
 

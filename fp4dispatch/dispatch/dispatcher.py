@@ -118,11 +118,12 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
     def _check_disabled(self) -> None:
         from ..backends import names
 
-        unknown, known = self.settings.disabled - set(self._by_name), set(self._by_name) | set(names())
-        if unknown and unknown - set(names()):
+        builtin = set(names())  # every built-in backend made once: a name of one is known even if not passed here
+        known = set(self._by_name) | builtin
+        if unknown := self.settings.disabled - known:
             raise InvalidInputError(f"FP4DISPATCH_DISABLE={','.join(sorted(self.settings.disabled))!r} names no "
-                                    f"backend {sorted(unknown - set(names()))}; accepted names: {sorted(known)}. Fix "
-                                    "the names or unset the variable")
+                                    f"backend {sorted(unknown)}; accepted names: {sorted(known)}. Fix the names or "
+                                    "unset the variable")
         if (forced := self.settings.forced_backend) is not None and forced not in known:  # before any call needs it
             raise InvalidInputError(f"FP4DISPATCH_BACKEND={forced!r} names no backend; accepted names: "
                                     f"{sorted(known)}. Fix the name or unset the variable")
