@@ -95,6 +95,20 @@ def test_a_killed_worker_takes_the_processes_it_started_with_it(tmp_path, monkey
         pytest.fail("the worker's child outlived it")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_worker_killed_from_outside_is_not_cached_as_the_backends_verdict(tmp_path, monkeypatch, sig):
+    """Before: the out-of-memory killer's SIGKILL (or a scheduler's SIGTERM) was 'worker died (signal 9, SIGKILL)',
+    cached: a healthy backend stayed out of every later process. Here the worker's probe sends it to itself, as the
+    kernel would (the signal is the same; who sends it is not seen by the parent)."""
+    victim = _worker_backend(tmp_path, monkeypatch, f"killed_by_{sig.name.lower()}",
+                             [f"os.kill(os.getpid(), {int(sig)})", "time.sleep(60)"])
+    v = probe_isolated(victim, CPU, 120.0)
+    assert (v.status, v.transient) == ("failed", True)
+    assert v.reason == (f"probe worker killed from outside (signal {int(sig)}, {sig.name}: the out-of-memory killer "
+                        "if the host ran short of memory, else a kill, a scheduler's stop or a closed terminal); "
+                        "not cached: probed again by the next process")
+
+
 def test_a_worker_that_dies_making_the_new_keys_first_runs_is_not_cached_as_the_devices_verdict():
     """The crash may come from one of the keys' shapes, not the probe's: the backend stays out of this process (failed)
     and the next process probes it again (transient, not cached)."""

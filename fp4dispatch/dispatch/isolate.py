@@ -25,6 +25,10 @@ CANCEL_POLL_S = 0.25  # how often a waiting caller looks at its cancel event
 # Ctrl-C in a terminal signals its whole process group, the workers too, while this process may go on (an
 # application that handles SIGINT itself, or a probe run by another thread than the main one)
 _INTERRUPTED = "probe worker interrupted by SIGINT (not cached: probed again by the next process)"
+# signals that come from outside, not from a backend's fault: the kernel's out-of-memory killer and `kill -9` send
+# SIGKILL, a job scheduler or a container's stop SIGTERM, a closed terminal SIGHUP. Cached as the backend's verdict,
+# one such kill would have kept a healthy backend out of every later process.
+_FROM_OUTSIDE = (signal.SIGKILL, signal.SIGTERM, signal.SIGHUP)
 # a worker that cannot take the job says nothing of the backend
 _NO_WORKER = ("not cached: nothing was learned of the backend; define its class in a module a fresh process can "
               "import, or probe it in this process: FP4DISPATCH_ISOLATE=0")
@@ -82,7 +86,8 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
     ``first_run_unit``; ``timeout_s`` must allow them.
     A worker that dies with upcoming runs is a transient verdict: the crash may be one key's shape, not the probe's.
     ``cancel`` set (the caller was interrupted): the worker is killed at once, a transient verdict.
-    A worker interrupted by SIGINT (not the backend's fault) is a transient verdict.
+    A worker interrupted by SIGINT or killed from outside (``_FROM_OUTSIDE``: not the backend's fault) is a transient
+    verdict.
     ``check_here``: ``backend.unavailable`` runs in this process once the worker has started (its library's import
     overlaps the worker's start); a reason there kills the worker and is the verdict."""
     if type(backend).__module__ == "__main__":
@@ -116,6 +121,10 @@ def probe_isolated(backend: Backend, device: torch.device, timeout_s: float = 30
         how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
         if code == -signal.SIGINT:  # interrupted, wherever it was (worker_process: a worker dies by SIGINT)
             return Verdict("failed", f"{_INTERRUPTED} ({how})", transient=True)
+        if code is not None and -code in _FROM_OUTSIDE:
+            return Verdict("failed", f"probe worker killed from outside ({how}: the out-of-memory killer if the "
+                           "host ran short of memory, else a kill, a scheduler's stop or a closed terminal); not "
+                           "cached: probed again by the next process", transient=True)
         if upcoming:  # the probe or one of the keys' shapes: kept out of this process, probed again by the next
             return Verdict("failed", f"worker died ({how}) while probing and making the first runs of "
                            f"{len(upcoming)} new keys (not cached)", transient=True)
