@@ -63,7 +63,9 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
     prefix = f"{name}." if name else ""
     wname = prefix + fmt.weight_name
     w = shards.probe(wname) if wname in names else None
-    why = fmt.exclusion(name)
+    # the exclusion list names modules as the checkpoint does, which transformers may rename (PhiMoE's router is
+    # the model's mlp.router and the checkpoint's block_sparse_moe.gate)
+    why = fmt.exclusion(name) or fmt.exclusion(shards.stored_name(wname)[:-len(fmt.weight_name) - 1])
     # packed NVFP4 by its shapes, whatever its dtype ([N, K/2] bytes beside [N, K/16] block scales): a byte dtype
     # mislabelled as float, or a module the config excludes, is named as such, not as a checkpoint of another model
     scale = shards.probe(prefix + "weight_scale") if prefix + "weight_scale" in names else None
