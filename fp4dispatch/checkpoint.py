@@ -219,6 +219,8 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
             layer = job.build(shards.get).to(job.device)
             parent, _, child = job.name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
+        if jobs:
+            _mark_quantized(model)
         made: dict[int, torch.Tensor] = {}
         owners = None  # of meta tensors: indexed once, when the first is met
         with torch.no_grad():
@@ -234,6 +236,17 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
     finally:
         shards.close()
     return report
+
+
+def _mark_quantized(model: nn.Module) -> None:
+    """Sets ``config._is_quantized`` on every module with a transformers config, as transformers' own quantizers do:
+    models read a Linear's ``weight`` directly unless it is set (Jamba's and FalconMamba's ``dt_proj.weight @ x``,
+    which a packed weight would not compute), and flash attention takes its dtype from the config, not from the
+    first Linear's weight. transformers leaves it out of a saved config."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict") and hasattr(config, "model_type"):
+            config._is_quantized = True
 
 
 def _plan(model, fmt, shards, dev, mode, static, strict) -> tuple[LoadReport, list[Job], list]:

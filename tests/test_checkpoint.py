@@ -381,3 +381,30 @@ _CW, _CS = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4).to(torch.floa
 def test_from_compressed_tensors_errors(args, message):
     with pytest.raises(InvalidInputError, match=message):
         Fp4Linear.from_compressed_tensors(*args)
+
+
+def test_a_model_that_reads_a_linears_weight_directly_is_told_it_is_quantized(tmp_path):
+    """Jamba's mamba mixer computes ``dt_proj.weight @ x`` unless ``config._is_quantized`` is set, as transformers'
+    own quantizers set it; with the packed weight there the first forward raised (a shape mismatch). load_nvfp4 sets
+    it on every config of the model, and the model computes what the decoded weights give."""
+    pytest.importorskip("modelopt")
+    torch.manual_seed(0)
+    cfg = transformers.JambaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   num_experts=1, attn_layer_period=2, attn_layer_offset=0, mamba_d_state=8,
+                                   mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=16, use_mamba_kernels=False,
+                                   tie_word_embeddings=False)
+    src = transformers.JambaForCausalLM(cfg).to(torch.bfloat16).eval()
+    path, ref = _modelopt_checkpoint(tmp_path, src, cfg, input_scale=None)
+    assert "model.layers.1.mamba.dt_proj" in ref
+    model = transformers.JambaForCausalLM(cfg).to(torch.bfloat16).eval()
+    report = load_nvfp4(model, path, mode="w4a16")
+    assert set(report.replaced) == set(ref)
+    want = copy.deepcopy(src)
+    for name, w in ref.items():
+        want.get_submodule(name).weight.data.copy_(w.to(torch.bfloat16))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(ids).logits.double(), want(ids).logits.double()
+    assert float((a - b).norm() / b.norm()) < 1e-2 and model.config._is_quantized is True
+    assert "_is_quantized" not in json.dumps(model.config.to_dict(), default=str)  # transformers does not save it
