@@ -259,7 +259,8 @@ def _plan(model, fmt, shards, dev, mode, static, strict) -> tuple[LoadReport, li
         if _inside(name, replaced):  # a child of a module being replaced (an earlier load's Fp4MoeExperts)
             continue
         if isinstance(module, (nn.Linear, Fp4Linear)):
-            job = linear_job(name, module, fmt, shards, names, used, report, dev, mode, static)
+            parent = type(model.get_submodule(name.rpartition(".")[0])).__name__
+            job = linear_job(name, module, fmt, shards, names, used, report, dev, mode, static, parent)
         elif is_experts_module(module):
             job = experts_job(name, module, fmt, shards, names, used, report, dev, mode, static, strict)
         else:

@@ -54,12 +54,16 @@ def refuse_converted(name: str, kind: str, why: str) -> InvalidInputError:
 
 # nn.Linear subclasses whose forward is nn.Linear's maths (x @ W.T + b), so an Fp4Linear computes what they do
 _LINEAR_FORWARD = frozenset({"FalconLinear"})
+# modules whose forward reads a child Linear's weight itself (``self.dt_proj.weight @ x``), whatever the config says
+# (Jamba's and FalconMamba's mixers call the Linear once config._is_quantized is set, which load_nvfp4 sets)
+_READS_CHILD_WEIGHT = {"MambaMixer": frozenset({"dt_proj"})}
 
 
-def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static) -> Job | None:
+def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static, parent="") -> Job | None:
     """The job for an ``nn.Linear`` (or ``Fp4Linear``) the checkpoint quantizes; None (noted in ``report``) for one
     it leaves as it is. An ``nn.Linear`` subclass with a forward of its own (a router returning its top-k, a grouped
-    projection) is never replaced: refused where the checkpoint quantizes it."""
+    projection), or one whose weight its ``parent`` (class name) reads itself, is never replaced: refused where the
+    checkpoint quantizes it."""
     prefix = f"{name}." if name else ""
     wname = prefix + fmt.weight_name
     w = shards.probe(wname) if wname in names else None
@@ -93,6 +97,13 @@ def linear_job(name, module, fmt, shards, names, used, report, dev, mode, static
                                 "which an Fp4Linear (x @ W.T + b) would not compute, and the checkpoint stores it "
                                 "quantized, so it cannot load into this model (its packed weight is no plain weight "
                                 "either). The model is unchanged")
+    child = name.rpartition(".")[2]
+    if child in _READS_CHILD_WEIGHT.get(parent, ()) and not isinstance(module, Fp4Linear):
+        raise InvalidInputError(f"{_WHO}: module {name!r}: its parent, a {parent}, reads {child}.weight itself in "
+                                "its forward (weight @ x), which a packed weight would not compute, and the "
+                                "checkpoint stores it quantized, so it cannot load into this model. The model is "
+                                "unchanged. Export the model with that module unquantized (ModelOpt's "
+                                "exclude_modules, compressed-tensors' ignore)")
     if w.dtype not in (torch.uint8, torch.int32, torch.int64) and "float4" not in str(w.dtype):
         fix = (" It holds bytes: store them as uint8 (t.view(torch.uint8), the same bytes)" if w.element_size() == 1
                else "")

@@ -408,3 +408,38 @@ def test_a_model_that_reads_a_linears_weight_directly_is_told_it_is_quantized(tm
         a, b = model(ids).logits.double(), want(ids).logits.double()
     assert float((a - b).norm() / b.norm()) < 1e-2 and model.config._is_quantized is True
     assert "_is_quantized" not in json.dumps(model.config.to_dict(), default=str)  # transformers does not save it
+
+
+def test_a_linear_whose_parent_reads_its_weight_itself_is_refused_where_quantized(tmp_path):
+    """Mamba's mixer computes ``dt_proj.weight @ x`` whatever the config says: its first forward raised on the packed
+    weight. Refused, naming the parent, before the model changes; the checkpoint with dt_proj left unquantized
+    loads."""
+    pytest.importorskip("modelopt")
+    torch.manual_seed(0)
+    cfg = transformers.MambaConfig(vocab_size=96, hidden_size=64, state_size=8, num_hidden_layers=1, expand=2,
+                                   conv_kernel=4, time_step_rank=16, tie_word_embeddings=False)
+    src = transformers.MambaForCausalLM(cfg).to(torch.bfloat16).eval()
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg, input_scale=None)
+    model = transformers.MambaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with pytest.raises(InvalidInputError, match=r"^load_nvfp4: module 'backbone\.layers\.0\.mixer\.dt_proj': its "
+                                                r"parent, a MambaMixer, reads dt_proj\.weight itself in its forward "
+                                                r"\(weight @ x\), which a packed weight would not compute, and the "
+                                                r"checkpoint stores it quantized, so it cannot load into this model\. "
+                                                r"The model is unchanged\. Export the model with that module "
+                                                r"unquantized \(ModelOpt's exclude_modules, compressed-tensors' "
+                                                r"ignore\)$"):
+        load_nvfp4(model, path)
+    assert not any(isinstance(m, Fp4Linear) for m in model.modules())
+    stem = "backbone.layers.0.mixer.dt_proj"
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors |= safetensors_torch.load_file(str(f))
+        f.unlink()
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(stem + ".")}
+    tensors |= {f"{stem}.{k}": v for k, v in src.get_submodule(stem).state_dict().items()}
+    _save(path, tensors, cfg, json.loads((path / "config.json").read_text())["quantization_config"])
+    report = load_nvfp4(model, path, mode="w4a16")
+    assert report.skipped[stem] == "not quantized in the checkpoint (weight is torch.bfloat16)"
+    assert isinstance(model.get_submodule("backbone.layers.0.mixer.x_proj"), Fp4Linear)
+    with torch.no_grad():
+        assert bool(torch.isfinite(model(torch.randint(0, 96, (1, 8))).logits).all())
