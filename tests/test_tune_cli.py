@@ -93,7 +93,9 @@ def test_shape_list_and_range_expand_to_m_buckets(capsys):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("1,2", r"--shape '1,2': expected M,N,K .* got 2 comma-separated"),
+    ("1,2", r"--shape '1,2': expected M,N,K where M is an integer, a list 1,16,128, or a range 1-8192 \(expanded to "
+            r"the M buckets\), e\.g\. --shape 1-8192,4096,4096; got 2 comma-separated values$"),
+    ("1,64,64,", r"--shape '1,64,64,': expected M,N,K .*; value 4 of 4 is empty \(a comma too many\?\)$"),  # was "got 4"
     ("1,256,100", r"K=100 must be a multiple of 16 .* pad K to 112"),
     ("x,256,512", r"M must be a positive integer; got 'x'"),
     ("200-60,256,512", r"M range '200-60' must go up"),
@@ -499,6 +501,8 @@ def test_show_then_clear(capsys, tuned, tmp_path):
     assert shown["exists"] and shown["decisions"]["m1-n256-k512-bfloat16"]["backend"] == "fast"
     code, out, _ = _run(capsys, ["clear", "--cache-dir", cdir])
     assert code == 0 and out.startswith("removed ") and shown["path"] in out
+    code, out, _ = _run(capsys, ["clear", "--cache-dir", cdir])  # it listed the lock file it had made itself
+    assert code == 0 and ".lock" not in out and not list(Path(cdir).iterdir()), (out, list(Path(cdir).iterdir()))
     _, shown, _ = _json(capsys, ["show", "--json", "--cache-dir", cdir])
     assert not shown["exists"] and shown["decisions"] == {}
 

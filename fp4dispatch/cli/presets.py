@@ -334,8 +334,10 @@ def parse_shape_spec(spec: str) -> list[tuple[int, int, int]]:
     """``"M,N,K"`` where M may be a list (``1,16,128,N,K``) or a range (``1-8192,N,K``) -> [(m, n, k), ...]."""
     items = [s.strip() for s in spec.split(",")]
     if len(items) < 3 or any(not s for s in items):
+        got = (f"value {items.index('')+1} of {len(items)} is empty (a comma too many?)" if "" in items else
+               f"got {len(items)} comma-separated value{'s' if len(items) != 1 else ''}")
         raise ConfigError(f"--shape {spec!r}: expected M,N,K where M is {_M_FORM}, e.g. --shape 1-8192,4096,4096; "
-                          f"got {len(items)} comma-separated value(s)")
+                          f"{got}")
     n = _pos_int(items[-2], "N", spec)
     k = _pos_int(items[-1], "K", spec)
     if k % BLOCK:

@@ -274,7 +274,8 @@ class DecisionCache:
                          for s, ks in keys.items())
 
     def clear(self) -> list[Path]:
-        """Remove this fingerprint's file, its writers' leftovers and its lock file; returns what was removed."""
+        """Remove this fingerprint's file, its writers' leftovers and its lock file; returns the files of data
+        removed (not the lock)."""
         with self._mutex:
             removed = []
             self._pending.clear()
@@ -284,9 +285,8 @@ class DecisionCache:
                         self.path.unlink()
                         removed.append(self.path)
                     removed += remove_leftovers(self.dir, self.path.name)
-                if self._lock_path.exists():
-                    self._lock_path.unlink(missing_ok=True)
-                    removed.append(self._lock_path)
+                # removed, not listed: its own reading of the file made it, and it holds no data
+                self._lock_path.unlink(missing_ok=True)
             self.data = _empty(self.fingerprint)
             return removed
 
