@@ -353,3 +353,18 @@ def test_12_unwritable_cache_fails_tune_and_import_and_warns_once(tmp_path, caps
         for m in range(1, 21):
             assert right(d, m, seed=m)
     assert sum("could not write the cache" in r.getMessage() for r in caplog.records) == 1  # was 18 in 20 calls
+
+
+def test_a_file_where_the_cache_directory_should_be_is_named_as_such(tmp_path, caplog):
+    """The warning was 'ignoring cache file .../decisions-<fp>.json (unreadable: Not a directory); it will be
+    rebuilt': nothing can be rebuilt there."""
+    from fp4dispatch.dispatch import cache as cache_mod
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="fp4dispatch"):
+        c = cache_mod.DecisionCache(blocker, {"device_type": "cpu", "libs": {}})
+    assert c.decisions == {} and blocker.read_text() == "x"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fp4dispatch: the cache directory {blocker} is not a directory; decisions stay in memory. Point "
+        "FP4DISPATCH_CACHE_DIR (or --cache-dir) at a directory"]

@@ -168,6 +168,10 @@ class DecisionCache:
         return _empty(self.fingerprint)
 
     def _read(self) -> dict:
+        if self.dir.exists() and not self.dir.is_dir():  # nothing to ignore or rebuild: it cannot be written either
+            self._warn_once("file", "fp4dispatch: the cache directory %s is not a directory; decisions stay in memory. "
+                            "Point FP4DISPATCH_CACHE_DIR (or --cache-dir) at a directory", self.dir)
+            return _empty(self.fingerprint)
         try:
             size = self.path.stat().st_size
             if size > MAX_FILE_BYTES:
