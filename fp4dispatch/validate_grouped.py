@@ -30,9 +30,19 @@ def _packed(t: object, name: str, dims: int, shape: str) -> torch.Tensor:
                 if name == "b" and t.dim() == 2 else "")
         raise _fail(f"{name} must be {dims}-D {shape} packed NVFP4; got {name}.shape={tuple(t.shape)}.{hint}")
     if not t.is_contiguous():
-        raise _fail(f"{name} must be contiguous {shape}; got strides {t.stride()} for shape {tuple(t.shape)}. Call "
-                    f"{name}.contiguous()")
+        # b.contiguous() of a transposed view (torch's scaled_grouped_mm takes b.transpose(-2, -1)) is a transposed
+        # weight, multiplied silently where N == K/2: not the fix
+        fix = (f"It is a transposed view: pass the contiguous {shape.split(' (')[0]} weight itself, not "
+               f"{name}.contiguous() (that is the transposed weight)"
+               if t.dim() > 1 and t.transpose(-2, -1).is_contiguous() else f"Call {name}.contiguous()")
+        raise _fail(f"{name} must be contiguous {shape}; got strides {t.stride()} for shape {tuple(t.shape)}. {fix}")
     return t
+
+
+def _k_hint(b: torch.Tensor, k2: int) -> str:
+    """What a K mismatch may be: the weights stored transposed, [E, K/2, N]."""
+    return (" (if b holds each expert's weight transposed, [E, K/2, N], pass the [E, N, K/2] one)"
+            if b.shape[1] == k2 else "")
 
 
 def _offs(offs: object, e: int, device: torch.device) -> torch.Tensor:
@@ -116,7 +126,7 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
     (t, k2), (e, n, bk2) = a.shape, b.shape
     if bk2 != k2:
         raise _fail(f"b.shape[2] (K/2) must equal a.shape[1]={k2}; got a.shape={tuple(a.shape)}, "
-                    f"b.shape={tuple(b.shape)}")
+                    f"b.shape={tuple(b.shape)}{_k_hint(b, k2)}")
     k = 2 * k2
     if k == 0 or k % BLOCK:
         raise _fail(f"K=2*a.shape[1]={k} must be a positive multiple of {BLOCK} (one e4m3 scale per 16 values)")
@@ -185,7 +195,7 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
     (t, k), (e, n, bk2) = a.shape, b.shape
     if 2 * bk2 != k:
         raise _fail(f"b.shape[2] (K/2) must be a.shape[1]/2 = {k / 2:g}; got a.shape={tuple(a.shape)}, "
-                    f"b.shape={tuple(b.shape)}")
+                    f"b.shape={tuple(b.shape)}{_k_hint(b, k // 2)}")
     if k == 0 or k % BLOCK:
         raise _fail(f"K=a.shape[1]={k} must be a positive multiple of {BLOCK} (one e4m3 weight scale per 16 values)")
     if e == 0:

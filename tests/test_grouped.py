@@ -309,7 +309,21 @@ ERRORS = [
      r"^fp4_grouped_mm: b must be 3-D \[E, N, K/2\] .*; got b.shape=\(64, 64\)\. A 2-D weight is one expert: fp4_mm "
      r"takes it, or pass b.unsqueeze\(0\) for E=1$"),
     (dict(a=torch.zeros(5, 32, dtype=torch.uint8)),
-     r"^fp4_grouped_mm: b.shape\[2\] \(K/2\) must equal a.shape\[1\]=32"),
+     r"^fp4_grouped_mm: b.shape\[2\] \(K/2\) must equal a.shape\[1\]=32; got a.shape=\(5, 32\), "
+     r"b.shape=\(4, 64, 64\)$"),
+    # torch's scaled_grouped_mm takes b.transpose(-2, -1): "Call b.contiguous()" made the transposed weight, which
+    # N == K/2 (here) multiplied silently
+    (dict(b=torch.zeros(4, 64, 64, dtype=torch.uint8).transpose(1, 2)),
+     r"^fp4_grouped_mm: b must be contiguous \[E, N, K/2\] \(each expert's weight in the nn.Linear layout\); got "
+     r"strides \(4096, 1, 64\) for shape \(4, 64, 64\)\. It is a transposed view: pass the contiguous \[E, N, K/2\] "
+     r"weight itself, not b.contiguous\(\) \(that is the transposed weight\)$"),
+    (dict(b=torch.zeros(4, 64, 128, dtype=torch.uint8)[:, :, ::2]),
+     r"^fp4_grouped_mm: b must be contiguous \[E, N, K/2\] .*; got strides \(8192, 128, 2\) for shape "
+     r"\(4, 64, 64\)\. Call b.contiguous\(\)$"),
+    (dict(a=torch.zeros(5, 32, dtype=torch.uint8), b=torch.zeros(4, 32, 64, dtype=torch.uint8)),
+     r"^fp4_grouped_mm: b.shape\[2\] \(K/2\) must equal a.shape\[1\]=32; got a.shape=\(5, 32\), "
+     r"b.shape=\(4, 32, 64\) \(if b holds each expert's weight transposed, \[E, K/2, N\], pass the \[E, N, K/2\] "
+     r"one\)$"),
     (dict(a_scale=torch.zeros(5, 8, dtype=torch.float8_e4m3fn)),
      r"^fp4_grouped_mm: a_scale with scale_layout='swizzled' must be \[S, round_up\(K/16,4\)=8\] with S a multiple of "
      r"128 .*grouped_scale_rows\(T, E\) = 512 hold any routing.*; got a_scale.shape=\(5, 8\)\. It has the linear "

@@ -113,6 +113,15 @@ def test_every_failure_mode_of_a_w4a16_grouped_backend_is_caught_per_key(tmp_pat
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a[:, :64].contiguous(), b, sb, al, offs),
      r"^w4a16_grouped_mm: b.shape\[2\] \(K/2\) must be a.shape\[1\]/2 = 32; got a.shape=\(7, 64\), "
      r"b.shape=\(4, 64, 64\)$"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b.transpose(1, 2), sb, al, offs),
+     r"^w4a16_grouped_mm: b must be contiguous \[E, N, K/2\] .*; got strides \(4096, 1, 64\) for shape \(4, 64, 64\)\. "
+     r"It is a transposed view: pass the contiguous \[E, N, K/2\] weight itself, not b.contiguous\(\) \(that is the "
+     r"transposed weight\)$"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b[:, :32].transpose(1, 2).contiguous(), sb, al,
+                                                             offs),
+     r"^w4a16_grouped_mm: b.shape\[2\] \(K/2\) must be a.shape\[1\]/2 = 64; got a.shape=\(7, 128\), "
+     r"b.shape=\(4, 64, 32\) \(if b holds each expert's weight transposed, \[E, K/2, N\], pass the \[E, N, K/2\] "
+     r"one\)$"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al, offs[:3]),
      r"^w4a16_grouped_mm: offs must be 1-D \[E\] with E = b.shape\[0\] = 4"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al, offs - 1),
