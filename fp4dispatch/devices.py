@@ -7,7 +7,7 @@ import torch
 
 from .errors import InvalidInputError
 
-__all__ = ["check_device", "resolve_device"]
+__all__ = ["check_device", "resolve_device", "check_not_traced"]
 
 
 def check_device(device: torch.device, who: str = "fp4_mm") -> None:
@@ -33,3 +33,21 @@ def resolve_device(device, who: str = "fp4_mm") -> torch.device:
     if d.type == "cpu":  # CPU tensors' device is "cpu", never "cpu:0": a key decided for "cpu:0" no call would use
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
+def check_not_traced(who: str = "fp4_mm") -> None:
+    """Refuse a direct call under FakeTensorMode or make_fx: the dispatcher would probe, time and check backends on
+    tensors without data, and record what that gives against them. torch.compile and torch.export trace the custom
+    op instead (its fake implementation gives the output's shape). Called where a call is decided or recovered from
+    a fault, never on the decided path."""
+    from torch._C import _get_dispatch_mode, _TorchDispatchModeKey
+
+    if _get_dispatch_mode(_TorchDispatchModeKey.FAKE) is not None:
+        mode = "FakeTensorMode"
+    elif _get_dispatch_mode(_TorchDispatchModeKey.PROXY) is not None:
+        mode = "make_fx (a proxy tensor mode)"
+    else:
+        return
+    raise InvalidInputError(f"{who}: called directly under {mode}, whose tensors hold no data to choose a backend "
+                            f"with. Trace it with torch.compile or torch.export, or call torch.ops.fp4dispatch."
+                            f"{who} (the custom op: its fake implementation gives the output's shape)")

@@ -3,6 +3,8 @@ CPU decisions that load cannot sway. Each test starts with the defect's reproduc
 from __future__ import annotations
 
 
+import re
+
 import pytest
 import torch
 
@@ -115,3 +117,37 @@ def test_cpu_decisions_are_not_timed(tmp_path):
     assert right(d, 4)
     entry = d.cache_for(CPU).decisions[KEY]
     assert entry["backend"] == "first" and entry["mode"] == "priority"  # priority order, whatever the load
+
+
+TRACED = r"^fp4_mm: called directly under {}, whose tensors hold no data to choose a backend with\. Trace it with " \
+         r"torch\.compile or torch\.export, or call torch\.ops\.fp4dispatch\.fp4_mm \(the custom op: its fake " \
+         r"implementation gives the output's shape\)$"
+
+
+@pytest.mark.parametrize("tracer", ["FakeTensorMode", "make_fx"])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "decided"])
+def test_a_direct_call_under_a_fake_or_proxy_mode_records_nothing_against_the_backends(tmp_path, tracer, warm):
+    """Before: the dispatcher probed and checked the backends on fake (or proxy) tensors, and the check that could not
+    read them was saved as 'incorrect': every later real call raised NoUsableBackendError, in new processes too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp4dispatch.backends.reference import ReferenceBackend
+
+    d = disp([ReferenceBackend()], tmp_path)
+    ops = make_nvfp4_inputs(4, 48, 64)
+    if warm:
+        assert right(d, 4)
+    try:
+        if tracer == "FakeTensorMode":
+            with FakeTensorMode() as mode:
+                d.fp4_mm(*(mode.from_tensor(t) for t in ops), out_dtype=torch.float32)
+        else:
+            make_fx(lambda *t: d.fp4_mm(*t, out_dtype=torch.float32), tracing_mode="real")(*ops)
+        assert warm  # a decided key may run its backend's ops on them (make_fx "real" traces them)
+    except InvalidInputError as e:  # refused where it would decide, or where the backend raised on them
+        name = tracer if tracer != "make_fx" else "make_fx (a proxy tensor mode)"
+        assert re.match(TRACED.format(re.escape(name)), str(e)), str(e)
+    cache = d.cache_for(CPU)
+    assert cache.shape_blacklist == {} and all(v["status"] == "ok" for v in cache.health.values())
+    assert right(d, 4) and right(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"), 4)

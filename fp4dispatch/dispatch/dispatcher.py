@@ -26,7 +26,7 @@ import torch
 from ..backends import default_backends
 from ..backends.base import OPS, Backend, Config, computes, config_json
 from ..backends.reference import reference_mm
-from ..devices import check_device, resolve_device
+from ..devices import check_device, check_not_traced, resolve_device
 from ..errors import (MEMORY_ADVICE, BackendError, DeviceMemoryError, InvalidInputError, NoUsableBackendError,
                       describe_exception)
 from ..problem import Operands, Problem, m_bucket
@@ -221,6 +221,7 @@ class Dispatcher(KeyTuning, FaultRecovery, UntunedChoices, Warmup):
                 return c
             if problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return self._capture_choice(key, problem, c)
+            check_not_traced(problem.call)
             self._state(problem.device, problem.op)
             if c is None:
                 c = self._cached_choice(key, problem) or self._tune_key(key, problem)

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..devices import check_not_traced
 from ..errors import MEMORY_ADVICE, DeviceMemoryError, NoUsableBackendError, describe_exception, out_of_memory
 from ..problem import Operands, Problem
 from .choice import Choice, add_faults
@@ -25,6 +26,7 @@ class FaultRecovery:
         backend benched earlier may work again), each proven at this M, skipping those that raised on this call.
         The faults are recorded only once one of them computed the call, and one for want of device memory never
         (the process's state, not the backend's: it is only benched for this process)."""
+        check_not_traced(problem.call)  # a fake or proxy tensor's fault says nothing of the backend
         reset_cuda_error(problem.device)
         faults = {first.backend.name: describe_exception(e)}
         starved = [first.backend.name] if out_of_memory(e) else []
