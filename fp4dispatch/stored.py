@@ -107,10 +107,18 @@ def load_layer_state(module, load, state_dict: dict, prefix: str, who: str) -> N
             # an fp32 scale: reshaped too (ModelOpt stores them 0-d; the layer's bits are [1] or [E])
             fix = ("t.float().reshape(-1).view(torch.int32)" if dtype == torch.int32 else
                    f"t.view({dtype})" if t.element_size() == dtype.itemsize else "the layer's own tensor")
+            same = "if it holds the same values"
+            if name == "weight_scale":
+                # a checkpoint's scales are linear [N, K/16]; the layer's 128x4-swizzled bytes often have that shape
+                # too (N % 128 == 0, K/16 % 4 == 0), so t.view alone would load them silently in the wrong order
+                swizzle = ("format_grouped.swizzle_expert_scales" if len(module.weight.shape) == 3 else
+                           "swizzle_scales")
+                same = (f"if it holds this layer's swizzled scales (a state dict of the layer itself); a checkpoint's "
+                        f"linear [rows, K/16] scales need fp4dispatch.{swizzle}(t).view(torch.uint8) first")
             raise InvalidInputError(
                 f"{who}: state_dict[{prefix + name!r}] must be the layer's storage, {dtype} ({what}); got "
-                f"dtype={t.dtype}, which would be copied in by value. Pass {fix} if it holds the same values, or build "
-                "the layer from checkpoint tensors with from_modelopt / from_compressed_tensors (load_nvfp4)")
+                f"dtype={t.dtype}, which would be copied in by value. Pass {fix} {same}, or build the layer from "
+                "checkpoint tensors with from_modelopt / from_compressed_tensors (load_nvfp4)")
     t = state_dict.get(prefix + "weight_scale_2")
     if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type != "meta":
         v = t.detach().reshape(-1).view(torch.float32)

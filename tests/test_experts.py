@@ -178,6 +178,18 @@ def test_a_static_experts_state_dict_loads_into_a_dynamic_module():
     sd["weight_scale_2"] = t.float().reshape(-1).view(torch.int32)  # as the message says
     dst.load_state_dict(sd)
     assert torch.equal(dst(x, offs), src(x, offs))
+    sd = src.state_dict()  # the checkpoint's linear scales: "t.view(torch.uint8)" alone loaded them in the wrong order
+    sd["weight_scale"] = torch.stack(ws)  # [E, N, K/16] e4m3, linear
+    with pytest.raises(InvalidInputError, match=r"^Fp4Experts.load_state_dict: state_dict\['weight_scale'\] .* Pass "
+                                                r"t.view\(torch.uint8\) if it holds this layer's swizzled scales .*; a "
+                                                r"checkpoint's linear \[rows, K/16\] scales need fp4dispatch."
+                                                r"format_grouped.swizzle_expert_scales\(t\).view\(torch.uint8\) first"):
+        dst.load_state_dict(sd)
+    from fp4dispatch.format_grouped import swizzle_expert_scales
+
+    sd["weight_scale"] = swizzle_expert_scales(torch.stack(ws)).view(torch.uint8)  # as the message says
+    dst.load_state_dict(sd)
+    assert torch.equal(dst(x, offs), src(x, offs))
     sd["weight_scale_2"] = torch.tensor([1.0, float("nan")]).view(torch.int32)  # one bad expert: refused, as by
     with pytest.raises(InvalidInputError, match=r"^Fp4Experts.load_state_dict: state_dict\['weight_scale_2'\] must "
                                                 r"hold positive finite fp32 weight decode scales 1/gs_w \(as int32 "

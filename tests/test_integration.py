@@ -291,9 +291,14 @@ def test_fp4linear_state_dict_of_a_static_layer_loads_into_a_dynamic_one(kind):
     ("input_scale", lambda t: t.view(torch.float32).double(),
      r"state_dict\['input_scale'\] must be the layer's storage, torch.int32 .*got dtype=torch.float64.* Pass "
      r"t.float\(\).reshape\(-1\).view\(torch.int32\)"),
+    # a checkpoint's linear scales have the swizzled buffer's shape in most real layers: "t.view(torch.uint8)" alone
+    # loaded them silently in the wrong order
     ("weight_scale", lambda t: t.view(torch.float8_e4m3fn),
-     r"state_dict\['weight_scale'\] must be the layer's storage, torch.uint8 \(bytes\); got "
-     r"dtype=torch.float8_e4m3fn.* Pass t.view\(torch.uint8\)"),
+     r"^Fp4Linear.load_state_dict: state_dict\['weight_scale'\] must be the layer's storage, torch.uint8 \(bytes\); "
+     r"got dtype=torch.float8_e4m3fn, which would be copied in by value\. Pass t.view\(torch.uint8\) if it holds "
+     r"this layer's swizzled scales \(a state dict of the layer itself\); a checkpoint's linear \[rows, K/16\] "
+     r"scales need fp4dispatch.swizzle_scales\(t\).view\(torch.uint8\) first, or build the layer from checkpoint "
+     r"tensors with from_modelopt / from_compressed_tensors \(load_nvfp4\)$"),
     ("input_scale", lambda t: torch.zeros(1, dtype=torch.int32),
      r"^Fp4Linear.load_state_dict: state_dict\['input_scale'\] must be a positive finite fp32 scale \(as int32 "
      r"bits\); it holds \[0.0\]$"),
