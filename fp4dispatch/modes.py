@@ -54,12 +54,25 @@ class ModeChoice:
     mode_op = "fp4_mm"
     mode_hint = "FP4 tensor cores serve it"
 
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:  # layer.mode = "w4a16x" ran W4A4 silently (anything not "w4a16" did)
+        self._set_mode(mode)
+
     def _set_mode(self, mode: str) -> None:
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise InvalidInputError(f"{type(self).__name__}: mode must be one of {MODES}; got {mode!r}. 'auto' picks "
                                     f"W4A4 where {self.mode_hint}, else W4A16")
-        self.mode = mode
+        self._mode = mode
         self._modes: dict[torch.device, str] = {}  # mode="auto": what it resolved to, per device
+
+    def __setstate__(self, state: dict) -> None:
+        if "mode" in state:  # pickled before mode was a property
+            state["_mode"] = state.pop("mode")
+        super().__setstate__(state)  # type: ignore[misc]
 
     def mode_repr(self) -> str:
         """``mode``, and what "auto" resolved to on each device asked so far (for ``repr``)."""
@@ -67,8 +80,8 @@ class ModeChoice:
 
     def resolved_mode(self, device: torch.device) -> str:
         """"w4a4" or "w4a16": ``mode`` itself, or what "auto" picks on ``device`` (decided once per device)."""
-        if self.mode != "auto":
-            return self.mode
+        if self._mode != "auto":
+            return self._mode
         device = torch.device(device)  # "cpu" and torch.device("cpu") are one device (repr listed it twice)
         got = self._modes.get(device)
         if got is None:

@@ -479,6 +479,12 @@ def test_fp4linear_from_modelopt_errors(args, match):
                  id="experts-in-float"),
     pytest.param(lambda: Fp4Linear(64, 8, mode="fp8"), r"^Fp4Linear: mode must be one of \('auto', 'w4a4', 'w4a16'\); "
                  r"got 'fp8'\. 'auto' picks W4A4 where FP4 tensor cores serve it, else W4A16$", id="mode"),
+    # set after construction: anything but "w4a16" ran W4A4, silently
+    pytest.param(lambda: setattr(Fp4Linear(64, 8), "mode", "W4A16"), r"^Fp4Linear: mode must be one of \('auto', "
+                 r"'w4a4', 'w4a16'\); got 'W4A16'\. 'auto' picks W4A4 where FP4 tensor cores serve it, else W4A16$",
+                 id="mode-set"),
+    pytest.param(lambda: setattr(Fp4Experts(2, 64, 8), "mode", None), r"^Fp4Experts: mode must be one of \('auto', "
+                 r"'w4a4', 'w4a16'\); got None\.", id="experts-mode-set"),
     pytest.param(lambda: Fp4Linear.from_linear(torch.nn.Conv1d(1, 1, 1)),
                  r"linear must be a torch.nn.Linear; got Conv1d", id="not-linear"),
     pytest.param(lambda: Fp4Linear(64, 8)(torch.randn(3, 32)), r"x must be \[..., in_features=64\]; got \(3, 32\)",
@@ -626,3 +632,21 @@ def test_set_dispatcher_refuses_what_is_not_a_dispatcher_before_a_call_trips_on_
         fp4dispatch.set_dispatcher(wrong)
     a, b, sa, sb, alpha = make_nvfp4_inputs(4, 32, 64)
     assert fp4dispatch.fp4_mm(a, b, sa, sb, alpha).shape == (4, 32)  # the default dispatcher is still in place
+
+
+def test_a_layers_mode_set_after_construction_takes_effect_and_survives_pickling():
+    import pickle
+
+    torch.manual_seed(0)
+    layer = Fp4Linear.from_linear(torch.nn.Linear(64, 32), mode="w4a4")
+    x = torch.randn(3, 64)
+    w4a4 = layer(x)
+    layer.mode = "w4a16"
+    assert layer.resolved_mode(CPU) == "w4a16" and not torch.equal(layer(x), w4a4)
+    again = pickle.loads(pickle.dumps(layer))
+    assert again.mode == "w4a16" and torch.equal(again(x), layer(x))
+    state = layer.__getstate__()  # as a layer pickled while mode was a plain attribute holds it
+    state["mode"] = state.pop("_mode")
+    old = Fp4Linear.__new__(Fp4Linear)
+    old.__setstate__(state)
+    assert old.mode == "w4a16" and torch.equal(old(x), layer(x))
