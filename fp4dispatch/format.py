@@ -95,8 +95,8 @@ def _check_layout(scale_layout: str) -> None:
 def _global_scale(global_scale: object, device: torch.device, call: str) -> torch.Tensor | None:
     """``global_scale`` as ``quantize_nvfp4`` and ``dequantize_nvfp4`` take it (None, a positive number that is
     finite in float32, or a float32 tensor of one element), as a float32 [1] tensor on ``device`` (None stays None);
-    InvalidInputError naming ``call`` otherwise. A CPU tensor's value is checked as a number's; a GPU tensor's is not:
-    reading it would wait for the GPU (a host sync) and cannot be done during CUDA graph capture."""
+    InvalidInputError naming ``call`` otherwise. A CPU tensor's value is checked as a number's (in eager calls); a GPU
+    tensor's is not: reading it would wait for the GPU (a host sync) and cannot be done during CUDA graph capture."""
     if global_scale is None:
         return None
     if isinstance(global_scale, torch.Tensor):
@@ -107,7 +107,9 @@ def _global_scale(global_scale: object, device: torch.device, call: str) -> torc
                    "compute it in float32: a bf16 global scale silently corrupts scales in some libraries")
             raise InvalidInputError(f"{call}: global_scale must be a float32 tensor with one element; got "
                                     f"dtype={global_scale.dtype}, shape={tuple(global_scale.shape)} ({why})")
-        if global_scale.device.type == "cpu" and not 0 < float(global_scale) <= _F32_MAX:
+        # not while tracing (torch.compile, torch.export): the value is data-dependent there; eager checks it
+        if (global_scale.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not 0 < float(global_scale) <= _F32_MAX):
             raise InvalidInputError(f"{call}: global_scale must hold a positive finite encode scale (448*6/amax); "
                                     f"got a tensor holding {float(global_scale)!r}. An amax of 0 or inf/NaN in the "
                                     f"data gives such a scale: compute it from data with a finite, nonzero amax")

@@ -219,11 +219,12 @@ def test_fp4_moe_experts_with_a_dynamic_scale_gives_rows_of_other_ranks_no_say_i
     assert not got[2].any() and got[keep].abs().sum(1).min() > 0
 
 
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
-def test_fp4_moe_experts_compiles_fullgraph_equal_to_eager_for_any_batch(mode):
-    """No graph break (the argument checks are on metadata, the routing is sorted and counted on the device) and the
-    compiled layer gives eager's bits at every T, int32 ids included."""
-    layer = _moe_module(input_scale=None, mode=mode)
+@pytest.mark.parametrize("mode, input_scale", [("w4a16", None), ("w4a4", None), ("w4a4", 0.05)])
+def test_fp4_moe_experts_compiles_fullgraph_equal_to_eager_for_any_batch(mode, input_scale):
+    """No graph break (the argument checks are on metadata, the routing is sorted and counted on the device; a static
+    activation scale's CPU value is not read while tracing) and the compiled layer gives eager's bits at every T, int32
+    ids included."""
+    layer = _moe_module(input_scale=input_scale, mode=mode)
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
     g = torch.Generator().manual_seed(2)
