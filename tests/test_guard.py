@@ -189,3 +189,33 @@ def test_nonfinite_from_finite_for_w4a16_reads_the_activations(out_value, a_valu
     out[2, 3] = out_value
     ops = Operands(a, b, torch.empty(0, dtype=torch.float8_e4m3fn), sb, alpha, out)
     assert bool(nonfinite_from_finite(ops, torch.bfloat16)) is flagged
+
+
+def test_guard_judges_only_the_rows_a_valid_offs_table_routes():
+    """check_offs=False leaves offs unread: rows past offs[-1] (a graph's padding) are never written, and a wrong
+    table's result is undefined, never a backend's fault. Before, the guard read every row of out, and a NaN-filled
+    out's unwritten rows banned a healthy grouped backend, in the cache file too."""
+    from fp4dispatch.format_grouped import swizzle_expert_scales, swizzle_grouped_scales
+    from fp4dispatch.problem import GroupedOperands
+
+    g = torch.Generator().manual_seed(0)
+    t, e, n, k = 10, 4, 32, 64
+    offs = torch.tensor([2, 4, 6, 8], dtype=torch.int32)  # rows 8 and 9 not routed
+    a = torch.randint(0, 256, (t, k // 2), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    sa = swizzle_grouped_scales(torch.ones(t, k // 16).to(torch.float8_e4m3fn), offs)
+    sb = swizzle_expert_scales(torch.ones(e, n, k // 16).to(torch.float8_e4m3fn))
+
+    def flagged(out, table):
+        return bool(nonfinite_from_finite(GroupedOperands(a, b, sa, sb, torch.ones(e), out, table), torch.float32))
+
+    out = torch.zeros(t, n)
+    out[8:] = float("nan")
+    assert not flagged(out, offs)
+    assert not flagged(out, torch.tensor([2, 6, 4, 10], dtype=torch.int32))  # not non-decreasing: undefined
+    assert not flagged(out, torch.tensor([2, 4, 6, 12], dtype=torch.int32))  # past T: undefined
+    out[7, 3] = float("nan")  # a routed row
+    assert flagged(out, offs)
+    out[7, 3] = float("inf")
+    assert flagged(out, offs)
+    assert flagged(torch.full((t, n), float("-inf")), torch.tensor([0, 0, 0, 10], dtype=torch.int32))

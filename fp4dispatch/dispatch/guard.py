@@ -66,7 +66,19 @@ def _has_nan_scale(s: torch.Tensor) -> torch.Tensor:
 def nonfinite_from_finite(ops, out_dtype: torch.dtype) -> torch.Tensor:
     """0-d bool device tensor: ``ops.out`` has a non-finite value while every input is finite and too small for the
     product to overflow (the module's docstring). No host sync."""
-    mn, mx = torch.aminmax(ops.out)  # one pass: NaN propagates into both, +-Inf shows in one of them
+    offs = getattr(ops, "offs", None)
+    if offs is None:
+        mn, mx = torch.aminmax(ops.out)  # one pass: NaN propagates into both, +-Inf shows in one of them
+    else:
+        # grouped: only rows an offs table routes, and only a table that is valid (check_offs=False leaves it unread:
+        # rows past offs[-1] (a graph's padding) are never written, and a wrong table's result is undefined, never a
+        # backend's fault)
+        o = offs.long()
+        t = ops.out.shape[0]
+        valid = (o[0] >= 0) & (o[-1] <= t) & (o[1:] >= o[:-1]).all()
+        routed = (torch.arange(t, device=o.device) < o[-1]) & valid
+        rmn, rmx = torch.aminmax(ops.out, dim=1)
+        mn, mx = torch.where(routed, rmn, 0).amin(), torch.where(routed, rmx, 0).amax()
     w4a16 = ops.a.dtype != torch.uint8  # w4a16_mm: a holds the caller's 16-bit activations, not NVFP4 codes
     if out_dtype == torch.float16:  # a finite fp32 result may overflow fp16: only NaN is a fault
         bad = torch.isnan(mx)
