@@ -238,11 +238,16 @@ class Fp4Linear(ModeChoice, nn.Module):
     def _weight_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weight, its e4m3 view of the scales, the fp32 view of the decode scale), made once per buffer: an eager
         call's host time is mostly Python, and these views and ``nn.Module`` attribute lookups were a part of it. The
-        buffers' identities key it, so a moved (``.to``), reloaded or reassigned buffer is never served stale."""
+        buffers' identities and storages key it, so a moved (``.to``), reloaded, reassigned or ``.data``-swapped buffer
+        is never served stale. Not under torch.compile: views cost nothing in a graph, and Dynamo would guard on the
+        cache and compile the layer again once it is filled."""
         b = self._buffers
         w, s, d = b["weight"], b["weight_scale"], b["weight_scale_2"]
+        if torch.compiler.is_compiling():
+            return w, s.view(torch.float8_e4m3fn), _f32(d)
         c = self._views
-        if c is None or c[0] is not w or c[1] is not s or c[2] is not d:
+        if (c is None or c[0] is not w or c[1] is not s or c[2] is not d or c[3].data_ptr() != s.data_ptr()
+                or c[4].data_ptr() != d.data_ptr()):
             c = self._views = (w, s, d, s.view(torch.float8_e4m3fn), _f32(d))
         return c[0], c[3], c[4]
 

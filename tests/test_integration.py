@@ -197,8 +197,30 @@ def test_fp4linear_never_serves_stale_weight_views(mode):
     qa.weight_scale_2 = qa.weight_scale_2.clone()  # a new buffer object
     qa.weight_scale_2.view(torch.float32).mul_(2)
     assert torch.equal(qa(x), 2 * yb)
+    qa.weight_scale_2.data = qa.weight_scale_2.view(torch.float32).mul(2).view(torch.int32)  # same object, new storage
+    assert torch.equal(qa(x), 4 * yb)  # it was served the old scale: 2 * yb
+    qa.weight_scale.data = qb.weight_scale.clone()
+    assert torch.equal(qa(x), 4 * yb)
+    qa.weight_scale.data = torch.zeros_like(qb.weight_scale)  # all-zero block scales
+    assert qa(x).abs().max() == 0
     qa.weight = torch.zeros_like(qa.weight)  # a new buffer object (all-zero codes)
     assert qa(x).abs().max() == 0 and not torch.equal(ya, yb)
+
+
+def test_a_compiled_model_of_fp4linear_layers_compiles_once():
+    """The forward filled its view cache on the first call, Dynamo guarded on it being empty, and the second call
+    compiled the whole model again."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(Fp4Linear.from_linear(torch.nn.Linear(64, 64), mode="w4a16") for _ in range(3)))
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = _compile(net)
+    x = torch.randn(8, 64)
+    for _ in range(3):
+        assert torch.equal(compiled(x), net(x))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("kind", ["modelopt-static", "compressed-tensors-static", "dynamic", "w4a16"])
