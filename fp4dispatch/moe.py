@@ -44,6 +44,14 @@ class Fp4MoeExperts(nn.Module):
 
     def __init__(self, gate: Fp4Experts, up: Fp4Experts, down: Fp4Experts, act_fn: nn.Module):
         super().__init__()
+        for name, p in (("gate", gate), ("up", up), ("down", down)):
+            if not isinstance(p, Fp4Experts):
+                raise InvalidInputError(f"Fp4MoeExperts: {name} must be an Fp4Experts (the E experts' {name} "
+                                        f"projections); got {type(p).__name__}. Build it with Fp4Experts.from_modelopt "
+                                        "or from_compressed_tensors, or load the model with load_nvfp4")
+        if not callable(act_fn):
+            raise InvalidInputError(f"Fp4MoeExperts: act_fn must be the activation module or function applied to the "
+                                    f"gate projection (e.g. nn.SiLU()); got {type(act_fn).__name__}")
         e, h, i = down.num_experts, down.out_features, down.in_features
         for name, p in (("gate", gate), ("up", up)):
             if (p.num_experts, p.in_features, p.out_features) != (e, h, i):
@@ -91,7 +99,9 @@ class Fp4MoeExperts(nn.Module):
         mid = self.act_fn(self.gate(x, offs, check_offs=False)) * self.up(x, offs, check_offs=False)
         y = self.down(mid, offs, check_offs=False)
         slots = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).float()
-        w = torch.where(local, top_k_weights.reshape(-1).float(), 0.0).view(t, k, 1)
+        # detached, as every fp4dispatch result is (no autograd through the experts): the router alone would get a
+        # gradient, silently
+        w = torch.where(local, top_k_weights.detach().reshape(-1).float(), 0.0).view(t, k, 1)
         out = torch.where(local.view(t, k, 1), slots * w, 0.0).sum(1)
         return out.to(hidden_states.dtype)
 

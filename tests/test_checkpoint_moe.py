@@ -246,6 +246,27 @@ def test_fp4_moe_experts_refuses_mismatched_projections_and_routing():
     with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: hidden_states must be \[T, 64\]; got \(3, 32\)$"):
         layer(torch.zeros(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
     assert layer(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
+    # each was a raw AttributeError, or a TypeError at the first forward
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: down must be an Fp4Experts \(the E experts' down "
+                                                r"projections\); got Linear\. Build it with Fp4Experts.from_modelopt or "
+                                                r"from_compressed_tensors, or load the model with load_nvfp4$"):
+        Fp4MoeExperts(layer.gate, layer.up, torch.nn.Linear(32, 64), torch.nn.SiLU())
+    with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: act_fn must be the activation module or function "
+                                                r"applied to the gate projection \(e.g. nn.SiLU\(\)\); got NoneType$"):
+        Fp4MoeExperts(layer.gate, layer.up, layer.down, None)
+
+
+def test_fp4_moe_experts_output_has_no_autograd_history_as_every_result():
+    """Routing weights that require grad (a router's output, without no_grad) gave the output a history through them
+    alone: backward() ran and gave the router a gradient, the experts none, silently."""
+    layer = _moe_module(input_scale=None, mode="w4a16")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=g, requires_grad=True)
+    w = torch.rand(5, TOP_K, generator=g, requires_grad=True)
+    idx = torch.randint(0, E, (5, TOP_K), generator=g)
+    y = layer(x, idx, w)
+    assert not y.requires_grad and y.grad_fn is None
+    assert torch.equal(y, layer(x.detach(), idx, w.detach()))
 
 
 @pytest.mark.parametrize("args, said", [
