@@ -218,6 +218,7 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
         for job in jobs:  # every check passed: now the model changes
             layer = job.build(shards.get).to(job.device)
             parent, _, child = job.name.rpartition(".")
+            _carry_over(model.get_submodule(job.name), layer)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
         if jobs:
             _mark_quantized(model)
@@ -236,6 +237,20 @@ def load_nvfp4(model: nn.Module, checkpoint, *, quantization_config: dict | None
     finally:
         shards.close()
     return report
+
+
+# the replaced module's forward hooks and pre-hooks (the same dicts: their handles still remove them)
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs")
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> None:
+    """What the model set on a module that ``new`` replaces: train/eval, and its forward hooks (a model in eval()
+    got its new layers in training mode, and hooks on them stopped firing)."""
+    new.train(old.training)
+    for name in _HOOKS:
+        if getattr(old, name, None):
+            setattr(new, name, getattr(old, name))
 
 
 def _mark_quantized(model: nn.Module) -> None:

@@ -443,3 +443,27 @@ def test_a_linear_whose_parent_reads_its_weight_itself_is_refused_where_quantize
     assert isinstance(model.get_submodule("backbone.layers.0.mixer.x_proj"), Fp4Linear)
     with torch.no_grad():
         assert bool(torch.isfinite(model(torch.randint(0, 96, (1, 8))).logits).all())
+
+
+def test_a_replaced_module_keeps_the_models_eval_mode_and_its_forward_hooks(tmp_path):
+    """The new layers were built in training mode inside a model set to eval(), and hooks registered on the replaced
+    nn.Linear stopped firing."""
+    pytest.importorskip("modelopt")
+    src, cfg = _tiny_llama()
+    path, _ = _modelopt_checkpoint(tmp_path, src, cfg, input_scale=None)
+    model, _ = _tiny_llama(seed=1)
+    model.eval()
+    seen = []
+    down = model.model.layers[0].mlp.down_proj
+    post = down.register_forward_hook(lambda mod, args, out: seen.append(("post", type(mod).__name__, out.shape)))
+    pre = down.register_forward_pre_hook(lambda mod, args: seen.append(("pre", type(mod).__name__)))
+    load_nvfp4(model, path, mode="w4a16")
+    assert not any(m.training for m in model.modules())
+    ids = torch.randint(0, 96, (1, 5))
+    with torch.no_grad():
+        model(ids)
+    assert seen == [("pre", "Fp4Linear"), ("post", "Fp4Linear", (1, 5, 64))]
+    post.remove(), pre.remove()  # the handles still reach them
+    with torch.no_grad():
+        model(ids)
+    assert len(seen) == 2
