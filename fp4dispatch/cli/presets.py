@@ -13,11 +13,12 @@ with a list of M (tokens). Layer rules, with TP = ``--tp``:
   ``N = (2*key_heads*key_dim + 2*value_heads*value_dim)/TP``, ``K = hidden``; out_proj ``N = hidden``,
   ``K = value_heads*value_dim/TP``. (in_proj_ba, N = 2*value_heads/TP, is left out: too small to matter.)
 * dense MLP: gate_up ``N = 2*intermediate/TP``, ``K = hidden``; down ``N = hidden``, ``K = intermediate/TP``.
-* MoE routed experts: gate_up ``N = 2*moe_intermediate``, ``K = hidden``; down ``N = hidden``,
-  ``K = moe_intermediate`` -- NOT split by TP: serving stacks run experts expert-parallel, each expert whole on one
-  GPU, E/EP experts per rank (``--ep``). With ``--op fp4_mm`` they are ``fp4_grouped_mm`` keys of E/EP experts whose
-  T is M x ``num_experts_per_tok`` (M tokens per rank after the dispatch, each routed to top-k experts: the rows of
-  one grouped call); ``--op w4a16`` skips them (there is no grouped W4A16 op).
+* MoE routed experts: gate and up ``N = moe_intermediate`` each (one key: ``Fp4MoeExperts``, which ``load_nvfp4``
+  builds, runs them as two grouped calls), ``K = hidden``; down ``N = hidden``, ``K = moe_intermediate`` -- NOT split
+  by TP: serving stacks run experts expert-parallel, each expert whole on one GPU, E/EP experts per rank (``--ep``).
+  With ``--op fp4_mm`` they are ``fp4_grouped_mm`` keys of E/EP experts whose T is M x ``num_experts_per_tok`` (M
+  tokens per rank after the dispatch, each routed to top-k experts: the rows of one grouped call); with ``--op
+  w4a16`` ``w4a16_grouped_mm`` keys.
 * MoE shared expert: like the dense MLP with ``shared_expert_intermediate_size`` (or ``n_shared_experts *
   moe_intermediate_size``), split by TP.
 
@@ -217,7 +218,8 @@ def gemms_from_config(cfg: dict, tp: int = 1, where: str = "config", ep: int = 1
         if top_k > n_exp:
             raise ConfigError(f"{where}: num_experts_per_tok={top_k} exceeds {key}={n_exp} (a token is routed to that "
                               "many distinct experts); fix the config")
-        out += [Gemm("expert.gate_up", 2 * e, hidden, experts=n_exp // ep, top_k=top_k),
+        # gate and up as Fp4MoeExperts runs them: two grouped calls of N = e (a fused gate_up of 2e it never runs)
+        out += [Gemm("expert.gate/up", e, hidden, experts=n_exp // ep, top_k=top_k),
                 Gemm("expert.down", hidden, e, experts=n_exp // ep, top_k=top_k)]
         shared = (_optional(cfg, "shared_expert_intermediate_size", where, 0, 0)
                   or _optional(cfg, "n_shared_experts", where, 0, 0) * e)
