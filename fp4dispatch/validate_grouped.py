@@ -259,6 +259,11 @@ def _alpha(alpha: object, e: int, dev: torch.device, call: str) -> torch.Tensor:
     if isinstance(alpha, torch.Tensor) and alpha.numel() not in (1, e):
         raise _fail(f"alpha must have E={e} elements (one {ALPHA_IS[call][0]} per expert) or one; got "
                     f"alpha.shape={tuple(alpha.shape)}")
+    if hasattr(alpha, "__len__") and not isinstance(alpha, (torch.Tensor, str, bytes)):
+        # a list or array of per-expert values: the dense call's message offered one value, for every expert
+        raise _fail(f"alpha must be a float32 tensor [E]=[{e}] (one {ALPHA_IS[call][0]} per expert) or one value (a "
+                    f"1-element tensor, a Python or NumPy float, or None); got {_type_name(alpha)}. Build it with "
+                    f"torch.tensor(values, dtype=torch.float32, device=a.device)")
     try:
         return _check_alpha(alpha, dev, call)
     except InvalidInputError as err:

@@ -126,6 +126,9 @@ def test_every_failure_mode_of_a_w4a16_grouped_backend_is_caught_per_key(tmp_pat
      r"^w4a16_grouped_mm: offs must be 1-D \[E\] with E = b.shape\[0\] = 4"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al, offs - 1),
      r"^w4a16_grouped_mm: offs must be non-decreasing cumulative end rows starting at >= 0"),
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al.numpy(), offs),
+     r"^w4a16_grouped_mm: alpha must be a float32 tensor \[E\]=\[4\] \(one 1/gs_b\[e\] per expert\) or one value .*; got "
+     r"numpy.ndarray\. Build it with torch.tensor\(values, dtype=torch.float32, device=a.device\)$"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al[:3], offs),
      r"^w4a16_grouped_mm: alpha must have E=4 elements \(one 1/gs_b\[e\] per expert\) or one"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al.bfloat16(), offs),
