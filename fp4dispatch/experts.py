@@ -113,6 +113,11 @@ class Fp4Experts(ModeChoice, nn.Module):
     def _from_stored(cls, who: str, weight, weight_scale, wname: str, mode: str) -> "Fp4Experts":
         """A module holding E experts' checked packed weights (``wname``: the checkpoint's name for them) and their
         linear e4m3 scales, swizzled here, once; decode scales are the caller's."""
+        for name, t, dims in ((wname, weight, "[E, N, K/2]"), ("weight_scale", weight_scale, "[E, N, K/16]")):
+            if isinstance(t, torch.Tensor) and t.dim() != 3:  # a 2-D one's rows were taken as experts
+                fix = f" One expert's: pass {name}.unsqueeze(0), its scales likewise" if t.dim() == 2 else ""
+                raise InvalidInputError(f"{who}: {name} must be {dims} (or a sequence of E experts' tensors); got a "
+                                        f"{t.dim()}-D tensor of shape {tuple(t.shape)}.{fix}")
         ws = list(weight) if isinstance(weight, (Sequence, torch.Tensor)) else weight
         ss = list(weight_scale) if isinstance(weight_scale, (Sequence, torch.Tensor)) else weight_scale
         if not isinstance(ws, list) or not isinstance(ss, list) or not ws or len(ws) != len(ss):
@@ -167,6 +172,10 @@ class Fp4Experts(ModeChoice, nn.Module):
                                     f"grouped by expert); got {got}")
         if x.dtype not in OUT_DTYPES:
             raise InvalidInputError(f"Fp4Experts: x must be float32, bfloat16 or float16; got dtype={x.dtype}")
+        if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:  # one message in every mode
+            got = f"dtype={offs.dtype}" if isinstance(offs, torch.Tensor) else type(offs).__name__
+            raise InvalidInputError(f"Fp4Experts: offs must be an int32 tensor [E] of each expert's cumulative end "
+                                    f"row; got {got}. Build it as torch.cumsum(rows_per_expert, 0).to(torch.int32)")
         if self.resolved_mode(x.device) == "w4a16":
             a = x if x.dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)
             return w4a16_grouped_mm(a.contiguous(), self.weight, self.weight_scale.view(torch.float8_e4m3fn),

@@ -98,6 +98,12 @@ def test_dynamic_scaling_stacked_tensors_and_a_cast_model():
     (lambda wq, ws, s2: Fp4Experts.from_compressed_tensors(wq, ws, ["300"] * 3),
      r"^Fp4Experts.from_compressed_tensors: weight_global_scale as a sequence must hold one number or one-element "
      r"tensor per expert \(encode scales 448\*6/amax\); item 0 is str"),
+    # one expert's 2-D weight: its rows were taken as experts, and the message said it must be 2-D
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq[0], ws[0], s2[:1]),
+     r"^Fp4Experts.from_modelopt: weight must be \[E, N, K/2\] \(or a sequence of E experts' tensors\); got a 2-D "
+     r"tensor of shape \(48, 64\)\. One expert's: pass weight.unsqueeze\(0\), its scales likewise$"),
+    (lambda wq, ws, s2: Fp4Experts.from_modelopt(torch.stack(wq), ws[0], s2),
+     r"^Fp4Experts.from_modelopt: weight_scale must be \[E, N, K/16\] .*; got a 2-D tensor of shape \(48, 8\)\."),
     (lambda wq, ws, s2: Fp4Experts.from_modelopt(wq, ws, []),
      r"^Fp4Experts.from_modelopt: weight_scale_2 must hold one value per expert \(E=3\); got 0 values$"),
 ])
@@ -154,6 +160,14 @@ def test_bad_calls_are_explained():
     with pytest.raises(InvalidInputError, match=r"^fp4_grouped_mm: offs must be on cpu like a; got offs.device=meta\. "
                                                 r"Move it with \.to\('cpu'\)$"):
         mod(torch.randn(4, 128), torch.zeros(3, dtype=torch.int32, device="meta"))
+    for mode in ("w4a4", "w4a16"):  # was swizzle_grouped_scales' message in W4A4, w4a16_grouped_mm's in W4A16
+        mod.mode = mode
+        with pytest.raises(InvalidInputError, match=r"^Fp4Experts: offs must be an int32 tensor \[E\] of each expert's "
+                                                    r"cumulative end row; got dtype=torch.float32\. Build it as "
+                                                    r"torch.cumsum\(rows_per_expert, 0\).to\(torch.int32\)$"):
+            mod(torch.randn(4, 128), torch.tensor([1.0, 2.0, 4.0]))
+        with pytest.raises(InvalidInputError, match=r"^Fp4Experts: offs must be .*; got list\."):
+            mod(torch.randn(4, 128), [1, 2, 4])
 
 
 def test_a_static_experts_state_dict_loads_into_a_dynamic_module():
