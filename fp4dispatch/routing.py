@@ -42,14 +42,32 @@ def topk_counts(tokens: int, experts: int, top_k: int, *, seed: int = 0, device=
 
 
 def offs_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    """Rows per expert -> ``offs`` (int32 [E], cumulative end rows)."""
+    """Rows per expert (an integer tensor [E], or a sequence of ints) -> ``offs`` (int32 [E], cumulative end rows)."""
+    if not isinstance(counts, torch.Tensor):
+        try:
+            counts = torch.tensor(counts, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise InvalidInputError(f"offs_from_counts: counts must be rows per expert, an integer tensor [E] or a "
+                                    f"sequence of ints; got {type(counts).__name__}") from None
+    if counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        raise InvalidInputError(f"offs_from_counts: counts must be a 1-D integer tensor [E] of rows per expert; got "
+                                f"dtype={counts.dtype}, shape={tuple(counts.shape)}")
     return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _check_sizes(who: str, rows: object, experts: object) -> None:
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise InvalidInputError(f"{who}: rows must be an int >= 0; got {rows!r}")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise InvalidInputError(f"{who}: experts must be an int >= 1 (a table has one end row per expert); got "
+                                f"{experts!r}")
 
 
 def check_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
     """``offs`` of exactly ``rows`` rows for a correctness check: mostly a top-8 routing of random logits with expert
     0 left empty (trimmed to ``rows``); every fourth seed, all rows on the last expert (one expert's tile loop runs
     across the whole batch)."""
+    _check_sizes("check_routing", rows, experts)
     if seed % 4 == 3 or experts == 1:
         counts = torch.zeros(experts, dtype=torch.int64, device=device)
         counts[-1] = rows
@@ -60,6 +78,7 @@ def check_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
 def timing_routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
     """``offs`` of exactly ``rows`` rows for timing (what the tuner times a grouped key on): a top-8 routing of
     random logits, as a decode or prefill step of a MoE model routes its tokens, trimmed to ``rows``."""
+    _check_sizes("timing_routing", rows, experts)
     return _topk_rows(rows, experts, seed, device, skip_first=False)
 
 

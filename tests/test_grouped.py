@@ -708,3 +708,26 @@ def test_bench_grouped_plots_a_runs_json(tmp_path):
     assert (tmp_path / "bench_grouped.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     row = "| deepseek-down (256, 7168x2048, 8) | 8 | 1 | 64 | 112.4 (18 %) | 123.6 (16 %) | - | 101.2 (20 %)"
     assert row in p.stdout, p.stdout
+
+
+def test_the_routing_helpers_name_a_bad_argument():
+    """check_routing(rows, 0, ...) returned a table covering no rows, or raised a raw IndexError (every fourth seed);
+    offs_from_counts of a list raised a raw TypeError."""
+    from fp4dispatch import routing
+
+    assert routing.offs_from_counts([2, 0, 3]).tolist() == [2, 2, 5]
+    assert routing.offs_from_counts([2, 0, 3]).dtype == torch.int32
+    for call, message in [
+        (lambda: routing.check_routing(5, 0, 3, "cpu"),
+         r"^check_routing: experts must be an int >= 1 \(a table has one end row per expert\); got 0$"),
+        (lambda: routing.check_routing(5, 0, 0, "cpu"), r"^check_routing: experts must be an int >= 1"),
+        (lambda: routing.timing_routing(-1, 4, 0, "cpu"), r"^timing_routing: rows must be an int >= 0; got -1$"),
+        (lambda: routing.offs_from_counts(["a"]),
+         r"^offs_from_counts: counts must be rows per expert, an integer tensor \[E\] or a sequence of ints; got "
+         r"list$"),
+        (lambda: routing.offs_from_counts(torch.ones(3)),
+         r"^offs_from_counts: counts must be a 1-D integer tensor \[E\] of rows per expert; got dtype=torch.float32, "
+         r"shape=\(3,\)$"),
+    ]:
+        with pytest.raises(InvalidInputError, match=message):
+            call()
