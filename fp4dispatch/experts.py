@@ -185,6 +185,9 @@ class Fp4Experts(ModeChoice, nn.Module):
             gs = self.input_global_scale.view(torch.float32)
             xq, xs, _ = quantize_nvfp4(x, gs, scale_layout="linear")
         elif self.input_scale is None:
+            if x.device != self.weight.device:  # else a raw error from the alpha's division below
+                raise InvalidInputError(f"Fp4Experts: x must be on the layer's device {self.weight.device}; got "
+                                        f"x.device={x.device}. Move the input or the layer (.to)")
             xq, xs, gs = quantize_nvfp4(x, scale_layout="linear")
         else:
             gs = 1.0 / self.input_scale.view(torch.float32)

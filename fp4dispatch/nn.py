@@ -67,6 +67,8 @@ class Fp4Linear(ModeChoice, nn.Module):
         self.register_buffer("weight_scale", torch.zeros(swizzled_scale_shape(n, k), dtype=torch.uint8,
                                                          device=device))
         self.register_buffer("weight_scale_2", _bits(torch.ones(1)).to(device))
+        # before the None buffers: torch.export's buffer bookkeeping miscounts a tensor buffer after them (IndexError)
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
         self.register_buffer("input_scale", None)
         # a static activation *encode* scale as a checkpoint stores it (compressed-tensors' input_global_scale): used
         # as it is, never inverted twice
@@ -76,7 +78,6 @@ class Fp4Linear(ModeChoice, nn.Module):
         # (a graph node of its own), for a layer whose static scales change only through set_input_scale/load
         self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_input_global_scale", None, persistent=False)
-        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -254,6 +255,9 @@ class Fp4Linear(ModeChoice, nn.Module):
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, scale, decode = self._weight_views()
         if self._input_global_scale is None:
+            if x2.device != decode.device:  # else a raw error from decode / gs below
+                raise InvalidInputError(f"Fp4Linear: x must be on the layer's device {decode.device}; got "
+                                        f"x.device={x2.device}. Move the input or the layer (.to)")
             xq, xs, gs = quantize_nvfp4(x2)
             alpha = decode / gs  # 1/(gs_a*gs_w), on the device: no host sync
         else:

@@ -119,6 +119,11 @@ def load_layer_state(module, load, state_dict: dict, prefix: str, who: str) -> N
                 f"{who}: state_dict[{prefix + name!r}] must be the layer's storage, {dtype} ({what}); got "
                 f"dtype={t.dtype}, which would be copied in by value. Pass {fix} {same}, or build the layer from "
                 "checkpoint tensors with from_modelopt / from_compressed_tensors (load_nvfp4)")
+    b, own = state_dict.get(prefix + "bias"), module._buffers.get("bias")
+    if isinstance(b, torch.Tensor) and own is not None and b.is_floating_point() and b.dtype != own.dtype:
+        # the bias is kept in the stored dtype: a layer built with another (Fp4Linear's bf16 default) rounded an fp32
+        # bias silently, and its state_dict no longer round-tripped
+        module._buffers["bias"] = own.to(b.dtype)
     t = state_dict.get(prefix + "weight_scale_2")
     if isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type != "meta":
         v = t.detach().reshape(-1).view(torch.float32)

@@ -674,3 +674,38 @@ def test_a_layers_mode_set_after_construction_takes_effect_and_survives_pickling
     old = Fp4Linear.__new__(Fp4Linear)
     old.__setstate__(state)
     assert old.mode == "w4a16" and torch.equal(old(x), layer(x))
+
+
+def test_loading_a_saved_layer_keeps_its_bias_dtype():
+    """Fp4Linear(in, out) makes a bf16 bias: a saved layer's fp32 bias was rounded into it, silently ("All keys
+    matched"), and the state dict no longer round-tripped."""
+    torch.manual_seed(0)
+    src = Fp4Linear.from_linear(torch.nn.Linear(64, 32), mode="w4a16")
+    dst = Fp4Linear(64, 32, mode="w4a16")
+    assert src.bias.dtype == torch.float32 and dst.bias.dtype == torch.bfloat16
+    dst.load_state_dict(src.state_dict())
+    x = torch.randn(3, 64)
+    assert dst.bias.dtype == torch.float32 and torch.equal(dst(x), src(x))
+    assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+
+
+def test_a_dynamic_scale_layer_exports():
+    """Its None buffers came before the bias: torch.export's buffer bookkeeping raised a bare IndexError."""
+    torch.manual_seed(0)
+    layer = Fp4Linear.from_linear(torch.nn.Linear(64, 32), mode="w4a4")
+    x = torch.randn(3, 64)
+    exported = torch.export.export(layer, (x,))
+    assert torch.equal(exported.module()(x), layer(x))
+
+
+@pytest.mark.parametrize("make", [lambda: Fp4Linear.from_linear(torch.nn.Linear(64, 32), mode="w4a4"),
+                                  lambda: Fp4Experts(2, 64, 32, mode="w4a4")], ids=["Fp4Linear", "Fp4Experts"])
+def test_an_input_on_another_device_is_named_in_dynamic_w4a4_too(make):
+    """W4A16 and static W4A4 named it (through the ops' checks); dynamic W4A4 raised a raw RuntimeError from its
+    alpha's division."""
+    layer = make()
+    name = type(layer).__name__
+    args = (torch.zeros(3, 2, dtype=torch.int32, device="meta"),) if name == "Fp4Experts" else ()
+    with pytest.raises(InvalidInputError, match=rf"^{name}: x must be on the layer's device cpu; got x.device=meta\. "
+                                                r"Move the input or the layer \(\.to\)$"):
+        layer(torch.zeros(3, 64, device="meta"), *args)

@@ -129,6 +129,10 @@ def test_every_failure_mode_of_a_w4a16_grouped_backend_is_caught_per_key(tmp_pat
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al.numpy(), offs),
      r"^w4a16_grouped_mm: alpha must be a float32 tensor \[E\]=\[4\] \(one 1/gs_b\[e\] per expert\) or one value .*; got "
      r"numpy.ndarray\. Build it with torch.tensor\(values, dtype=torch.float32, device=a.device\)$"),
+    # a meta table was read on the host: a raw NotImplementedError
+    (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(*(t.to("meta") for t in (a, b, sb, al, offs))),
+     r"^w4a16_grouped_mm: tensors must hold data on a CPU or CUDA device; got device meta\. Meta and fake tensors go "
+     r"through torch.compile \(the custom op\), not a direct call$"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al[:3], offs),
      r"^w4a16_grouped_mm: alpha must have E=4 elements \(one 1/gs_b\[e\] per expert\) or one"),
     (lambda a, b, sb, al, offs: fp4dispatch.w4a16_grouped_mm(a, b, sb, al.bfloat16(), offs),
