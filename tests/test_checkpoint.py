@@ -133,6 +133,18 @@ LIBRARY = {"modelopt": "modelopt.torch.quantization", "compressed-tensors": "com
            "modelopt-export": "modelopt.torch.export"}
 
 
+def _distance_from_decoded(model, src, ref) -> float:
+    """Relative distance of ``model``'s logits from the source model's with each Linear replaced by the library's
+    decoded weight (bf16): the same computation but for the decoded weights' bf16 rounding there."""
+    want = copy.deepcopy(src)
+    for name, w in ref.items():
+        want.get_submodule(name).weight.data.copy_(w.to(torch.bfloat16))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = model(ids).logits.double(), want(ids).logits.double()
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("client", list(CLIENTS))
 def test_a_real_clients_checkpoint_loads_layer_for_layer_exactly(tmp_path, client):
     pytest.importorskip(LIBRARY[client])
@@ -153,15 +165,7 @@ def test_a_real_clients_checkpoint_loads_layer_for_layer_exactly(tmp_path, clien
         # the fp32 sums and one rounding to bf16 at the end: within a bf16 ulp of the library's own decoding
         got = layer(x).double()
         assert bool(((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()), name
-    # the whole model against the source model with each Linear replaced by the library's decoded weight (bf16):
-    # the same computation but for the decoded weights' bf16 rounding there
-    want = copy.deepcopy(src)
-    for name, w in ref.items():
-        want.get_submodule(name).weight.data.copy_(w.to(torch.bfloat16))
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        a, b = model(ids).logits.double(), want(ids).logits.double()
-    assert float((a - b).norm() / b.norm()) < 1e-2
+    assert _distance_from_decoded(model, src, ref) < 1e-2
 
 
 @pytest.mark.parametrize("client", ["modelopt", "compressed-tensors"])
@@ -400,13 +404,7 @@ def test_a_model_that_reads_a_linears_weight_directly_is_told_it_is_quantized(tm
     model = transformers.JambaForCausalLM(cfg).to(torch.bfloat16).eval()
     report = load_nvfp4(model, path, mode="w4a16")
     assert set(report.replaced) == set(ref)
-    want = copy.deepcopy(src)
-    for name, w in ref.items():
-        want.get_submodule(name).weight.data.copy_(w.to(torch.bfloat16))
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        a, b = model(ids).logits.double(), want(ids).logits.double()
-    assert float((a - b).norm() / b.norm()) < 1e-2 and model.config._is_quantized is True
+    assert _distance_from_decoded(model, src, ref) < 1e-2 and model.config._is_quantized is True
     assert "_is_quantized" not in json.dumps(model.config.to_dict(), default=str)  # transformers does not save it
 
 

@@ -425,22 +425,31 @@ def test_an_expert_weight_stored_transposed_is_named():
                                           "dynamic)"}
 
 
+def _as_exported_block_sparse_moe(src, router: str = "") -> dict:
+    """``src``'s state dict named as Mixtral's and PhiMoE's exported checkpoints name it: block_sparse_moe for mlp,
+    the router (``router``: the model's name for it) as gate, and each expert's w1/w3/w2 quantized (ModelOpt's
+    names)."""
+    from fp4dispatch.format import quantize_nvfp4
+
+    sd = {k.replace(".mlp.", ".block_sparse_moe.").replace(router or ".gate.", ".gate."): v
+          for k, v in src.state_dict().items() if ".experts." not in k}
+    for name, e, proj, w in _expert_weights(src):
+        p, s, gs = quantize_nvfp4(w.float(), scale_layout="linear")
+        exported = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+        stem = f"{name.replace('.mlp.', '.block_sparse_moe.')}.{e}.{exported}"
+        sd |= {f"{stem}.weight": p, f"{stem}.weight_scale": s, f"{stem}.weight_scale_2": (1 / gs).reshape(())}
+    return sd
+
+
 def test_a_checkpoint_named_as_exported_loads_by_the_names_transformers_gives_its_model():
     """Mixtral's exported checkpoints name the experts block_sparse_moe.experts.E.w1/w3/w2, which transformers 5
     renames to mlp. when it loads: every quantized tensor was refused as having no module to take it."""
-    from fp4dispatch.format import quantize_nvfp4
-
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
                                      num_experts_per_tok=1, max_position_embeddings=64, tie_word_embeddings=False)
     src = transformers.MixtralForCausalLM(cfg).eval()
-    sd = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in src.state_dict().items() if ".experts." not in k}
-    for name, e, proj, w in _expert_weights(src):
-        p, s, gs = quantize_nvfp4(w.float(), scale_layout="linear")
-        mixtral = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
-        stem = f"{name.replace('.mlp.', '.block_sparse_moe.')}.{e}.{mixtral}"
-        sd |= {f"{stem}.weight": p, f"{stem}.weight_scale": s, f"{stem}.weight_scale_2": (1 / gs).reshape(())}
+    sd = _as_exported_block_sparse_moe(src)
     model = transformers.MixtralForCausalLM(cfg).eval()
     report = load_nvfp4(model, sd, quantization_config={**QCFG, "exclude_modules": ["lm_head", "*self_attn*"]})
     assert isinstance(model.model.layers[0].mlp.experts, Fp4MoeExperts) and report.unused == []
@@ -450,20 +459,12 @@ def test_a_checkpoint_named_as_exported_loads_by_the_names_transformers_gives_it
 def test_an_exclusion_that_names_a_module_as_the_checkpoint_does_applies_to_the_renamed_module():
     """PhiMoE's checkpoints name its router block_sparse_moe.gate, which transformers 5 renames to mlp.router: an
     exclusion by the stored name was not seen, and the router was reported as 'not quantized' rather than excluded."""
-    from fp4dispatch.format import quantize_nvfp4
-
     torch.manual_seed(0)
     cfg = transformers.PhimoeConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                                     num_experts_per_tok=1, max_position_embeddings=64, tie_word_embeddings=False)
     src = transformers.PhimoeForCausalLM(cfg).eval()
-    stored = {k.replace(".mlp.", ".block_sparse_moe.").replace(".router.", ".gate."): v
-              for k, v in src.state_dict().items() if ".experts." not in k}
-    for name, e, proj, w in _expert_weights(src):
-        p, s, gs = quantize_nvfp4(w.float(), scale_layout="linear")
-        phimoe = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
-        stem = f"{name.replace('.mlp.', '.block_sparse_moe.')}.{e}.{phimoe}"
-        stored |= {f"{stem}.weight": p, f"{stem}.weight_scale": s, f"{stem}.weight_scale_2": (1 / gs).reshape(())}
+    stored = _as_exported_block_sparse_moe(src, router=".router.")
     model = transformers.PhimoeForCausalLM(cfg).eval()
     qcfg = {**QCFG, "exclude_modules": ["lm_head", "*self_attn*", "model.layers.0.block_sparse_moe.gate"]}
     report = load_nvfp4(model, stored, quantization_config=qcfg)
