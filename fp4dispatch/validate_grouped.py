@@ -34,7 +34,7 @@ def _packed(t: object, name: str, dims: int, shape: str) -> torch.Tensor:
         # weight, multiplied silently where N == K/2: not the fix
         fix = (f"It is a transposed view: pass the contiguous {shape.split(' (')[0]} weight itself, not "
                f"{name}.contiguous() (that is the transposed weight)"
-               if t.dim() > 1 and t.transpose(-2, -1).is_contiguous() else f"Call {name}.contiguous()")
+               if name == "b" and t.transpose(-2, -1).is_contiguous() else f"Call {name}.contiguous()")
         raise _fail(f"{name} must be contiguous {shape}; got strides {t.stride()} for shape {tuple(t.shape)}. {fix}")
     return t
 
