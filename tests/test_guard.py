@@ -219,3 +219,18 @@ def test_guard_judges_only_the_rows_a_valid_offs_table_routes():
     out[7, 3] = float("inf")
     assert flagged(out, offs)
     assert flagged(torch.full((t, n), float("-inf")), torch.tensor([0, 0, 0, 10], dtype=torch.int32))
+
+
+def test_guard_does_not_judge_w4a16_sums_that_overflow_before_alpha():
+    """Activations of 1e32 (finite bf16) against K = 4096: the fp32 sums overflow before alpha (~1.9e-5) scales them,
+    so Inf is every backend's right answer. The bound had alpha in it, judged the call, and banned the exact
+    reference on disk: every later call of the key failed, in every process."""
+    a = torch.full((2, 4096), 1e32, dtype=torch.bfloat16)
+    b = torch.full((8, 2048), 0x22, dtype=torch.uint8)  # every code 1.0
+    sb = torch.ones(128, 256).to(torch.float8_e4m3fn)
+    no_scale = torch.empty(0, dtype=torch.float8_e4m3fn)
+    out = torch.full((2, 8), float("inf"), dtype=torch.bfloat16)
+    ops = Operands(a, b, no_scale, sb, torch.tensor([1.86e-5]), out)
+    assert not bool(nonfinite_from_finite(ops, torch.bfloat16))
+    small = Operands(torch.ones(2, 4096, dtype=torch.bfloat16), b, no_scale, sb, torch.tensor([1.86e-5]), out)
+    assert bool(nonfinite_from_finite(small, torch.bfloat16))  # still judged where nothing can overflow

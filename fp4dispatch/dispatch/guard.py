@@ -9,9 +9,10 @@ before a check keep their bad outputs: guard mode bounds how long a bad backend 
 output right.
 
 "Finite inputs": e2m1 codes are always finite, so this means no NaN e4m3 block scale (0x7F/0xFF), a finite
-alpha, and inputs too small for the product to overflow: ``|alpha| * max|a| * 2688 * K`` (an e2m1 x e4m3 value is at
-most 6 * 448 = 2688; ``max|a|`` is that for NVFP4 activations, their own amax for 16-bit ones) below bfloat16's
-largest finite value, so that no fp32 partial sum and no bf16 or fp32 result can be Inf (or, through Inf - Inf, NaN).
+alpha, and inputs too small for the product to overflow: ``max|a| * 2688 * K`` (the fp32 partial sums, before
+alpha) and ``|alpha|`` times it (the result) below bfloat16's largest finite value (an e2m1 x e4m3 value is at most
+6 * 448 = 2688; ``max|a|`` is that for NVFP4 activations, their own amax for 16-bit ones), so that no fp32 partial
+sum and no bf16 or fp32 result can be Inf (or, through Inf - Inf, NaN).
 A product that may overflow is not judged. For float16 outputs only NaN counts, since a finite fp16 product may
 legitimately overflow to Inf.
 
@@ -86,8 +87,10 @@ def nonfinite_from_finite(ops, out_dtype: torch.dtype) -> torch.Tensor:
         bad = ~(torch.isfinite(mn) & torch.isfinite(mx))
     # the largest |result| the inputs allow, NaN where one is NaN (amax keeps it): every finite one bounds it
     a_max = ops.a.abs().amax().float() if w4a16 else _FP4_MAX
-    bound = ops.alpha.abs().amax() * a_max * (_FP4_MAX * ops.b.shape[-1] * 2)
-    inputs_ok = (bound < _NO_OVERFLOW) & ~_has_nan_scale(ops.a_scale) & ~_has_nan_scale(ops.b_scale)
+    sums = a_max * (_FP4_MAX * ops.b.shape[-1] * 2)  # before alpha: the fp32 partial sums (alpha < 1 shrinks only
+    bound = ops.alpha.abs().amax() * sums  # the result; huge 16-bit activations overflow the sums themselves)
+    inputs_ok = ((sums < _NO_OVERFLOW) & (bound < _NO_OVERFLOW) & ~_has_nan_scale(ops.a_scale)
+                 & ~_has_nan_scale(ops.b_scale))
     return bad & inputs_ok
 
 
