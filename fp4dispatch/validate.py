@@ -185,7 +185,8 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
             if out is None:
                 out = torch.empty((m, n), dtype=out_dtype, device=dev)
             elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()
-                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())):
+                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())
+                      and out.data_ptr() != a.data_ptr()):  # a written into out's own bytes
                 raise ValueError  # explained by the slow path
             # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
             return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8, 0)),
@@ -219,7 +220,10 @@ def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> 
     sa = _check_scale(a_scale, "a_scale", m, k, "M", scale_layout, device)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device)
+    given = out
     out = _check_out(out, m, n, out_dtype, device)
+    if given is not None:
+        check_out_apart(out, a=a, b=b, a_scale=sa, b_scale=sb, alpha=al)
     return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)
 
 
@@ -239,6 +243,35 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
                     "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
     check_inference_out(out)
     return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the memory ``t`` may touch; None for a tensor without data (a fake
+    one, while tracing)."""
+    try:
+        where = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    first = t.storage_offset() * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return where, first, first + (last + 1) * t.element_size()
+
+
+def check_out_apart(out: torch.Tensor, **inputs: torch.Tensor) -> None:
+    """A given ``out`` shares no memory with an input: the kernels write output tiles while other tiles still read
+    the inputs, so an in-place call (``out=x``) gave garbage on them, silently (the reference alone read first)."""
+    mine = _span(out) if out.numel() else None
+    if mine is None:
+        return
+    where, lo, hi = mine
+    for name, t in inputs.items():
+        span = _span(t) if t.numel() else None
+        if span is not None:
+            w, tlo, thi = span
+            if w == where and w != 0 and tlo < hi and lo < thi:
+                raise _fail(f"out must not share memory with {name}: the backends write out while they still read "
+                            f"{name}, so the result would be wrong; got out overlapping {name}'s storage. Pass a "
+                            "separate out (or none: one is allocated)")
 
 
 def check_inference_out(out: torch.Tensor) -> None:
@@ -276,7 +309,8 @@ def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> t
             if out is None:
                 out = torch.empty((m, n), dtype=odt, device=dev)
             elif not (out.dtype is odt and out.shape == (m, n) and out.device == dev and out.is_contiguous()
-                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())):
+                      and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())
+                      and out.data_ptr() != a.data_ptr()):  # out=a: an in-place layer
                 raise ValueError  # explained by the slow path
             return _new(Problem, (m, n, k, odt, dev, adt, 0)), _new(Operands, (a, b, none, b_scale, alpha, out))
     except (AttributeError, ValueError, TypeError):
@@ -323,7 +357,10 @@ def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Pr
     _check_b_contiguous(b)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device, "w4a16_mm")
+    given = out
     out = _check_out(out, m, n, out_dtype, device)
+    if given is not None:
+        check_out_apart(out, a=a, b=b, b_scale=sb, alpha=al)
     return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, no_scale(device), sb, al, out)
 
 

@@ -8,7 +8,7 @@ from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, packed_dtype
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
 from .problem import OUT_DTYPES, GroupedOperands, Problem
-from .validate import _HALF, ALPHA_IS, _check_alpha, _type_name, check_inference_out, no_scale
+from .validate import _HALF, ALPHA_IS, _check_alpha, _type_name, check_inference_out, check_out_apart, no_scale
 
 __all__ = ["check_fp4_grouped_mm_args", "check_w4a16_grouped_mm_args", "check_offs_values"]
 
@@ -158,7 +158,7 @@ def check_fp4_grouped_mm_args(a, b, a_scale, b_scale, alpha, offs, out_dtype, ou
     if check_offs and not capturing and not traced:  # T = 0 too: its table is all zeros
         check_offs_values(offs, t, sa.shape[0] if scale_layout == "swizzled" else None)
     al = _alpha(alpha, e, dev, "fp4_grouped_mm")
-    out = _out(out, t, n, out_dtype, dev)
+    out = _out(out, t, n, out_dtype, dev, a=a, b=b, a_scale=sa, b_scale=sb, alpha=al, offs=offs)
     return (Problem(t, n, k, out_dtype, dev, torch.uint8, e),
             GroupedOperands(a, b, sa.view(torch.float8_e4m3fn), sb.view(torch.float8_e4m3fn), al, out, offs))
 
@@ -209,7 +209,7 @@ def _check_w4a16_grouped(a, b, b_scale, alpha, offs, out_dtype, out, scale_layou
     if check_offs and not capturing and not traced:  # T = 0 too: its table is all zeros
         check_offs_values(offs, t, None)
     al = _alpha(alpha, e, dev, "w4a16_grouped_mm")
-    out = _out(out, t, n, out_dtype, dev)
+    out = _out(out, t, n, out_dtype, dev, a=a, b=b, b_scale=sb, alpha=al, offs=offs)
     return (Problem(t, n, k, out_dtype, dev, a.dtype, e),
             GroupedOperands(a, b, no_scale(dev), sb.view(torch.float8_e4m3fn), al, out, offs))
 
@@ -231,9 +231,9 @@ def _expert_scales(b_scale: object, e: int, n: int, k: int, layout: str, dev: to
     return sb
 
 
-def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device, **inputs) -> torch.Tensor:
     if out is None:
-        out = torch.empty((t, n), dtype=out_dtype, device=dev)
+        return torch.empty((t, n), dtype=out_dtype, device=dev)
     elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == (t, n) and out.dtype == out_dtype
               and out.device == dev and out.is_contiguous() and not out.requires_grad):
         got = (f"shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}, contiguous={out.is_contiguous()}"
@@ -243,6 +243,7 @@ def _out(out: object, t: int, n: int, out_dtype: torch.dtype, dev: torch.device)
                     f"device={str(dev)!r}) or pass out_dtype")
     try:
         check_inference_out(out)
+        check_out_apart(out, **inputs)
     except InvalidInputError as err:
         raise _fail(str(err).removeprefix("fp4_mm: ")) from None
     return out

@@ -151,3 +151,40 @@ def test_a_direct_call_under_a_fake_or_proxy_mode_records_nothing_against_the_ba
     cache = d.cache_for(CPU)
     assert cache.shape_blacklist == {} and all(v["status"] == "ok" for v in cache.health.values())
     assert right(d, 4) and right(Dispatcher([ReferenceBackend()], cache_dir=tmp_path / "c"), 4)
+
+
+OVERLAP = r"^{}: out must not share memory with {}: the backends write out while they still read {}, so the result " \
+          r"would be wrong; got out overlapping {}'s storage\. Pass a separate out \(or none: one is allocated\)$"
+
+
+def test_an_out_that_shares_memory_with_an_input_is_refused_on_every_path(tmp_path):
+    """An in-place layer (out=x, N == K, one dtype) was accepted: the Triton kernels write output tiles while other
+    tiles still read x, and returned garbage (30x off), silently; only the reference read everything first. Refused
+    on the first call, and on a call the memo would have repeated without its checks."""
+    import fp4dispatch
+    from fp4dispatch.backends.reference import ReferenceBackend
+    from fp4dispatch.format_grouped import swizzle_expert_scales
+
+    d = disp([ReferenceBackend()], tmp_path)
+    w, ws, gs = quantize_nvfp4(torch.randn(64, 64))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    al = (1 / gs).reshape(1)
+    d.w4a16_mm(x, w, ws, al, out=torch.empty(5, 64, dtype=torch.bfloat16))  # remembered by the memo
+    d.w4a16_mm(x, w, ws, al, out=torch.empty(5, 64, dtype=torch.bfloat16))
+    for _ in range(2):
+        with pytest.raises(InvalidInputError, match=OVERLAP.format("w4a16_mm", *["a"] * 3)):
+            d.w4a16_mm(x, w, ws, al, out=x)
+    a, b, sa, sb, alpha = make_nvfp4_inputs(4, 8, 64)
+    out = torch.empty(4, 8)
+    with pytest.raises(InvalidInputError, match=OVERLAP.format("fp4_mm", *["a"] * 3)):
+        d.fp4_mm(out.view(torch.uint8)[:, :32], b, sa, sb, alpha, out=out, out_dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match=OVERLAP.format("fp4_mm", *["a"] * 3)):  # the slow path's check
+        d.fp4_mm(out.view(torch.uint8)[:, :32], b, fp4dispatch.unswizzle_scales(sa, 4, 4),
+                 fp4dispatch.unswizzle_scales(sb, 8, 4), alpha, out=out, out_dtype=torch.float32, scale_layout="linear")
+    wb = torch.stack([w, w])
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    sbe = swizzle_expert_scales(torch.stack([fp4dispatch.unswizzle_scales(ws, 64, 4)] * 2))
+    with pytest.raises(InvalidInputError, match=OVERLAP.format("w4a16_grouped_mm", *["a"] * 3)):
+        d.w4a16_grouped_mm(x, wb, sbe, torch.cat([al, al]), offs, out=x)
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    assert d.w4a16_mm(x, w, ws, al, out=out) is out  # apart: as before

@@ -129,7 +129,9 @@ class CallMemo:
             return None
         m = a.shape[0]
         hit = w.by_m.get(m)
-        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out is not None and out.shape[0] != m):
+        # out=a (an in-place layer: N == K, one dtype) goes to validate's refusal; fp4_mm's uint8 a is no out
+        if (hit is None or self._choices.get(hit[0].key) is not hit[0]
+                or (out is not None and (out.shape[0] != m or out.data_ptr() == a.data_ptr()))):
             return None
         if out is None:
             out = torch.empty((m, hit[1].n), dtype=hit[1].out_dtype, device=hit[1].device)
@@ -148,7 +150,8 @@ class CallMemo:
             return None
         t = a.shape[0]
         hit = w.by_m.get(t)
-        if hit is None or self._choices.get(hit[0].key) is not hit[0] or (out is not None and out.shape[0] != t):
+        if (hit is None or self._choices.get(hit[0].key) is not hit[0]
+                or (out is not None and (out.shape[0] != t or (not fp4 and out.data_ptr() == a.data_ptr())))):
             return None
         choice, problem = hit
         if fp4:  # validate's rule for a_scale when offs is not read: room for any routing of T rows
