@@ -186,7 +186,7 @@ def check_fp4_mm_args(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layou
                 out = torch.empty((m, n), dtype=out_dtype, device=dev)
             elif not (out.dtype is out_dtype and out.shape == (m, n) and out.device == dev and out.is_contiguous()
                       and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())
-                      and out.data_ptr() != a.data_ptr()):  # a written into out's own bytes
+                      and not same_start(out, a)):  # a written into out's own bytes
                 raise ValueError  # explained by the slow path
             # tuple.__new__: the NamedTuples without their Python-level __new__ (a third of a microsecond each)
             return (_new(Problem, (m, n, 2 * k2, out_dtype, dev, _U8, 0)),
@@ -243,6 +243,14 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
                     "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
     check_inference_out(out)
     return out
+
+
+def same_start(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two tensors begin at one address (out=a); False for tensors without data (fake ones, while tracing)."""
+    try:
+        return x.data_ptr() == y.data_ptr()
+    except RuntimeError:
+        return False
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -310,7 +318,7 @@ def check_w4a16_mm_args(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> t
                 out = torch.empty((m, n), dtype=odt, device=dev)
             elif not (out.dtype is odt and out.shape == (m, n) and out.device == dev and out.is_contiguous()
                       and not out.requires_grad and (not out.is_inference() or torch.is_inference_mode_enabled())
-                      and out.data_ptr() != a.data_ptr()):  # out=a: an in-place layer
+                      and not same_start(out, a)):  # out=a: an in-place layer
                 raise ValueError  # explained by the slow path
             return _new(Problem, (m, n, k, odt, dev, adt, 0)), _new(Operands, (a, b, none, b_scale, alpha, out))
     except (AttributeError, ValueError, TypeError):

@@ -32,6 +32,7 @@ import torch
 from ..errors import describe_exception
 from ..format_grouped import grouped_scale_rows
 from ..problem import GroupedOperands, Operands, Problem
+from ..validate import same_start
 
 __all__ = ["CallMemo", "MAX_CALLS", "MAX_WEIGHTS", "MAX_REBUILDS"]
 
@@ -131,7 +132,7 @@ class CallMemo:
         hit = w.by_m.get(m)
         # out=a (an in-place layer: N == K, one dtype) goes to validate's refusal; fp4_mm's uint8 a is no out
         if (hit is None or self._choices.get(hit[0].key) is not hit[0]
-                or (out is not None and (out.shape[0] != m or out.data_ptr() == a.data_ptr()))):
+                or (out is not None and (out.shape[0] != m or same_start(out, a)))):
             return None
         if out is None:
             out = torch.empty((m, hit[1].n), dtype=hit[1].out_dtype, device=hit[1].device)
@@ -151,7 +152,7 @@ class CallMemo:
         t = a.shape[0]
         hit = w.by_m.get(t)
         if (hit is None or self._choices.get(hit[0].key) is not hit[0]
-                or (out is not None and (out.shape[0] != t or (not fp4 and out.data_ptr() == a.data_ptr())))):
+                or (out is not None and (out.shape[0] != t or (not fp4 and same_start(out, a))))):
             return None
         choice, problem = hit
         if fp4:  # validate's rule for a_scale when offs is not read: room for any routing of T rows
