@@ -9,6 +9,7 @@ import math
 import numbers
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .errors import InvalidInputError
 from .format import (BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, packed_dtype, swizzle_scales,
@@ -247,6 +248,8 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
 
 def same_start(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether two tensors begin at one address (out=a); False for tensors without data (fake ones, while tracing)."""
+    if is_fake(x):
+        return False
     try:
         return x.data_ptr() == y.data_ptr()
     except RuntimeError:
@@ -256,6 +259,8 @@ def same_start(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(storage address, first byte, end byte) of the memory ``t`` may touch; None for a tensor without data (a fake
     one, while tracing)."""
+    if is_fake(t):  # its data pointer warns, then raises in later torch
+        return None
     try:
         where = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -211,6 +211,10 @@ FORMAT_ARGUMENT_ERRORS = [
      r"\(float32\)$"),
     ("gs-str", lambda: dequantize_nvfp4(_Q, _S, "2688"), rf"^dequantize_nvfp4: {_GS_NUMBER}'2688' \(str\)\. Pass"),
     ("gs-negative", lambda: dequantize_nvfp4(_Q, _S, -1.0), rf"^dequantize_nvfp4: {_GS_NUMBER}-1.0 \(float\)"),
+    # 0 in float32: quantize returned gs = 0 and zero scales, dequantize +-Inf
+    ("gs-zero-in-f32", lambda: quantize_nvfp4(torch.randn(2, 16), 1e-46),
+     rf"^quantize_nvfp4: {_GS_NUMBER}1e-46 \(float\)"),
+    ("gs-zero-in-f32-dequant", lambda: dequantize_nvfp4(_Q, _S, 1e-46), rf"^dequantize_nvfp4: {_GS_NUMBER}1e-46"),
     ("gs-past-f32", lambda: quantize_nvfp4(torch.randn(2, 16), 1e39),
      rf"^quantize_nvfp4: {_GS_NUMBER}1e\+39 \(float\)"),
     ("gs-bool-quantize", lambda: quantize_nvfp4(torch.randn(2, 16), True), rf"^quantize_nvfp4: {_GS_NUMBER}True"),
