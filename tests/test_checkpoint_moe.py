@@ -248,8 +248,9 @@ def test_fp4_moe_experts_refuses_mismatched_projections_and_routing():
     assert layer(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
     # each was a raw AttributeError, or a TypeError at the first forward
     with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: down must be an Fp4Experts \(the E experts' down "
-                                                r"projections\); got Linear\. Build it with Fp4Experts.from_modelopt or "
-                                                r"from_compressed_tensors, or load the model with load_nvfp4$"):
+                                                r"projections\); got Linear\. Build it with "
+                                                r"Fp4Experts.from_modelopt or from_compressed_tensors, or load the "
+                                                r"model with load_nvfp4$"):
         Fp4MoeExperts(layer.gate, layer.up, torch.nn.Linear(32, 64), torch.nn.SiLU())
     with pytest.raises(InvalidInputError, match=r"^Fp4MoeExperts: act_fn must be the activation module or function "
                                                 r"applied to the gate projection \(e.g. nn.SiLU\(\)\); got NoneType$"):

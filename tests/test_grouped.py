@@ -304,8 +304,8 @@ ERRORS = [
      r"alpha.shape=\(3,\)$"),
     # a list of per-expert values: the dense call's message offered one value, which would serve every expert
     (dict(alpha=[0.5, 1.0, 1.0, 2.0]),
-     r"^fp4_grouped_mm: alpha must be a float32 tensor \[E\]=\[4\] \(one 1/\(gs_a\*gs_b\[e\]\) per expert\) or one value "
-     r"\(a 1-element tensor, a Python or NumPy float, or None\); got list\. Build it with torch.tensor\(values, "
+     r"^fp4_grouped_mm: alpha must be a float32 tensor \[E\]=\[4\] \(one 1/\(gs_a\*gs_b\[e\]\) per expert\) or one "
+     r"value \(a 1-element tensor, a Python or NumPy float, or None\); got list\. Build it with torch.tensor\(values, "
      r"dtype=torch.float32, device=a.device\)$"),
     (dict(alpha=torch.ones(4, dtype=torch.float64)),
      r"^fp4_grouped_mm: alpha must be float32; got dtype=torch.float64\. Compute each expert's 1/\(gs_a\*gs_b\[e\]\) "

@@ -95,7 +95,8 @@ def test_shape_list_and_range_expand_to_m_buckets(capsys):
 @pytest.mark.parametrize("spec,match", [
     ("1,2", r"--shape '1,2': expected M,N,K where M is an integer, a list 1,16,128, or a range 1-8192 \(expanded to "
             r"the M buckets\), e\.g\. --shape 1-8192,4096,4096; got 2 comma-separated values$"),
-    ("1,64,64,", r"--shape '1,64,64,': expected M,N,K .*; value 4 of 4 is empty \(a comma too many\?\)$"),  # was "got 4"
+    # it was "got 4 comma-separated value(s)"
+    ("1,64,64,", r"--shape '1,64,64,': expected M,N,K .*; value 4 of 4 is empty \(a comma too many\?\)$"),
     ("1,256,100", r"K=100 must be a multiple of 16 .* pad K to 112"),
     ("x,256,512", r"M must be a positive integer; got 'x'"),
     ("200-60,256,512", r"M range '200-60' must go up"),
