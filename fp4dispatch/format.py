@@ -121,7 +121,7 @@ def _global_scale(global_scale: object, device: torch.device, call: str) -> torc
         except OverflowError:  # an int past the float range
             pass
     if value is not None:  # as the float32 it becomes: 1e-46 is 0 there (gs = 0, dequantize gave Inf)
-        value = float(torch.tensor(value, dtype=torch.float64).float()) if abs(value) <= _F32_MAX else value
+        value = float(torch.tensor(value, dtype=torch.float32))
     if value is None or not 0 < value <= _F32_MAX:
         text = repr(global_scale) if len(repr(global_scale)) <= 24 else repr(global_scale)[:20] + "..."
         raise InvalidInputError(f"{call}: global_scale must be a positive finite number (448*6/amax), a float32 "

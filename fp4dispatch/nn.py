@@ -247,9 +247,8 @@ class Fp4Linear(ModeChoice, nn.Module):
         if torch.compiler.is_compiling():
             return w, s.view(torch.float8_e4m3fn), _f32(d)
         c = self._views
-        if (c is None or c[0] is not w or c[1] is not s or c[2] is not d or c[3].data_ptr() != s.data_ptr()
-                or c[4].data_ptr() != d.data_ptr()):
-            c = self._views = (w, s, d, s.view(torch.float8_e4m3fn), _f32(d))
+        if c is None or c[0] is not w or c[1] is not s or c[2] is not d or c[5] != (s.data_ptr(), d.data_ptr()):
+            c = self._views = (w, s, d, s.view(torch.float8_e4m3fn), _f32(d), (s.data_ptr(), d.data_ptr()))
         return c[0], c[3], c[4]
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:

@@ -221,14 +221,12 @@ def _check_slow(a, b, a_scale, b_scale, alpha, out_dtype, out, scale_layout) -> 
     sa = _check_scale(a_scale, "a_scale", m, k, "M", scale_layout, device)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device)
-    given = out
-    out = _check_out(out, m, n, out_dtype, device)
-    if given is not None:
-        check_out_apart(out, a=a, b=b, a_scale=sa, b_scale=sb, alpha=al)
+    out = _check_out(out, m, n, out_dtype, device, a=a, b=b, a_scale=sa, b_scale=sb, alpha=al)
     return Problem(m, n, k, out_dtype, device), Operands(a, b, sa, sb, al, out)
 
 
-def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device, **inputs) -> torch.Tensor:
+    """A given ``out`` checked (``inputs``: the call's tensors, which it must not overlap), else a new one."""
     if out is None:
         return torch.empty((m, n), dtype=out_dtype, device=device)
     if not isinstance(out, torch.Tensor):
@@ -243,12 +241,19 @@ def _check_out(out, m: int, n: int, out_dtype: torch.dtype, device: torch.device
         raise _fail("out must not require grad (the op is not differentiable and writes out in place); got "
                     "out.requires_grad=True. Pass out.detach() or a tensor made under torch.no_grad()")
     check_inference_out(out)
+    check_out_apart(out, **inputs)
     return out
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    """False for a tensor without data (a fake one, while tracing: its data pointer warns, then raises in later
+    torch). A plain tensor is known by its type: ``is_fake`` costs microseconds, and ``same_start`` runs per call."""
+    return type(t) is torch.Tensor or not is_fake(t)
 
 
 def same_start(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether two tensors begin at one address (out=a); False for tensors without data (fake ones, while tracing)."""
-    if is_fake(x):
+    if not _has_data(x):
         return False
     try:
         return x.data_ptr() == y.data_ptr()
@@ -259,7 +264,7 @@ def same_start(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(storage address, first byte, end byte) of the memory ``t`` may touch; None for a tensor without data (a fake
     one, while tracing)."""
-    if is_fake(t):  # its data pointer warns, then raises in later torch
+    if not _has_data(t):
         return None
     try:
         where = t.untyped_storage().data_ptr()
@@ -370,10 +375,7 @@ def _check_w4a16(a, b, b_scale, alpha, out_dtype, out, scale_layout) -> tuple[Pr
     _check_b_contiguous(b)
     sb = _check_scale(b_scale, "b_scale", n, k, "N", scale_layout, device)
     al = _check_alpha(alpha, device, "w4a16_mm")
-    given = out
-    out = _check_out(out, m, n, out_dtype, device)
-    if given is not None:
-        check_out_apart(out, a=a, b=b, b_scale=sb, alpha=al)
+    out = _check_out(out, m, n, out_dtype, device, a=a, b=b, b_scale=sb, alpha=al)
     return Problem(m, n, k, out_dtype, device, a.dtype), Operands(a, b, no_scale(device), sb, al, out)
 
 

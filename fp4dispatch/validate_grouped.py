@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import check_device
 from .errors import InvalidInputError
 from .format import BLOCK, SCALE_LAYOUTS, as_e4m3, as_packed_uint8, packed_dtype
 from .format_grouped import grouped_scale_rows, scale_starts, swizzle_expert_scales, swizzle_grouped_scales
@@ -92,9 +93,7 @@ def _check_flag(check_offs: object) -> None:
 def check_offs_values(offs: torch.Tensor, t: int, scale_rows: int | None) -> None:
     """The routing table itself (one copy to the host): non-decreasing, from 0 to T, and (swizzled ``a_scale`` of
     ``scale_rows`` rows) rows enough for its padded expert blocks."""
-    if offs.device.type not in ("cpu", "cuda"):  # a meta table has no values to read (a raw NotImplementedError)
-        raise _fail(f"tensors must hold data on a CPU or CUDA device; got device {offs.device}. Meta and fake tensors "
-                    "go through torch.compile (the custom op), not a direct call")
+    check_device(offs.device, "fp4_grouped_mm")  # a meta table has no values to read (a raw NotImplementedError)
     v = offs.tolist()
     first_bad = next((i for i in range(len(v)) if v[i] < (v[i - 1] if i else 0)), None)
     if first_bad is not None:

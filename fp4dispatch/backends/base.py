@@ -20,6 +20,9 @@ does other work (a library's kernels, a cache filled from its operands) leaves i
 marks a library that compiles a new shape's kernels in its first call (Humming): the tuner runs it once in a thread
 meanwhile.
 
+``set_cache_root(root)`` (optional): a backend that keeps a cache of its own (``loop:fp4_mm``'s dispatcher) is told
+the directory of the dispatcher that holds it, and keeps it under that one.
+
 ``risky`` marks native kernels whose crash can poison the CUDA context: with isolation on they are probed in a
 worker process, and they are probed after the safe backends. Imports of optional libraries happen lazily inside
 ``unavailable``/``run`` so that a missing library never breaks ``import fp4dispatch``.
@@ -96,6 +99,9 @@ class BaseBackend:
     def first_run_unit(self, problem: Problem) -> tuple:
         """The problems one first run compiles for (``compiles_on_first_run``): by default a whole shape."""
         return self.name, problem.n, problem.k, problem.out_dtype, problem.a_dtype, problem.experts
+
+    def set_cache_root(self, root) -> None:
+        """The cache directory of the dispatcher that holds it (see above); no cache of its own by default."""
 
     def unavailable(self, device: torch.device) -> str | None:
         return None
